@@ -1,0 +1,29 @@
+"""The attention backend interface: exactly the verbs the engine and the attention layer call."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from minisgl.core import Batch
+
+
+class AttentionBackend(ABC):
+    """Owns its per-batch metadata (batch.attn_metadata), built once by prepare()."""
+
+    @abstractmethod
+    def prepare(self, batch: "Batch") -> None:
+        """Build batch.attn_metadata from the batch and the page table (once per forward)."""
+
+    @abstractmethod
+    def forward(
+        self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", layer_id: int, batch: "Batch"
+    ) -> "torch.Tensor":
+        """Store k, v ([T, kv_heads, head_dim]) at batch.out_loc, then attend.
+
+        q is [T, num_heads, head_dim]; returns [T, num_heads * head_dim]. Each request attends
+        causally to its prefix_len cached tokens plus its own extend tokens.
+        """

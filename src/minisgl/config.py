@@ -1,0 +1,69 @@
+"""One frozen config tree for the engine, built from LLM(...) keyword arguments or CLI flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from minisgl.errors import ConfigError
+
+CACHE_KINDS = ("radix", "naive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    cache: str = "radix"
+    page_size: int = 1
+    num_pages: int | None = None  # None: sized from memory (mem_fraction on CUDA, kv_cache_gb on CPU)
+    kv_cache_gb: float = 1.0  # CPU: memory given to the KV pool
+    mem_fraction: float = 0.85  # CUDA: fraction of free memory after weights for the KV pool
+    max_prefill_tokens: int = 4096  # token budget of one prefill batch (chunked prefill beyond it)
+    max_running_requests: int = 256
+    max_seq_len: int | None = None  # None: the model's max_position_embeddings
+    tp: int = 1
+    attention_backend: str = "auto"  # "torch", "flashinfer", "fa3", or "PREFILL,DECODE"
+    cuda_graph_max_bs: int = 256
+    disable_cuda_graph: bool = False
+    disable_overlap: bool = False
+    load_format: str = "auto"  # "auto" or "dummy" (random weights, for benchmarks)
+    seed: int = 0
+    schedule_policy: str = "lpm"  # "lpm" (longest prefix match first, fair) or "fcfs"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.cache not in CACHE_KINDS:
+            raise ConfigError(f"unknown cache kind {self.cache!r}: use one of {', '.join(CACHE_KINDS)}")
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ConfigError(f"page_size must be an integer >= 1, got {self.page_size!r}")
+        if self.max_prefill_tokens < 1:
+            raise ConfigError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens!r}")
+        if self.max_running_requests < 1:
+            raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests!r}")
+        if self.tp < 1:
+            raise ConfigError(f"tp must be >= 1, got {self.tp!r}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ConfigError(f"num_pages must be >= 1, got {self.num_pages!r}")
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            raise ConfigError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16", "auto"):
+            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine options: {unknown}; known: {sorted(names - {'extra'})}")
+        return cls(model=model, **kwargs)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}

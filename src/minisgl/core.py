@@ -1,0 +1,239 @@
+"""The nouns everything shares: SamplingParams, Req, Batch and the forward Context."""
+
+from __future__ import annotations
+
+import enum
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
+
+from minisgl.errors import GrammarError, InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
+
+    from minisgl.attention.base import AttentionBackend
+    from minisgl.kvcache.pool import KVPool
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Validated on construction; bad values raise InvalidRequestError."""
+
+    temperature: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    n: int = 1
+    logprobs: int | None = None  # None: off; k >= 0: chosen token plus top-k alternatives
+    skip_special_tokens: bool = True
+    # Structured output: at most one of these (see minisgl.structured).
+    json_schema: str | dict | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid SamplingParams: {msg}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        if self.temperature < 0:
+            raise bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
+            raise bad(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad(f"n must be an integer >= 1, got {self.n!r}")
+        if self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be > 0 (1.0 is off), got {self.repetition_penalty!r}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop must be a list of non-empty strings")
+        if sum(c is not None for c in (self.json_schema, self.regex, self.ebnf)) > 1:
+            raise GrammarError("give at most one of json_schema, regex and ebnf")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def has_grammar(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling parameters: {sorted(unknown)}")
+        return cls(**d)
+
+
+class TokenOutput(NamedTuple):
+    """What the scheduler reports for one sequence after a step (crosses the process boundary)."""
+
+    rid: str  # the user's request id
+    index: int  # which of the n samples (0 when n == 1)
+    new_token_ids: list[int]
+    new_logprobs: list[Any] | None  # per new token: (logprob, [(token_id, logprob), ...top-k]) or None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    matched_stop: str | int | None  # the stop string or token id that ended it
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    completion_tokens: int
+    error: str | None = None  # set when finish_reason is "abort" because of a failure
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"  # extend: new prompt tokens (possibly after a cached prefix, possibly a chunk)
+    DECODE = "decode"  # one new token per request
+
+
+@dataclass
+class Req:
+    """One sequence in flight.
+
+    input_ids holds every token of the sequence known so far (prompt, then generated tokens);
+    the first cached_len of them have their KV in the pool (slots in page_table[table_idx]).
+    """
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    prompt_len: int
+    eos_token_ids: frozenset[int] = frozenset()
+    seed: int | None = None
+    # Where this sequence lives in the cache.
+    table_idx: int = -1
+    index: int = 0  # which of the request's n samples
+    cached_len: int = 0  # tokens whose KV is in the pool
+    matched_len: int = 0  # leading tokens whose pages the prefix cache owns (page aligned)
+    prefix_hit_len: int = 0  # prompt tokens served from the prefix cache (first admission)
+    cache_handle: Any = None  # the prefix cache node this request locks
+    # Output state.
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Any] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    arrival: float = 0.0
+    wait_for: "Req | None" = None  # prefill after this one (n > 1 siblings share its prompt KV)
+    skipped: int = 0  # times prefix-aware ordering passed it over (fairness bound)
+    # Per-request state owned by other components (grammar matcher, stop-string decoder, generator).
+    grammar: Any = None
+    stop_checker: Any = None
+    generator: Any = None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def extend_len(self) -> int:
+        return len(self.input_ids) - self.cached_len
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids)
+
+
+@dataclass
+class Batch:
+    """The requests of one forward pass, flattened into tensors by the scheduler.
+
+    input_ids, positions and out_loc have one entry per token computed in this pass;
+    extend_lens[i] tokens of reqs[i] are computed on top of prefix_lens[i] cached ones.
+    """
+
+    reqs: list[Req]
+    phase: Phase
+    input_ids: "torch.Tensor"  # [num_tokens] int64
+    positions: "torch.Tensor"  # [num_tokens] int64
+    out_loc: "torch.Tensor"  # [num_tokens] int64 KV slots written by this pass
+    table_rows: "torch.Tensor"  # [bs] int64 rows of the page table
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    seq_lens: list[int]  # prefix + extend
+    # Requests in a chunked prefill whose last computed token is not their last prompt token
+    # produce no sample; sample_mask[i] is False for them.
+    sample_mask: list[bool] = field(default_factory=list)
+    attn_metadata: Any = None  # owned by the attention backend
+    padded_size: int = 0  # CUDA graphs: batch size after padding
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase is Phase.PREFILL
+
+    @property
+    def is_decode(self) -> bool:
+        return self.phase is Phase.DECODE
+
+
+@dataclass
+class Context:
+    """What a model's attention layers need during a forward: the batch, the backend, the pool."""
+
+    attn_backend: "AttentionBackend | None" = None
+    kv_pool: "KVPool | None" = None
+    batch: Batch | None = None
+
+    @contextmanager
+    def forward_batch(self, batch: Batch) -> Iterator[Batch]:
+        assert self.batch is None, "forward passes do not nest"
+        self.batch = batch
+        try:
+            yield batch
+        finally:
+            self.batch = None
+
+
+_GLOBAL_CTX = Context()
+
+
+def get_context() -> Context:
+    return _GLOBAL_CTX
+
+
+def flatten(xs: Sequence[Sequence[int]]) -> list[int]:
+    return [x for seq in xs for x in seq]

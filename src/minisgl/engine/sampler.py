@@ -1,0 +1,144 @@
+"""The one place that turns SamplingParams into tensors, and samples the next tokens of a batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from minisgl.core import Req
+
+
+@dataclass
+class SamplingInfo:
+    """Per-batch sampling tensors, built once per batch from the requests' params."""
+
+    greedy: bool  # every row greedy: argmax only
+    temperature: torch.Tensor  # [B, 1]
+    top_k: torch.Tensor | None  # [B] (vocab size where off), None when no row uses it
+    top_p: torch.Tensor | None  # [B]
+    min_p: torch.Tensor | None  # [B]
+    greedy_rows: torch.Tensor | None  # [B] bool
+    penalties: bool
+    logprobs_k: int  # max top-k alternatives requested in the batch; -1 when no row wants logprobs
+
+    @classmethod
+    def from_reqs(cls, reqs: list["Req"], vocab_size: int, device: torch.device) -> "SamplingInfo":
+        params = [r.sampling_params for r in reqs]
+        greedy_flags = [p.greedy for p in params]
+        logprobs_k = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
+        penalties = any(p.has_penalties for p in params)
+        if all(greedy_flags):
+            return cls(True, torch.ones(0), None, None, None, None, penalties, logprobs_k)
+        temps = [p.temperature if not g else 1.0 for p, g in zip(params, greedy_flags)]
+        temperature = torch.tensor(temps, dtype=torch.float32).view(-1, 1).to(device, non_blocking=True)
+        top_k = top_p = min_p = None
+        if any(p.top_k > 0 for p in params):
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params]).to(device)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device)
+        greedy_rows = torch.tensor(greedy_flags).to(device) if any(greedy_flags) else None
+        return cls(False, temperature, top_k, top_p, min_p, greedy_rows, penalties, logprobs_k)
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
+    """Repetition (HF: over prompt + output), presence and frequency (OpenAI: over output) penalties."""
+    B, V = logits.shape
+    device = logits.device
+    rep = torch.tensor([r.sampling_params.repetition_penalty for r in reqs], dtype=logits.dtype, device=device)
+    pres = torch.tensor([r.sampling_params.presence_penalty for r in reqs], dtype=logits.dtype, device=device)
+    freq = torch.tensor([r.sampling_params.frequency_penalty for r in reqs], dtype=logits.dtype, device=device)
+    if bool((rep != 1.0).any()):
+        seen = torch.zeros(B, V, dtype=torch.bool, device=device)
+        for i, r in enumerate(reqs):
+            if r.sampling_params.repetition_penalty != 1.0:
+                seen[i, torch.tensor(r.input_ids, device=device)] = True
+        penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+        logits = torch.where(seen, penalised, logits)
+    if bool((pres != 0).any() or (freq != 0).any()):
+        counts = torch.zeros(B, V, dtype=logits.dtype, device=device)
+        for i, r in enumerate(reqs):
+            if r.output_ids:
+                out = torch.tensor(r.output_ids, device=device)
+                counts[i].index_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
+        logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _filter_probs(probs: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
+    """Zero out tokens outside top-k / top-p / min-p, row by row (vectorised over the batch)."""
+    if info.min_p is not None:
+        max_p = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < info.min_p[:, None] * max_p, 0.0)
+    if info.top_k is None and info.top_p is None:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
+    if info.top_k is not None:
+        ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+        drop |= ranks >= info.top_k[:, None]
+    if info.top_p is not None:
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        cum = sorted_probs.cumsum(dim=-1)
+        drop |= (cum - sorted_probs) >= info.top_p[:, None]
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def _exponential_noise(reqs: list["Req"], shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """Exp(1) noise for the Gumbel-style argmax(p / q) draw; seeded rows use their own generator,
+    so a seeded request draws the same numbers whatever else is in the batch."""
+    noise = torch.empty(shape, device=device).exponential_()
+    for i, r in enumerate(reqs):
+        if r.generator is not None:
+            noise[i].exponential_(generator=r.generator)
+    return noise
+
+
+def compute_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, reqs: list["Req"], k: int) -> list[Any]:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, next_ids[:, None]).squeeze(-1).tolist()
+    top_vals = top_ids = None
+    if k > 0:
+        top = logprobs.topk(k, dim=-1)
+        top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+    out: list[Any] = []
+    for i, r in enumerate(reqs):
+        want = r.sampling_params.logprobs
+        if want is None:
+            out.append(None)
+            continue
+        alts = list(zip(top_ids[i][:want], top_vals[i][:want])) if want and top_ids is not None else []
+        out.append((chosen[i], alts))
+    return out
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def sample(
+        self, logits: torch.Tensor, reqs: list["Req"], info: SamplingInfo, bitmask_fn: Any = None
+    ) -> tuple[torch.Tensor, list[Any] | None]:
+        """logits [B, V] -> next token ids [B] (on logits.device) and per-row logprobs (or None)."""
+        logits = logits.float()
+        if info.penalties:
+            logits = apply_penalties(logits, reqs)
+        if bitmask_fn is not None:
+            bitmask_fn(logits)
+        if info.greedy:
+            next_ids = logits.argmax(dim=-1)
+        else:
+            probs = torch.softmax(logits / info.temperature, dim=-1)
+            probs = _filter_probs(probs, info)
+            noise = _exponential_noise(reqs, tuple(probs.shape), probs.device)
+            next_ids = (probs / noise).argmax(dim=-1)
+            if info.greedy_rows is not None:
+                next_ids = torch.where(info.greedy_rows, logits.argmax(dim=-1), next_ids)
+        logprobs = compute_logprobs(logits, next_ids, reqs, info.logprobs_k) if info.logprobs_k >= 0 else None
+        return next_ids, logprobs

@@ -1,0 +1,57 @@
+"""The pluggy hook specification (project name "minisgl").
+
+Built-in architectures and attention backends register through these same hooks
+(minisgl.builtin_plugin), so the core has one path for everything. Third-party plugins are
+modules exposed in the "minisgl" entry-point group; each process that needs them loads them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    from minisgl.core import Batch, Req
+
+PROJECT = "minisgl"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def minisgl_register_architectures() -> dict[str, type]:
+    """Called once per process when the model registry is first used.
+
+    Return a mapping from a HF ``architectures`` name (e.g. "LlamaForCausalLM") to a model
+    class constructed as ``cls(model_config)``; see minisgl.models.llama for the protocol
+    (forward(input_ids, positions) -> hidden, compute_logits(hidden), load_weights(iterable)).
+    Later registrations of the same name win (plugins load after the built-ins).
+    """
+
+
+@hookspec
+def minisgl_register_attention_backends() -> dict[str, Callable[..., Any]]:
+    """Called once per process when the attention backend registry is first used.
+
+    Return a mapping from a backend name (as given to ``--attention-backend``) to a factory
+    ``factory(model_config, kv_pool, page_table, device) -> AttentionBackend``.
+    """
+
+
+@hookspec
+def minisgl_request_received(req: "Req") -> None:
+    """Called by the scheduler when a request is admitted to the waiting queue.
+
+    Not called at all (no per-request cost) when no plugin implements it.
+    """
+
+
+@hookspec
+def minisgl_request_finished(req: "Req") -> None:
+    """Called by the scheduler once a request finishes (stop, length or abort), after its pages are released."""
+
+
+@hookspec
+def minisgl_batch_step(batch: "Batch") -> None:
+    """Called after each forward pass with the batch just run (off the hot path unless implemented)."""

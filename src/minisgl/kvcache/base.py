@@ -1,0 +1,64 @@
+"""The prefix cache interface: radix (kvcache/radix.py) and naive (kvcache/naive.py) implement it.
+
+Keys are token ids, values are token-level KV slots (torch int64). All lengths that cross this
+interface are multiples of page_size; a node's slots always start at a page boundary, so the
+pages a node owns are ``slots[::page_size] // page_size``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple
+
+import torch
+
+
+class MatchResult(NamedTuple):
+    handle: Any  # opaque node to lock/unlock; None when nothing matched
+    slots: torch.Tensor  # [matched_len] int64 KV slots of the matched prefix
+
+
+class PrefixCache(ABC):
+    page_size: int
+
+    @abstractmethod
+    def match_prefix(self, token_ids: list[int]) -> MatchResult:
+        """Longest cached prefix of token_ids, page-aligned. Refreshes LRU time; does not lock."""
+
+    @abstractmethod
+    def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
+        """Offer token_ids (len a multiple of page_size) with their KV slots to the cache.
+
+        Returns how many leading tokens were already cached: the caller still owns (and must
+        free) those slots of its own. The cache adopts the slots after that point.
+        """
+
+    @abstractmethod
+    def lock(self, handle: Any) -> None:
+        """Protect the node and its ancestors from eviction (reference counted)."""
+
+    @abstractmethod
+    def unlock(self, handle: Any) -> None:
+        """Drop one reference taken by lock()."""
+
+    @abstractmethod
+    def evict(self, num_pages: int) -> torch.Tensor:
+        """Free at least num_pages pages (LRU over unlocked leaves), or all that can be; returns their page ids."""
+
+    @property
+    @abstractmethod
+    def evictable_pages(self) -> int:
+        """Pages held by the cache that no request locks."""
+
+    @property
+    @abstractmethod
+    def protected_pages(self) -> int:
+        """Pages held by the cache that some request locks."""
+
+    @property
+    def cached_pages(self) -> int:
+        return self.evictable_pages + self.protected_pages
+
+    def reset(self) -> list[torch.Tensor]:
+        """Drop everything (only valid with no locks); returns the freed page ids."""
+        return [self.evict(self.cached_pages)]

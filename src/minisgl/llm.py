@@ -1,0 +1,199 @@
+"""The offline API: LLM(...).generate / .chat run the scheduler in-process, without sockets."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from minisgl.config import EngineConfig
+from minisgl.core import SamplingParams, TokenOutput
+from minisgl.errors import InvalidRequestError
+from minisgl.tokenizer import IncrementalDetokenizer, apply_chat_template, encode_prompt
+
+@dataclass
+class CompletionOutput:
+    """One sampled sequence."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    matched_stop: str | int | None = None
+    logprobs: list[Any] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """Everything generated for one prompt; .text/.token_ids/.finish_reason are the first sample's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int = 0
+    error: str | None = None
+    tool_calls: list[Any] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[Any] | None:
+        return self.outputs[0].logprobs
+
+
+class LLM:
+    """An engine in this process.
+
+    >>> llm = LLM("smollm2")
+    >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0].text
+    """
+
+    def __init__(
+        self,
+        model: Any = "smollm2",
+        dtype: str | None = None,
+        cache: str = "radix",
+        page_size: int = 1,
+        max_prefill_tokens: int = 4096,
+        max_running_requests: int = 256,
+        tp: int = 1,
+        **engine_kwargs: Any,
+    ) -> None:
+        model_source = None if isinstance(model, str) else model
+        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "name_or_path", "") or "model"
+        self.config = EngineConfig.from_kwargs(
+            str(name), dtype=dtype, cache=cache, page_size=page_size, max_prefill_tokens=max_prefill_tokens,
+            max_running_requests=max_running_requests, tp=tp, **engine_kwargs,
+        )
+        if tp > 1:
+            from minisgl.distributed.launch import TPScheduler
+
+            self.scheduler: Any = TPScheduler(self.config)
+        else:
+            from minisgl.scheduler.scheduler import Scheduler
+
+            self.scheduler = Scheduler(self.config, model_source)
+        self.tokenizer = self.scheduler.tokenizer
+        self._ids = itertools.count()
+
+    @property
+    def model_config(self) -> Any:
+        return self.scheduler.model_config
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (str or token ids), batched by the scheduler; outputs keep prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if not prompts:
+            return []
+        token_lists = [encode_prompt(self.tokenizer, p) for p in prompts]
+        return self._generate_ids(token_lists, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> RequestOutput | list[RequestOutput]:
+        """One conversation -> one output; a list of conversations -> a list of outputs."""
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list of message dicts (or of conversations)")
+        single = isinstance(messages[0], dict)
+        conversations = [messages] if single else messages
+        token_lists = [apply_chat_template(self.tokenizer, conv, tools=tools) for conv in conversations]  # type: ignore[arg-type]
+        outs = self._generate_ids(token_lists, sampling_params, use_tqdm)
+        return outs[0] if single else outs
+
+    def _generate_ids(
+        self, token_lists: list[list[int]], sampling_params: Any, use_tqdm: bool
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(token_lists)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(token_lists)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(token_lists):
+                raise InvalidRequestError(
+                    f"got {len(params_list)} SamplingParams for {len(token_lists)} prompts: give one, or one per prompt"
+                )
+        # Validate everything before queueing anything: nothing fails half-way.
+        for ids, params in zip(token_lists, params_list):
+            self.scheduler.validate(ids, params)
+        rids = [f"offline-{next(self._ids)}" for _ in token_lists]
+        collected: dict[str, dict[int, list[TokenOutput]]] = {rid: {} for rid in rids}
+        remaining = {rid: p.n for rid, p in zip(rids, params_list)}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(rids), desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            for rid, ids, params in zip(rids, token_lists, params_list):
+                self.scheduler.add_request(rid, ids, params)
+            while any(remaining.values()):
+                for out in self.scheduler.step():
+                    collected[out.rid].setdefault(out.index, []).append(out)
+                    if out.finished:
+                        remaining[out.rid] -= 1
+                        if remaining[out.rid] == 0 and bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in rids:
+                self.scheduler.abort(rid)
+            self.scheduler.step()  # flush the aborts' outputs
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [
+            self._assemble(rid, ids, params, collected[rid])
+            for rid, ids, params in zip(rids, token_lists, params_list)
+        ]
+
+    def _assemble(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, per_index: dict[int, list[TokenOutput]]
+    ) -> RequestOutput:
+        outputs = []
+        last = None
+        for index in range(params.n):
+            chunks = per_index[index]
+            last = chunks[-1]
+            token_ids = [t for c in chunks for t in c.new_token_ids]
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+            text = detok.add(token_ids) + detok.finish()
+            logprobs = [lp for c in chunks for lp in (c.new_logprobs or [])] if params.logprobs is not None else None
+            outputs.append(CompletionOutput(index, text, token_ids, last.finish_reason, last.matched_stop, logprobs))
+        assert last is not None
+        return RequestOutput(
+            request_id=rid, prompt_token_ids=prompt_ids, outputs=outputs, prompt_tokens=last.prompt_tokens,
+            cached_tokens=per_index[0][-1].cached_tokens,
+            completion_tokens=sum(per_index[i][-1].completion_tokens for i in range(params.n)),
+            error=last.error,
+        )
+
+    def check_integrity(self) -> None:
+        """Assert that no KV page leaked: free + cached + owned by requests == total."""
+        self.scheduler.check_integrity()
+
+    def stats(self) -> dict[str, int]:
+        return self.scheduler.stats()

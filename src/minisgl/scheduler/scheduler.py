@@ -1,0 +1,414 @@
+"""The scheduling loop: admit (prefix match, chunked prefill), decode, retract, finish.
+
+One step = one forward. Prefill has priority: if anything is waiting and fits the token budget
+it runs; otherwise the running requests decode one token each. When the KV pool cannot
+hold the next decode step, the newest running requests are retracted (their KV goes to the
+prefix cache, they go back to the front of the queue) instead of failing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from minisgl import plugins
+from minisgl.config import EngineConfig
+from minisgl.core import Batch, Phase, Req, SamplingParams, TokenOutput
+from minisgl.errors import InvalidRequestError, OutOfMemoryError, PromptTooLongError
+
+logger = logging.getLogger("minisgl")
+
+# A waiting request skipped this many times by prefix-aware ordering goes first (no starvation).
+STARVATION_LIMIT = 8
+# Beyond this many waiting requests, ranking by prefix match costs more than it saves.
+LPM_MAX_WAITING = 512
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, model_source: Any = None) -> None:
+        from minisgl.engine.engine import Engine
+        from minisgl.kvcache.manager import CacheManager
+        from minisgl.kvcache.naive import NaiveCache
+        from minisgl.kvcache.radix import RadixCache
+
+        self.config = config
+        self.engine = Engine(config, model_source)
+        self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+        self.device = self.engine.device
+        self.page_size = config.page_size
+        self.table = self.engine.table
+        self.page_table = self.table.page_table
+        prefix_cache = RadixCache(self.page_size, self.device) if config.cache == "radix" else NaiveCache(self.page_size)
+        self.prefix_cache = prefix_cache
+        self.cache = CacheManager(self.engine.kv_pool.num_pages, self.page_size, prefix_cache, self.device)
+        self.max_seq_len = self.engine.max_seq_len
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # fully prefilled, decoding
+        self.chunked: Req | None = None  # prefill in progress across steps
+        self.reqs: dict[tuple[str, int], Req] = {}
+        self.pending_outputs: list[TokenOutput] = []
+        self.grammar_backend: Any = None
+        self.num_steps = 0
+        self._hook_received = plugins.has_impl("minisgl_request_received")
+        self._hook_finished = plugins.has_impl("minisgl_request_finished")
+        self._hook_step = plugins.has_impl("minisgl_batch_step")
+        logger.info("scheduler ready: cache=%s page_size=%d pages=%d", config.cache, self.page_size, self.cache.num_pages)
+
+    # ------------------------------------------------------------------ requests in
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked or self.pending_outputs)
+
+    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
+        """Raise a typed error for a request that can never be served; changes nothing."""
+        if not input_ids:
+            raise InvalidRequestError("empty prompt: give at least one token")
+        vocab = self.model_config.vocab_size
+        if min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise InvalidRequestError(f"token ids must be in [0, {vocab}) for this model")
+        if len(input_ids) >= self.max_seq_len:
+            raise PromptTooLongError(
+                f"prompt has {len(input_ids)} tokens but the context window is {self.max_seq_len}: "
+                "shorten the prompt (or raise max_seq_len up to the model's limit)"
+            )
+        pages_needed = -(-(len(input_ids) + 1) // self.page_size)
+        if pages_needed > self.cache.num_pages:
+            raise OutOfMemoryError(
+                f"the prompt needs {pages_needed} KV pages but the pool has {self.cache.num_pages}: "
+                "give the KV cache more memory (kv_cache_gb / mem_fraction / num_pages)"
+            )
+        if params.has_grammar:
+            self._grammar().validate(params)
+
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request (n > 1 becomes n sequences that share the prompt's KV)."""
+        self.validate(input_ids, params)
+        if any((rid, i) in self.reqs for i in range(params.n)):
+            raise InvalidRequestError(f"request id {rid!r} is already in flight")
+        now = time.perf_counter()
+        first: Req | None = None
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else None
+            req = Req(
+                rid=rid, input_ids=list(input_ids), sampling_params=params, prompt_len=len(input_ids),
+                eos_token_ids=self.eos_token_ids, seed=seed, arrival=now,
+            )
+            req.index = i
+            req.wait_for = first if self.config.cache == "radix" else None
+            self._init_req_state(req)
+            first = first or req
+            self.reqs[(rid, i)] = req
+            self.waiting.append(req)
+            if self._hook_received:
+                plugins.get_plugin_manager().hook.minisgl_request_received(req=req)
+
+    def _init_req_state(self, req: Req) -> None:
+        p = req.sampling_params
+        if req.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(req.seed)
+        if p.stop:
+            from minisgl.tokenizer import IncrementalDetokenizer
+
+            req.stop_checker = IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens)
+        if p.has_grammar:
+            req.grammar = self._grammar().new_state(p)
+
+    def _grammar(self) -> Any:
+        if self.grammar_backend is None:
+            from minisgl.structured.grammar import GrammarBackend
+
+            self.grammar_backend = GrammarBackend(self.tokenizer, self.model_config.vocab_size)
+        return self.grammar_backend
+
+    def abort(self, rid: str) -> None:
+        """Abort every sequence of a request; its pages are freed now, the output says "abort"."""
+        for key in [k for k in self.reqs if k[0] == rid]:
+            self._finish(self.reqs[key], "abort", None)
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[TokenOutput]:
+        """Run one forward (prefill if anything can be admitted, else decode); report what changed."""
+        batch = self._schedule_prefill() or self._schedule_decode()
+        if batch is not None:
+            self._run(batch)
+        outputs, self.pending_outputs = self.pending_outputs, []
+        return outputs
+
+    def _ordered_waiting(self) -> list[Req]:
+        if self.config.schedule_policy != "lpm" or self.config.cache != "radix" or len(self.waiting) > LPM_MAX_WAITING:
+            return list(self.waiting)
+        match_len = self.prefix_cache.match_len
+        starved = [r for r in self.waiting if r.skipped >= STARVATION_LIMIT]
+        rest = [r for r in self.waiting if r.skipped < STARVATION_LIMIT]
+        rest.sort(key=lambda r: -match_len(r.input_ids))  # stable: ties keep arrival order
+        return starved + rest
+
+    def _schedule_prefill(self) -> Batch | None:
+        budget = self.config.max_prefill_tokens
+        chosen: list[tuple[Req, int]] = []  # (req, extend_len)
+        if self.chunked is not None:
+            req, self.chunked = self.chunked, None
+            extend = min(req.seq_len - req.cached_len, budget)
+            if self._reserve(req, extend):
+                chosen.append((req, extend))
+                budget -= extend
+            else:
+                self.waiting.appendleft(req)  # keeps its row and pages; resumes when memory frees up
+        admitted: list[Req] = []
+        for req in self._ordered_waiting():
+            if budget <= 0 or len(self.running) + len(chosen) >= self.config.max_running_requests:
+                break
+            if req.wait_for is not None and not self._prefilled(req.wait_for):
+                continue
+            fresh = req.table_idx < 0
+            if fresh and not self._admit(req):
+                break  # no free table row
+            extend = min(req.seq_len - req.cached_len, budget)
+            # Leave room for the running requests' next decode pages.
+            if not self._reserve(req, extend, keep=len(self.running)):
+                if fresh:
+                    self._unadmit(req)
+                break
+            admitted.append(req)
+            chosen.append((req, extend))
+            budget -= extend
+        for req in self.waiting:
+            if req not in admitted:
+                req.skipped += 1
+        for req in admitted:
+            self.waiting.remove(req)
+        if not chosen:
+            return None
+        return self._make_batch(Phase.PREFILL, chosen)
+
+    def _prefilled(self, req: Req) -> bool:
+        return req.finished or req.cached_len >= req.prompt_len - 1
+
+    def _admit(self, req: Req) -> bool:
+        """Give a waiting request a table row and its cached prefix (locked)."""
+        row = self.table.allocate()
+        if row is None:
+            return False
+        # The last token is always computed: its logits give the next token.
+        handle, slots = self.prefix_cache.match_prefix(req.input_ids[: req.seq_len - 1])
+        matched = len(slots)
+        self.prefix_cache.lock(handle)
+        self.page_table[row, :matched] = slots
+        req.table_idx, req.cache_handle, req.cached_len, req.matched_len = row, handle, matched, matched
+        if req.num_output == 0:
+            req.prefix_hit_len = matched
+        return True
+
+    def _unadmit(self, req: Req) -> None:
+        self.prefix_cache.unlock(req.cache_handle)
+        self.table.free(req.table_idx)
+        req.table_idx, req.cache_handle, req.cached_len, req.matched_len = -1, None, 0, 0
+
+    def _reserve(self, req: Req, extend: int, keep: int = 0) -> bool:
+        """Allocate KV slots for the next `extend` tokens of req, keeping `keep` pages spare."""
+        if extend <= 0:
+            return False
+        new_pages = -(-(req.cached_len + extend) // self.page_size) - -(-req.cached_len // self.page_size)
+        if self.cache.available_pages - new_pages < keep:
+            return False
+        row = self.page_table[req.table_idx]
+        return self.cache.slots_for_extend(row, req.cached_len, req.cached_len + extend) is not None
+
+    def _schedule_decode(self) -> Batch | None:
+        if not self.running:
+            return None
+        # Newest first out: retract until every remaining request has room for one more token.
+        while True:
+            need = sum(1 for r in self.running if r.cached_len % self.page_size == 0)
+            if need <= self.cache.available_pages or len(self.running) == 1:
+                break
+            self._retract(self.running.pop())
+        chosen = []
+        for req in list(self.running):
+            if not self._reserve(req, 1):
+                # Only possible with a single request larger than the pool.
+                self.running.remove(req)
+                self._finish(req, "length", None, error="the KV pool is full")
+                continue
+            chosen.append((req, 1))
+        if not chosen:
+            return None
+        return self._make_batch(Phase.DECODE, chosen)
+
+    def _retract(self, req: Req) -> None:
+        logger.debug("retracting %s (%d tokens) under KV pressure", req.rid, req.cached_len)
+        self._release(req)
+        req.wait_for = None
+        self.waiting.appendleft(req)
+
+    def _make_batch(self, phase: Phase, chosen: list[tuple[Req, int]]) -> Batch:
+        reqs = [r for r, _ in chosen]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        rows, prefix_lens, extend_lens = [], [], []
+        for req, extend in chosen:
+            start = req.cached_len
+            input_ids.extend(req.input_ids[start : start + extend])
+            positions.extend(range(start, start + extend))
+            rows.append(req.table_idx)
+            prefix_lens.append(start)
+            extend_lens.append(extend)
+        dev = self.device
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        token_rows = torch.repeat_interleave(rows_t, torch.tensor(extend_lens))
+        out_loc = self.page_table[token_rows.to(dev), pos_t.to(dev)]
+        return Batch(
+            reqs=reqs,
+            phase=phase,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=pos_t.to(dev, non_blocking=True),
+            out_loc=out_loc,
+            table_rows=rows_t.to(dev, non_blocking=True),
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            seq_lens=[p + e for p, e in zip(prefix_lens, extend_lens)],
+            sample_mask=[p + e == r.seq_len for r, p, e in zip(reqs, prefix_lens, extend_lens)],
+        )
+
+    def _run(self, batch: Batch) -> None:
+        from minisgl.engine.sampler import SamplingInfo
+
+        logits = self.engine.forward(batch)
+        self.num_steps += 1
+        for req, extend in zip(batch.reqs, batch.extend_lens):
+            req.cached_len += extend
+        sampled = [r for r, m in zip(batch.reqs, batch.sample_mask) if m]
+        if batch.is_prefill:
+            for req in batch.reqs:
+                if self.config.cache == "radix":
+                    self._cache_prefix(req)
+                if req.cached_len < req.seq_len:
+                    self.chunked = req
+        if sampled:
+            info = SamplingInfo.from_reqs(sampled, self.model_config.vocab_size, self.device)
+            bitmask_fn = self._bitmask_fn(sampled)
+            next_ids, logprobs = self.engine.sampler.sample(logits, sampled, info, bitmask_fn)
+            next_list = next_ids.tolist()
+            for i, req in enumerate(sampled):
+                self._append_token(req, next_list[i], logprobs[i] if logprobs else None, batch.is_prefill)
+        if self._hook_step:
+            plugins.get_plugin_manager().hook.minisgl_batch_step(batch=batch)
+
+    def _bitmask_fn(self, reqs: list[Req]) -> Any:
+        if not any(r.grammar is not None for r in reqs):
+            return None
+        backend = self._grammar()
+        states = [r.grammar for r in reqs]
+        return lambda logits: backend.apply(logits, states)
+
+    def _cache_prefix(self, req: Req) -> None:
+        """Share the just-computed prompt KV (n > 1 siblings, other requests with this prefix)."""
+        row = self.page_table[req.table_idx]
+        req.cache_handle, req.matched_len = self.cache.cache_prefix(
+            req.input_ids, row, req.cached_len, req.matched_len, req.cache_handle
+        )
+
+    def _append_token(self, req: Req, token: int, logprob: Any, from_prefill: bool) -> None:
+        req.output_ids.append(token)
+        req.input_ids.append(token)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
+        if from_prefill:
+            self.running.append(req)
+        p = req.sampling_params
+        reason, matched = None, None
+        if req.grammar is not None:
+            req.grammar.accept_token(token)
+        if req.stop_checker is not None:
+            req.stop_checker.add([token])
+        min_ok = req.num_output >= p.min_tokens
+        if min_ok and not p.ignore_eos and token in req.eos_token_ids:
+            reason, matched = "stop", token
+        elif min_ok and token in p.stop_token_ids:
+            reason, matched = "stop", token
+        elif req.stop_checker is not None and req.stop_checker.stopped is not None:
+            reason, matched = "stop", req.stop_checker.stopped
+        elif req.grammar is not None and req.grammar.is_terminated():
+            reason = "stop"
+        elif req.num_output >= p.max_tokens or req.seq_len >= self.max_seq_len:
+            reason = "length"
+        new_logprobs = [logprob] if logprob is not None else None
+        if reason is None:
+            self.pending_outputs.append(self._output(req, [token], new_logprobs, False))
+        else:
+            self.running.remove(req)
+            self._finish(req, reason, matched, new_tokens=[token], new_logprobs=new_logprobs)
+
+    # ------------------------------------------------------------------ requests out
+
+    def _output(self, req: Req, new: list[int], logprobs: Any, finished: bool, error: str | None = None) -> TokenOutput:
+        return TokenOutput(
+            rid=req.rid, index=req.index, new_token_ids=new, new_logprobs=logprobs, finished=finished,
+            finish_reason=req.finish_reason, matched_stop=req.matched_stop, prompt_tokens=req.prompt_len,
+            cached_tokens=req.prefix_hit_len, completion_tokens=req.num_output, error=error,
+        )
+
+    def _release(self, req: Req) -> None:
+        """Give the request's KV back: page-aligned part to the prefix cache, the rest to the free list."""
+        if req.table_idx < 0:
+            return
+        row = self.page_table[req.table_idx]
+        self.cache.release(req.input_ids, row, req.cached_len, req.matched_len, req.cache_handle)
+        self.table.free(req.table_idx)
+        req.table_idx, req.cache_handle, req.cached_len, req.matched_len = -1, None, 0, 0
+
+    def _finish(
+        self, req: Req, reason: str, matched: Any, new_tokens: list[int] | None = None,
+        new_logprobs: Any = None, error: str | None = None,
+    ) -> None:
+        if req.finished:
+            return
+        req.finished, req.finish_reason, req.matched_stop = True, reason, matched
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        self.reqs.pop((req.rid, req.index), None)
+        self.pending_outputs.append(self._output(req, new_tokens or [], new_logprobs, True, error))
+        if self._hook_finished:
+            plugins.get_plugin_manager().hook.minisgl_request_finished(req=req)
+
+    # ------------------------------------------------------------------ introspection
+
+    def req_pages(self) -> int:
+        """Pages owned by requests in flight (not by the cache)."""
+        reqs = list(self.running) + [r for r in self.waiting if r.table_idx >= 0]
+        if self.chunked is not None:
+            reqs.append(self.chunked)
+        P = self.page_size
+        return sum(-(-r.cached_len // P) - r.matched_len // P for r in reqs)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "total_pages": self.cache.num_pages,
+            "free_pages": self.cache.free_pages,
+            "cached_pages": self.prefix_cache.cached_pages,
+            "req_pages": self.req_pages(),
+            "waiting": len(self.waiting),
+            "running": len(self.running) + (self.chunked is not None),
+        }
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity(self.req_pages())
+
+    def shutdown(self) -> None:
+        for key in list(self.reqs):
+            self._finish(self.reqs[key], "abort", None, error="the engine shut down")

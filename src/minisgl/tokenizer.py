@@ -1,0 +1,132 @@
+"""Tokenizer loading, chat templates and incremental (UTF-8 safe) detokenization with stop strings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from minisgl.errors import InvalidRequestError, ModelLoadError
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # noqa: BLE001 - any tokenizer failure is a load failure for the user
+        raise ModelLoadError(f"could not load a tokenizer from {model_dir}: {e}") from e
+
+
+def apply_chat_template(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Render a conversation with the model's chat template and tokenize it."""
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for m in messages:
+        if "role" not in m:
+            raise InvalidRequestError(f"message without a role: {m!r}")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequestError("this model has no chat template: send a plain prompt instead of messages")
+    if tools:
+        from minisgl.structured.tools import render_tools_prompt
+
+        text = render_tools_prompt(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt)
+    else:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_prompt(tokenizer: Any, prompt: str | Sequence[int]) -> list[int]:
+    """A str prompt is tokenized (with the tokenizer's BOS handling); a token-id list is passed through."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("empty prompt: give at least one character or token")
+        return tokenizer.encode(prompt)
+    ids = list(prompt)
+    if not ids:
+        raise InvalidRequestError("empty prompt: give at least one token id")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InvalidRequestError("a token-id prompt must be a list of ints")
+    return ids
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Never emits half a UTF-8 character, and holds back text that might be the start of a
+    stop string; when a stop string appears the text is cut before it and `stopped` is set.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""  # all decoded text (stop-trimmed once stopped)
+        self.emitted = 0  # chars of self.text already returned
+        self.stopped: str | None = None
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        """Feed generated token ids; returns the text that is now safe to show."""
+        if self.stopped is not None:
+            return ""
+        self.token_ids.extend(new_ids)
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self.token_ids[self._prefix_offset :])
+        if full_text.endswith("\ufffd"):
+            return self._flush(final=False)  # wait for the rest of the character
+        old_len = len(self.text)
+        self.text += full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        self._check_stop(old_len)
+        return self._flush(final=self.stopped is not None)
+
+    def _check_stop(self, old_len: int) -> None:
+        if not self.stop:
+            return
+        longest = max(len(s) for s in self.stop)
+        start = max(0, old_len - longest + 1)
+        hits = [(self.text.find(s, start), s) for s in self.stop]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if hits:
+            pos, s = min(hits)
+            self.text = self.text[:pos]
+            self.stopped = s
+
+    def _flush(self, final: bool) -> str:
+        end = len(self.text)
+        if not final and self.stop:
+            end -= self._held_back()
+        end = max(end, self.emitted)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def finish(self) -> str:
+        """The request ended: return whatever was held back."""
+        if self.stopped is None and self.token_ids[self._read_offset :]:
+            self.text += self._decode(self.token_ids[self._prefix_offset :])[
+                len(self._decode(self.token_ids[self._prefix_offset : self._read_offset])) :
+            ]
+            self._read_offset = len(self.token_ids)
+        return self._flush(final=True)
