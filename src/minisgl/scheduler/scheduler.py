@@ -31,9 +31,7 @@ LPM_MAX_WAITING = 512
 class Scheduler:
     def __init__(self, config: EngineConfig, model_source: Any = None) -> None:
         from minisgl.engine.engine import Engine
-        from minisgl.kvcache.manager import CacheManager
-        from minisgl.kvcache.naive import NaiveCache
-        from minisgl.kvcache.radix import RadixCache
+        from minisgl.kvcache.manager import CacheManager, make_prefix_cache
 
         self.config = config
         self.engine = Engine(config, model_source)
@@ -43,7 +41,7 @@ class Scheduler:
         self.page_size = config.page_size
         self.table = self.engine.table
         self.page_table = self.table.page_table
-        prefix_cache = RadixCache(self.page_size, self.device) if config.cache == "radix" else NaiveCache(self.page_size)
+        prefix_cache = make_prefix_cache(config.cache, self.page_size, self.device)
         self.prefix_cache = prefix_cache
         self.cache = CacheManager(self.engine.kv_pool.num_pages, self.page_size, prefix_cache, self.device)
         self.max_seq_len = self.engine.max_seq_len
@@ -393,8 +391,7 @@ class Scheduler:
         reqs = list(self.running) + [r for r in self.waiting if r.table_idx >= 0]
         if self.chunked is not None:
             reqs.append(self.chunked)
-        P = self.page_size
-        return sum(-(-r.cached_len // P) - r.matched_len // P for r in reqs)
+        return sum(self.cache.req_pages(r.cached_len, r.matched_len) for r in reqs)
 
     def stats(self) -> dict[str, int]:
         return {

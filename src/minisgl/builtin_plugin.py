@@ -1,0 +1,43 @@
+"""The built-in models and attention backends, registered through the same hooks as any plugin."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from minisgl.hooks import hookimpl
+
+if TYPE_CHECKING:
+    import torch
+
+    from minisgl.attention.base import AttentionBackend
+    from minisgl.kvcache.pool import KVPool
+    from minisgl.models.config import ModelConfig
+
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def _torch_backend(
+    model_config: "ModelConfig", kv_pool: "KVPool", page_table: "torch.Tensor", device: Any
+) -> "AttentionBackend":
+    from minisgl.attention.torch_native import TorchNativeBackend
+
+    return TorchNativeBackend(model_config, kv_pool, page_table, device)
+
+
+# name -> factory(model_config, kv_pool, page_table, device); factories import their backend lazily
+# so that listing backends never pulls in GPU-only packages.
+ATTENTION_BACKENDS: dict[str, Callable[..., "AttentionBackend"]] = {
+    "torch": _torch_backend,
+}
+
+
+@hookimpl
+def minisgl_register_architectures() -> dict[str, type]:
+    from minisgl.models.llama import LlamaForCausalLM
+
+    return {name: LlamaForCausalLM for name in LLAMA_FAMILY}
+
+
+@hookimpl
+def minisgl_register_attention_backends() -> dict[str, Callable[..., Any]]:
+    return dict(ATTENTION_BACKENDS)

@@ -1,0 +1,203 @@
+"""`minisgl serve | stop | shell | generate | bench | keys` (also `python -m minisgl ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+from typing import Any
+
+from minisgl.config import EngineConfig
+from minisgl.errors import MiniSGLError
+
+logger = logging.getLogger("minisgl")
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """--model plus every EngineConfig field as --kebab-case (unset flags keep the config's defaults)."""
+    group = parser.add_argument_group("engine options (EngineConfig)")
+    group.add_argument("--model", default="smollm2", help="model name, directory, hub id or GGUF file (default: smollm2)")
+    for f in fields(EngineConfig):
+        if f.name in ("model", "extra", *skip):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type).replace(" | None", "")
+        if kind == "bool":
+            group.add_argument(flag, dest=f.name, action="store_true", default=argparse.SUPPRESS)
+        elif kind in _TYPES:
+            group.add_argument(
+                flag, dest=f.name, type=_TYPES[kind], default=argparse.SUPPRESS, metavar=f.name.upper(),
+                help=f"default: {f.default}",
+            )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line (not the defaults)."""
+    names = {f.name for f in fields(EngineConfig)} - {"model", "extra"}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+
+
+def _add_client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", help="the daemon's address (default: the one serving --model; started if none)")
+    parser.add_argument("--curve-client-key", help="the client's CURVE .key_secret file (remote daemons)")
+    parser.add_argument("--curve-server-key", help="the daemon's public CURVE server.key file (remote daemons)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minisgl", description="minisgl: a fast local LLM inference runtime")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon for a model in the foreground (Ctrl-C stops it)")
+    serve.add_argument("--address", help="ipc:///path or tcp://HOST:PORT (default: an ipc socket per model in the runtime dir)")
+    serve.add_argument("--allow-remote", action="store_true", help="allow a non-loopback tcp address (turns on CURVE)")
+    serve.add_argument("--curve", action="store_true", help="require CURVE authentication even on a loopback address")
+    serve.add_argument("--curve-dir", help="CURVE key directory (default: $MINISGL_CURVE_DIR or ~/.config/minisgl/curve)")
+    serve.add_argument("--max-message-bytes", type=int, default=None, help="drop client connections that send more")
+    serve.add_argument("--http-port", type=int, help="also serve the OpenAI-compatible HTTP API on this port")
+    serve.add_argument("--host", default="127.0.0.1", help="HTTP server host (default: 127.0.0.1)")
+    serve.add_argument("--api-key", help="HTTP server API key (required for a non-loopback --host)")
+    add_engine_flags(serve)
+
+    stop = sub.add_parser("stop", help="stop daemons started by this user")
+    target = stop.add_mutually_exclusive_group()
+    target.add_argument("--address", help="stop the daemon at this address")
+    target.add_argument("--all", action="store_true", help="stop every registered daemon")
+    stop.add_argument("--timeout", type=float, default=30.0)
+
+    shell = sub.add_parser("shell", help="interactive chat with a model (/reset clears the history)")
+    shell.add_argument("--system", help="a system prompt")
+    shell.add_argument("--max-tokens", type=int, default=512)
+    shell.add_argument("--temperature", type=float, default=0.7)
+    _add_client_flags(shell)
+    add_engine_flags(shell)
+
+    gen = sub.add_parser("generate", help="generate once, offline (in this process), and print the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    add_engine_flags(gen, skip=("seed",))
+
+    sub.add_parser("bench", help="benchmarks (see `minisgl bench --help`)", add_help=False)
+
+    keys = sub.add_parser("keys", help="create CURVE keys for remote access")
+    keys.add_argument("--curve-dir", help="key directory (default: $MINISGL_CURVE_DIR or ~/.config/minisgl/curve)")
+    keys.add_argument("--client", metavar="NAME", help="also create (and authorize) a client keypair NAME")
+    return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from minisgl.runtime.daemon import DEFAULT_MAX_MESSAGE_BYTES, HttpOptions, serve
+
+    http = HttpOptions(args.host, args.http_port, args.api_key) if args.http_port else None
+    return serve(
+        engine_config(args), args.address, allow_remote=args.allow_remote, curve=args.curve, curve_keys=args.curve_dir,
+        http=http, max_message_bytes=args.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES,
+        log_level=logger.level,
+    )
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from minisgl.runtime.launcher import running_daemons, stop_daemon
+
+    if args.address:
+        addresses = [args.address]
+    else:
+        records = running_daemons()
+        if not args.all and len(records) > 1:
+            print("several daemons are running; give --address or --all:", file=sys.stderr)
+            for r in records:
+                print(f"  {r.address}  model={r.model} pid={r.pid}", file=sys.stderr)
+            return 2
+        addresses = [r.address for r in records]
+    if not addresses:
+        print("no minisgl daemon is running")
+        return 0
+    code = 0
+    for address in addresses:
+        if stop_daemon(address, args.timeout):
+            print(f"stopped {address}")
+        else:
+            print(f"no daemon answers at {address}", file=sys.stderr)
+            code = 1
+    return code
+
+
+def cmd_shell(args: argparse.Namespace) -> int:
+    from minisgl.client import Client
+    from minisgl.core import SamplingParams
+    from minisgl.server.shell import run_shell
+
+    with Client(
+        args.model, args.address, curve_client_key=args.curve_client_key, curve_server_key=args.curve_server_key,
+        **engine_kwargs(args),
+    ) as client:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        return run_shell(client, system_prompt=args.system, sampling_params=params)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        stop=args.stop,
+    )
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    print(out.text)
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from minisgl.runtime.auth import create_client_keys, curve_dir, ensure_server_keys
+
+    directory = Path(args.curve_dir) if args.curve_dir else curve_dir()
+    public, secret = ensure_server_keys(directory)
+    print(f"server keys: {secret} (public: {public})")
+    if args.client:
+        c_public, c_secret = create_client_keys(directory, args.client)
+        print(f"client {args.client!r}: {c_secret} (authorized as {directory / 'authorized_clients' / c_public.name})")
+        print(f"on the client: MINISGL_CURVE_CLIENT_KEY={c_secret} MINISGL_CURVE_SERVER_KEY={public}")
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "stop": cmd_stop, "shell": cmd_shell, "generate": cmd_generate, "keys": cmd_keys}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from minisgl.bench import main as bench_main
+
+        bench_main(argv[1:])
+        return 0
+    args = build_parser().parse_args(argv)
+    from minisgl.runtime.transport import configure_logging
+
+    configure_logging(args.log_level)
+    try:
+        return COMMANDS[args.command](args)
+    except MiniSGLError as e:
+        print(f"minisgl: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,582 @@
+"""Client and AsyncClient: talk to the local minisgl daemon over ZeroMQ (finding or starting it).
+
+    from minisgl import Client, AsyncClient, SamplingParams
+
+    c = Client(model="smollm2")                      # finds the daemon serving smollm2, starts one if none
+    out = c.generate("The capital of France is", SamplingParams(max_tokens=16, temperature=0))
+    out.text, out.token_ids, out.finish_reason, out.usage       # usage: prompt/completion/cached tokens
+    for chunk in c.stream([{"role": "user", "content": "Hi"}]):  # chat messages, text, or token ids
+        print(chunk.text, end="")                                 # deltas; usage on the last chunk
+
+    async with AsyncClient(model="smollm2") as ac:
+        out = await ac.generate("Hello")
+        async for chunk in ac.stream("Hello"):
+            ...
+
+Every request is independent (the daemon batches concurrent ones). Leaving a stream early
+(break, close(), an exception, a cancelled task) or a timeout aborts the request in the daemon,
+which frees its KV pages. Errors arrive as the typed minisgl.errors exceptions
+(InvalidRequestError, PromptTooLongError, GrammarError, ...); DaemonNotRunningError and
+DaemonTimeoutError say what to do about the daemon itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Union
+
+import zmq
+
+from minisgl.core import SamplingParams
+from minisgl.errors import DaemonError, DaemonTimeoutError, InvalidRequestError
+from minisgl.runtime.auth import ClientCurve
+from minisgl.runtime.connection import AsyncConnection, SyncConnection, as_exception
+from minisgl.runtime.protocol import (
+    Abort,
+    Chunk,
+    Error,
+    Generate,
+    GetModelInfo,
+    GetStats,
+    ModelInfoReply,
+    ProtocolError,
+    StatsReply,
+    Usage,
+)
+
+Prompt = Union[str, Sequence[int], Sequence[dict[str, Any]]]
+DEFAULT_TIMEOUT_S = 300.0
+_UNSET: Any = object()
+
+__all__ = ["AsyncClient", "AsyncStream", "Chunk", "Client", "CompletionOutput", "GenerateResult", "Stream", "Usage"]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n sampled sequences of a request."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "tool_calls"
+    matched_stop: str | int | None = None  # the stop string or token id that ended it
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI-shaped {id, type, function: {name, arguments}}
+    logprobs: list[dict[str, Any]] | None = None  # per token: {token_id, token, logprob, top_logprobs}
+
+
+@dataclass
+class GenerateResult:
+    """A finished request: outputs[i] is sample i (n > 1); the shortcuts read outputs[0]."""
+
+    rid: str
+    outputs: list[CompletionOutput]
+    usage: Usage
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def matched_stop(self) -> str | int | None:
+        return self.outputs[0].matched_stop
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        return self.outputs[0].tool_calls
+
+    @property
+    def logprobs(self) -> list[dict[str, Any]] | None:
+        return self.outputs[0].logprobs
+
+
+def merge_tool_calls(calls: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
+    """Fold OpenAI-style tool-call deltas (by "index": name first, argument fragments after) into calls."""
+    for delta in deltas:
+        index = delta.get("index")
+        if index is None or index >= len(calls):
+            call = {k: v for k, v in delta.items() if k != "index"}
+            call["function"] = dict(call.get("function") or {})
+            call["function"].setdefault("arguments", "")
+            calls.append(call)
+            continue
+        call = calls[index]
+        for key in ("id", "type"):
+            if delta.get(key):
+                call[key] = delta[key]
+        fn = delta.get("function") or {}
+        if fn.get("name"):
+            call["function"]["name"] = fn["name"]
+        call["function"]["arguments"] = call["function"].get("arguments", "") + (fn.get("arguments") or "")
+
+
+class _ResultBuilder:
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.outputs: dict[int, CompletionOutput] = {}
+        self.usage = Usage(0, 0, 0)
+
+    def add(self, chunk: Chunk) -> None:
+        out = self.outputs.setdefault(chunk.index, CompletionOutput(chunk.index))
+        out.text += chunk.text
+        out.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs is not None:
+            out.logprobs = (out.logprobs or []) + chunk.logprobs
+        if chunk.tool_calls:
+            out.tool_calls = out.tool_calls or []
+            merge_tool_calls(out.tool_calls, chunk.tool_calls)
+        if chunk.finish_reason is not None:
+            out.finish_reason, out.matched_stop = chunk.finish_reason, chunk.matched_stop
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+
+    def result(self) -> GenerateResult:
+        return GenerateResult(self.rid, [self.outputs[i] for i in sorted(self.outputs)], self.usage)
+
+
+def _generate_message(
+    prompt: Prompt, sampling_params: SamplingParams | None, tools: Any, tool_choice: Any, response_format: Any,
+    rid: str | None,
+) -> Generate:
+    rid = rid if rid is not None else uuid.uuid4().hex
+    if not isinstance(rid, str) or not rid:
+        raise InvalidRequestError("rid must be a non-empty string")
+    if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+        raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+    params = sampling_params.to_dict() if sampling_params is not None else None
+    extra = dict(params=params, tools=tools, tool_choice=tool_choice, response_format=response_format)
+    if isinstance(prompt, str):
+        return Generate(rid, prompt=prompt, **extra)
+    if isinstance(prompt, (list, tuple)):
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return Generate(rid, messages=[dict(m) for m in prompt], **extra)
+        return Generate(rid, input_ids=list(prompt), **extra)
+    raise InvalidRequestError(
+        f"prompt must be a string, a list of token ids or a list of chat messages, got {type(prompt).__name__}"
+    )
+
+
+def _timeout_error(e: DaemonTimeoutError) -> DaemonTimeoutError:
+    return DaemonTimeoutError(f"{e}; the request was aborted (raise the client's timeout for slower requests)")
+
+
+def _unexpected(reply: Any) -> ProtocolError:
+    return ProtocolError(f"unexpected {type(reply).__name__} reply from the daemon")
+
+
+class _Options:
+    """What Client and AsyncClient share: where the daemon is and how to reach it."""
+
+    def __init__(
+        self, model: str, address: str | None, auto_start: bool, timeout: float | None,
+        curve_client_key: Any, curve_server_key: Any, engine_kwargs: dict[str, Any],
+    ) -> None:
+        self.model = model
+        self.requested_address = address
+        self.auto_start = auto_start
+        self.timeout = timeout
+        self.curve = ClientCurve.resolve(curve_client_key, curve_server_key)
+        self.engine_kwargs = engine_kwargs
+
+    def locate(self) -> str:
+        from minisgl.runtime.launcher import locate_daemon
+
+        start_timeout = self.timeout if self.timeout is not None else 3600.0
+        return locate_daemon(
+            self.model, self.requested_address, auto_start=self.auto_start, timeout=start_timeout,
+            engine_kwargs=self.engine_kwargs, curve=self.curve,
+        )
+
+
+class Stream:
+    """Chunks of one request, as they come; close() (or leaving a `with` block / a for loop early) aborts it."""
+
+    def __init__(self, client: "Client", conn: SyncConnection, rid: str, timeout: float | None) -> None:
+        self.rid = rid
+        self._client = client
+        self._conn = conn
+        self._timeout = timeout
+        self._open = True
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> Chunk:
+        if not self._open:
+            raise StopIteration
+        try:
+            reply = self._conn.next(self.rid, self._timeout)
+        except DaemonTimeoutError as e:
+            self.close()
+            raise _timeout_error(e) from None
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(reply, Error):
+            self._end()
+            raise as_exception(reply)
+        if not isinstance(reply, Chunk):
+            self.close()
+            raise _unexpected(reply)
+        if reply.done:
+            self._end()
+        return reply
+
+    def _end(self) -> None:
+        self._open = False
+        self._conn.forget(self.rid)
+
+    def close(self) -> None:
+        """Abort the request unless it already finished."""
+        if self._open:
+            self._end()
+            self._client.abort(self.rid)
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - the client may be closed already at interpreter exit
+            pass
+
+
+class Client:
+    """A synchronous client of the daemon serving `model`; safe to share between threads.
+
+    model: a model name/path as `minisgl serve --model` takes it. address: ipc:///path or
+    tcp://host:port of a daemon (default: the one serving model, found in the registry of the
+    user's runtime dir). auto_start: start a daemon (detached `minisgl serve`) when none runs.
+    timeout: seconds to wait for start-up and, per request, for each reply (None: no limit).
+    curve_client_key / curve_server_key: key files for a CURVE-protected daemon (see
+    minisgl.runtime.auth; also $MINISGL_CURVE_CLIENT_KEY / $MINISGL_CURVE_SERVER_KEY).
+    engine_kwargs: EngineConfig options a started daemon gets (and a found one must match).
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2",
+        address: str | None = None,
+        auto_start: bool = True,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        *,
+        curve_client_key: str | None = None,
+        curve_server_key: str | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        self._options = _Options(model, address, auto_start, timeout, curve_client_key, curve_server_key, engine_kwargs)
+        self.model = model
+        self.timeout = timeout
+        self.address = self._options.locate()
+        self._ctx = zmq.Context.instance()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._conns: list[SyncConnection] = []
+        self._closed = False
+        self._model_info: dict[str, Any] | None = None
+
+    def _conn(self) -> SyncConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            with self._lock:
+                if self._closed:
+                    raise DaemonError("this Client is closed")
+                conn = SyncConnection(self._ctx, self.address, self._options.curve)
+                self._conns.append(conn)
+            self._local.conn = conn
+        return conn
+
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        response_format: dict[str, Any] | None = None,
+        rid: str | None = None,
+        timeout: float | None = _UNSET,
+    ) -> Stream:
+        """Send the request now; iterate the returned Stream (in this thread) for its Chunks."""
+        msg = _generate_message(prompt, sampling_params, tools, tool_choice, response_format, rid)
+        conn = self._conn()
+        conn.open(msg.rid)
+        conn.send(msg)
+        return Stream(self, conn, msg.rid, self.timeout if timeout is _UNSET else timeout)
+
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        response_format: dict[str, Any] | None = None,
+        rid: str | None = None,
+        timeout: float | None = _UNSET,
+    ) -> GenerateResult:
+        """Run one request to the end. prompt: text, token ids, or chat messages [{"role", "content"}]."""
+        stream = self.stream(
+            prompt, sampling_params, tools=tools, tool_choice=tool_choice, response_format=response_format,
+            rid=rid, timeout=timeout,
+        )
+        builder = _ResultBuilder(stream.rid)
+        with stream:
+            for chunk in stream:
+                builder.add(chunk)
+        return builder.result()
+
+    def abort(self, rid: str) -> None:
+        """Abort a request in flight (from any thread); its stream ends with finish_reason "abort"."""
+        self._conn().send(Abort(rid))
+
+    def _call(self, msg: Any) -> Any:
+        conn = self._conn()
+        conn.open(msg.rid)
+        try:
+            conn.send(msg)
+            reply = conn.next(msg.rid, self.timeout)
+        finally:
+            conn.forget(msg.rid)
+        if isinstance(reply, Error):
+            raise as_exception(reply)
+        return reply
+
+    def model_info(self) -> dict[str, Any]:
+        """name, path, architecture, context_length, eos_token_ids, vocab_size, dtype, device, tp, page_size, ..."""
+        if self._model_info is None:
+            reply = self._call(GetModelInfo(uuid.uuid4().hex))
+            if not isinstance(reply, ModelInfoReply):
+                raise _unexpected(reply)
+            self._model_info = dict(reply.info)
+        return dict(self._model_info)
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's counters: total/free/cached/req pages, waiting/running/inflight requests, uptime."""
+        reply = self._call(GetStats(uuid.uuid4().hex))
+        if not isinstance(reply, StatsReply):
+            raise _unexpected(reply)
+        return dict(reply.stats)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            conn.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client(model={self.model!r}, address={self.address!r})"
+
+
+class AsyncStream:
+    """Chunks of one request; the request is sent on the first step. aclose(), leaving an
+    `async with` block or cancelling the task that iterates it aborts the request."""
+
+    def __init__(self, client: "AsyncClient", msg: Generate, timeout: float | None) -> None:
+        self.rid = msg.rid
+        self._client = client
+        self._msg = msg
+        self._timeout = timeout
+        self._conn: AsyncConnection | None = None
+        self._open = True
+
+    def __aiter__(self) -> "AsyncStream":
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if not self._open:
+            raise StopAsyncIteration
+        try:
+            if self._conn is None:
+                self._conn = await self._client._connection()
+                self._conn.open(self.rid)
+                self._conn.send(self._msg)
+            reply = await self._conn.next(self.rid, self._timeout)
+        except DaemonTimeoutError as e:
+            self._abort()
+            raise _timeout_error(e) from None
+        except BaseException:
+            self._abort()
+            raise
+        if isinstance(reply, Error):
+            self._end()
+            raise as_exception(reply)
+        if not isinstance(reply, Chunk):
+            self._abort()
+            raise _unexpected(reply)
+        if reply.done:
+            self._end()
+        return reply
+
+    def _end(self) -> None:
+        self._open = False
+        if self._conn is not None:
+            self._conn.forget(self.rid)
+
+    def _abort(self) -> None:
+        if self._open:
+            self._end()
+            if self._conn is not None:
+                self._conn.send(Abort(self.rid))
+
+    async def aclose(self) -> None:
+        self._abort()
+
+    async def __aenter__(self) -> "AsyncStream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._abort()
+
+    def __del__(self) -> None:
+        try:
+            self._abort()
+        except Exception:  # noqa: BLE001 - the socket may be closed already
+            pass
+
+
+class AsyncClient:
+    """The asyncio client (zmq.asyncio): one socket and one reader task serve any number of
+    concurrent requests. Same arguments as Client; connects (finding or starting the daemon) on
+    `async with` or on first use, and belongs to the event loop it connected in."""
+
+    def __init__(
+        self,
+        model: str = "smollm2",
+        address: str | None = None,
+        auto_start: bool = True,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        *,
+        curve_client_key: str | None = None,
+        curve_server_key: str | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        self._options = _Options(model, address, auto_start, timeout, curve_client_key, curve_server_key, engine_kwargs)
+        self.model = model
+        self.timeout = timeout
+        self.address: str | None = None
+        self._conn: AsyncConnection | None = None
+        self._connecting: asyncio.Future | None = None
+        self._model_info: dict[str, Any] | None = None
+
+    async def connect(self) -> "AsyncClient":
+        await self._connection()
+        return self
+
+    async def _connection(self) -> AsyncConnection:
+        if self._conn is None:
+            if self._connecting is None:
+                self._connecting = asyncio.ensure_future(self._open())
+            await asyncio.shield(self._connecting)
+        assert self._conn is not None
+        return self._conn
+
+    async def _open(self) -> None:
+        try:
+            # Finding or starting the daemon blocks (file locks, a subprocess); the requests do not.
+            self.address = await asyncio.to_thread(self._options.locate)
+            self._conn = AsyncConnection(self.address, self._options.curve)
+        finally:
+            if self._conn is None:
+                self._connecting = None
+
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        response_format: dict[str, Any] | None = None,
+        rid: str | None = None,
+        timeout: float | None = _UNSET,
+    ) -> AsyncStream:
+        """`async for chunk in client.stream(...)`; arguments as Client.stream."""
+        msg = _generate_message(prompt, sampling_params, tools, tool_choice, response_format, rid)
+        return AsyncStream(self, msg, self.timeout if timeout is _UNSET else timeout)
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        response_format: dict[str, Any] | None = None,
+        rid: str | None = None,
+        timeout: float | None = _UNSET,
+    ) -> GenerateResult:
+        stream = self.stream(
+            prompt, sampling_params, tools=tools, tool_choice=tool_choice, response_format=response_format,
+            rid=rid, timeout=timeout,
+        )
+        builder = _ResultBuilder(stream.rid)
+        async with stream:
+            async for chunk in stream:
+                builder.add(chunk)
+        return builder.result()
+
+    async def abort(self, rid: str) -> None:
+        (await self._connection()).send(Abort(rid))
+
+    async def _call(self, msg: Any) -> Any:
+        conn = await self._connection()
+        conn.open(msg.rid)
+        try:
+            conn.send(msg)
+            reply = await conn.next(msg.rid, self.timeout)
+        finally:
+            conn.forget(msg.rid)
+        if isinstance(reply, Error):
+            raise as_exception(reply)
+        return reply
+
+    async def model_info(self) -> dict[str, Any]:
+        if self._model_info is None:
+            reply = await self._call(GetModelInfo(uuid.uuid4().hex))
+            if not isinstance(reply, ModelInfoReply):
+                raise _unexpected(reply)
+            self._model_info = dict(reply.info)
+        return dict(self._model_info)
+
+    async def stats(self) -> dict[str, Any]:
+        reply = await self._call(GetStats(uuid.uuid4().hex))
+        if not isinstance(reply, StatsReply):
+            raise _unexpected(reply)
+        return dict(reply.stats)
+
+    async def close(self) -> None:
+        conn, self._conn, self._connecting = self._conn, None, None
+        if conn is not None:
+            await conn.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"AsyncClient(model={self.model!r}, address={self.address!r})"
+

@@ -1,0 +1,182 @@
+"""Tensor parallelism: one scheduler per rank; rank 0 takes requests and broadcasts them.
+
+Every rank runs the same Scheduler on the same inputs, so every rank builds the same batches;
+the model's layers all-reduce / all-gather through torch.distributed (NCCL on CUDA, gloo on
+CPU). Requests cross ranks as a pickled op list on a gloo group, once per step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import socket
+from typing import Any
+
+import torch
+
+from minisgl.config import EngineConfig
+from minisgl.core import SamplingParams, TokenOutput
+from minisgl.distributed import set_tp_info
+from minisgl.errors import MiniSGLError
+
+logger = logging.getLogger("minisgl")
+
+_OBJECT_GROUP: Any = None
+
+
+class RankFailedError(MiniSGLError, RuntimeError):
+    """A tensor-parallel rank died or stopped answering; the engine cannot continue."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(config: EngineConfig, rank: int, init_addr: str) -> None:
+    """Join the TP process group (tcp:// rendezvous at init_addr) and set this rank's device."""
+    import torch.distributed as dist
+
+    global _OBJECT_GROUP
+    timeout = datetime.timedelta(seconds=float(config.extra.get("dist_timeout", 120)))
+    use_cuda = config.device != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        local_rank = rank % torch.cuda.device_count()
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo", init_method=f"tcp://{init_addr}",
+        rank=rank, world_size=config.tp, timeout=timeout,
+    )
+    _OBJECT_GROUP = dist.new_group(backend="gloo", timeout=timeout) if use_cuda else dist.group.WORLD
+    set_tp_info(rank, config.tp)
+
+
+def broadcast_ops(ops: list[Any] | None) -> list[Any]:
+    """Rank 0 sends its op list to every rank; the others receive it."""
+    import torch.distributed as dist
+
+    box = [ops]
+    dist.broadcast_object_list(box, src=0, group=_OBJECT_GROUP)
+    return box[0]
+
+
+def _apply(sched: Any, ops: list[Any]) -> None:
+    for op in ops:
+        if op[0] == "add":
+            sched.add_request(op[1], op[2], SamplingParams.from_dict(op[3]))
+        elif op[0] == "abort":
+            sched.abort(op[1])
+
+
+def worker_main(config: EngineConfig, rank: int, init_addr: str) -> None:
+    """Ranks > 0: mirror rank 0's scheduler step by step until told to exit."""
+    from minisgl.scheduler.scheduler import Scheduler
+
+    logging.basicConfig(level=logging.WARNING)
+    init_distributed(config, rank, init_addr)
+    sched = Scheduler(config)
+    try:
+        while True:
+            ops = broadcast_ops(None)
+            if ops and ops[0][0] == "exit":
+                break
+            _apply(sched, ops)
+            sched.step()
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+class TPScheduler:
+    """Rank 0's view of a tensor-parallel engine: the Scheduler API, mirrored to every rank."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from minisgl.scheduler.scheduler import Scheduler
+
+        nnodes = int(config.extra.get("nnodes", 1))
+        init_addr = config.extra.get("dist_init_addr") or f"127.0.0.1:{free_port()}"
+        local = config.tp // nnodes
+        ctx = mp.get_context("spawn")
+        self.workers = [
+            ctx.Process(target=worker_main, args=(config, rank, init_addr), daemon=True, name=f"minisgl-tp{rank}")
+            for rank in range(1, local)
+        ]
+        for w in self.workers:
+            w.start()
+        init_distributed(config, 0, init_addr)
+        self.sched = Scheduler(config)
+        self.tokenizer = self.sched.tokenizer
+        self.model_config = self.sched.model_config
+        self.device = self.sched.device
+        self.prefix_cache = self.sched.prefix_cache
+        self.engine = self.sched.engine
+        self._ops: list[Any] = []
+
+    @property
+    def has_work(self) -> bool:
+        return self.sched.has_work or bool(self._ops)
+
+    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
+        self.sched.validate(input_ids, params)
+
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        self.sched.validate(input_ids, params)
+        self._ops.append(("add", rid, list(input_ids), params.to_dict()))
+
+    def abort(self, rid: str) -> None:
+        self._ops.append(("abort", rid))
+
+    def _check_workers(self) -> None:
+        dead = [w.name for w in self.workers if not w.is_alive()]
+        if dead:
+            raise RankFailedError(f"tensor-parallel rank process(es) {dead} died: the engine stops; see their logs")
+
+    def step(self) -> list[TokenOutput]:
+        self._check_workers()
+        ops, self._ops = self._ops, []
+        try:
+            broadcast_ops(ops)
+        except RuntimeError as e:
+            raise RankFailedError(f"a tensor-parallel rank stopped answering: {e}") from e
+        _apply(self.sched, ops)
+        return self.sched.step()
+
+    def stats(self) -> dict[str, int]:
+        return self.sched.stats()
+
+    def check_integrity(self) -> None:
+        self.sched.check_integrity()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        self.sched.shutdown()
+        try:
+            broadcast_ops([("exit",)])
+        except RuntimeError:
+            pass
+        for w in self.workers:
+            w.join(timeout=10)
+            if w.is_alive():
+                w.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __del__(self) -> None:
+        for w in getattr(self, "workers", []):
+            if w.is_alive():
+                w.kill()
+
+
+def make_scheduler(config: EngineConfig) -> Any:
+    """The Scheduler for tp == 1, else the TP driver with the same API."""
+    if config.tp > 1:
+        return TPScheduler(config)
+    from minisgl.scheduler.scheduler import Scheduler
+
+    return Scheduler(config)

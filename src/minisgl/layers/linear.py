@@ -1,0 +1,146 @@
+"""Tensor-parallel linear layers (column- and row-sharded), each with a weight_loader per parameter.
+
+A column-parallel layer holds a slice of the output features on each rank; a row-parallel
+layer holds a slice of the input features and all-reduces its partial sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.errors import WeightsError
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator != 0:
+        raise WeightsError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+def copy_checked(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Copy a (sliced) checkpoint tensor into a parameter, failing loudly on a shape mismatch."""
+    if param.shape != loaded.shape:
+        raise WeightsError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) with W of shape [output_size, input_size] local to this rank."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        tp = get_tp_info()
+        self.tp_rank, self.tp_size = tp.rank, tp.size
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """The same full weight on every rank."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        copy_checked(param, loaded)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; the output stays sharded (no communication)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, divide(output_size, get_tp_info().size), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        size = param.shape[0]
+        copy_checked(param, loaded.narrow(0, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul (gate_up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.weight.shard_ids = tuple(range(len(output_sizes)))
+        if self.bias is not None:
+            self.bias.shard_ids = self.weight.shard_ids
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        assert isinstance(shard_id, int), "merged linear shards are loaded one projection at a time"
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; heads split across ranks.
+
+    When tp_size > total_num_kv_heads each KV head is replicated on tp_size / total_num_kv_heads ranks.
+    """
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False
+    ) -> None:
+        tp_size = get_tp_info().size
+        self.head_dim = head_dim
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp_size)
+        if tp_size >= total_num_kv_heads:
+            divide(tp_size, total_num_kv_heads)
+            self.num_kv_heads = 1
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output_size, bias)
+        self.weight.shard_ids = ("q", "k", "v")
+        if self.bias is not None:
+            self.bias.shard_ids = ("q", "k", "v")
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        if shard_id == "q":
+            offset, size, head_start = 0, self.q_size, self.tp_rank * self.num_heads
+        elif shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size = self.kv_size
+            # Ranks that share a replicated KV head all load that same head.
+            replicas = max(1, self.tp_size // self.total_num_kv_heads)
+            head_start = (self.tp_rank // replicas) * self.num_kv_heads
+        else:
+            raise WeightsError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
+        src = loaded.narrow(0, head_start * self.head_dim, size)
+        copy_checked(param.data.narrow(0, offset, size), src)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed with an all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(divide(input_size, get_tp_info().size), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        if param.dim() == 1:  # bias: full on every rank, added once (rank 0) before the reduce
+            copy_checked(param, loaded)
+            return
+        size = param.shape[1]
+        copy_checked(param, loaded.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return all_reduce(y)

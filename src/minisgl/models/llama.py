@@ -1,0 +1,173 @@
+"""Llama-family decoder: Llama, Mistral (dense), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k norm).
+
+Protocol the engine relies on:
+  forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden_size]
+      T is the flat token count of every request in the batch; attention goes through
+      minisgl.core.get_context().attn_backend for the batch set by Context.forward_batch.
+  compute_logits(hidden [N, hidden_size]) -> [N, vocab_size] float32
+  load_weights(iterable of (HF name, tensor)); raises WeightsError on missing or unknown names.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from minisgl.errors import ModelLoadError, WeightsError
+from minisgl.layers import (
+    AttentionLayer,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+)
+from minisgl.models.config import ModelConfig
+
+# HF checkpoint name fragment -> (our fused parameter fragment, shard id).
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, bias=config.attention_bias
+        )
+        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = rotary
+        self.attn = AttentionLayer(self.num_heads, self.num_kv_heads, self.head_dim, layer_id, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act not in ("silu", "swish"):
+            raise ModelLoadError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=False)
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add of each sub-block is fused into the next norm.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # One cos/sin cache shared by every layer.
+        rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, int | str | None]] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue  # derived from the config
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # the same tensor as embed_tokens
+            name, shard_id = hf_name, None
+            for hf_part, our_part, sid in _STACKED:
+                if hf_part in hf_name:
+                    name, shard_id = hf_name.replace(hf_part, our_part), sid
+                    break
+            param = params.get(name)
+            if param is None:
+                raise WeightsError(
+                    f"checkpoint tensor {hf_name!r} matches no parameter of {self.config.architecture}; "
+                    "is config.json's architecture right for these weights?"
+                )
+            try:
+                with torch.no_grad():
+                    param.weight_loader(param, tensor, shard_id)
+            except WeightsError as e:
+                raise WeightsError(f"{hf_name}: {e}") from None
+            loaded.add((name, shard_id))
+        expected = {(n, s) for n, p in params.items() for s in getattr(p, "shard_ids", (None,))}
+        missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+            raise WeightsError(f"{len(missing)} parameters missing from the checkpoint: {shown}")
+

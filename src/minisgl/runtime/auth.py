@@ -1,0 +1,119 @@
+"""ZMQ CURVE authentication for daemons reachable from other hosts (keys live in files).
+
+Layout of the key directory ($MINISGL_CURVE_DIR, else ~/.config/minisgl/curve):
+    server.key, server.key_secret      the daemon's keypair (created on first use)
+    authorized_clients/NAME.key        public keys of the clients allowed in
+    clients/NAME.key_secret            a client's keypair, made by `minisgl keys --client NAME`
+A client connects with its .key_secret file and the server's public server.key
+(Client(curve_client_key=..., curve_server_key=...) or $MINISGL_CURVE_CLIENT_KEY / _SERVER_KEY).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import NamedTuple
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from minisgl.errors import ConfigError
+
+logger = logging.getLogger("minisgl")
+
+
+def curve_dir() -> Path:
+    if os.environ.get("MINISGL_CURVE_DIR"):
+        return Path(os.environ["MINISGL_CURVE_DIR"])
+    base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return base / "minisgl" / "curve"
+
+
+def _create_keypair(directory: Path, name: str) -> tuple[Path, Path]:
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    os.chmod(secret, 0o600)
+    return Path(public), Path(secret)
+
+
+def ensure_server_keys(directory: Path) -> tuple[Path, Path]:
+    """The daemon's (public, secret) key files, created when missing."""
+    public, secret = directory / "server.key", directory / "server.key_secret"
+    if not secret.exists():
+        public, secret = _create_keypair(directory, "server")
+        logger.info("created the server CURVE keypair %s (give clients %s)", secret, public)
+    return public, secret
+
+
+def create_client_keys(directory: Path, name: str) -> tuple[Path, Path]:
+    """A client keypair under clients/, its public key authorized under authorized_clients/."""
+    public, secret = _create_keypair(directory / "clients", name)
+    authorized = directory / "authorized_clients"
+    authorized.mkdir(parents=True, exist_ok=True, mode=0o700)
+    shutil.copy(public, authorized / public.name)
+    return public, secret
+
+
+class ServerCurve:
+    """Turns a ROUTER into a CURVE server that admits only the authorized clients' keys."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        _, self.secret_file = ensure_server_keys(directory)
+        self.authorized = directory / "authorized_clients"
+        if not self.authorized.is_dir() or not any(self.authorized.glob("*.key")):
+            raise ConfigError(
+                f"remote access needs at least one authorized client key in {self.authorized}: "
+                f"run `minisgl keys --client NAME --curve-dir {directory}` and give that client "
+                f"{directory}/clients/NAME.key_secret and {directory}/server.key"
+            )
+        self._auth: ThreadAuthenticator | None = None
+
+    def apply(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
+        """Start the ZAP handler and make sock's next bind a CURVE server endpoint."""
+        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("minisgl.auth"))
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=str(self.authorized))
+        public, secret = zmq.auth.load_certificate(str(self.secret_file))
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+        sock.zap_domain = b"minisgl"
+
+    def stop(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+class ClientCurve(NamedTuple):
+    """A client's keypair file and the server's public key file."""
+
+    client_key: Path
+    server_key: Path
+
+    @classmethod
+    def resolve(cls, client_key: str | os.PathLike | None, server_key: str | os.PathLike | None) -> "ClientCurve | None":
+        """From arguments, else $MINISGL_CURVE_CLIENT_KEY/_SERVER_KEY; None when neither is set."""
+        client_key = client_key or os.environ.get("MINISGL_CURVE_CLIENT_KEY")
+        server_key = server_key or os.environ.get("MINISGL_CURVE_SERVER_KEY")
+        if not client_key and not server_key:
+            return None
+        if not client_key or not server_key:
+            raise ConfigError("CURVE needs both the client's .key_secret file and the server's public server.key file")
+        for path in (client_key, server_key):
+            if not Path(path).is_file():
+                raise ConfigError(f"CURVE key file {path} does not exist")
+        return cls(Path(client_key), Path(server_key))
+
+    def apply(self, sock: zmq.Socket) -> None:
+        public, secret = zmq.auth.load_certificate(str(self.client_key))
+        if secret is None:
+            raise ConfigError(f"{self.client_key} holds no secret key: give the client's .key_secret file")
+        server_public, _ = zmq.auth.load_certificate(str(self.server_key))
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_serverkey = server_public

@@ -1,0 +1,202 @@
+"""A client's link to a daemon: one DEALER socket whose replies are sorted into per-request inboxes.
+
+The socket is watched through a ZMQ monitor, so requests waiting on a daemon that dies (or that
+refuses the client's CURVE keys) fail at once instead of waiting out their timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Any, Union
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
+
+from minisgl.errors import DaemonTimeoutError
+from minisgl.runtime.auth import ClientCurve
+from minisgl.runtime.protocol import Chunk, Chunks, Error, Message, ProtocolError, decode, encode, error_class
+
+logger = logging.getLogger("minisgl")
+
+Reply = Union[Chunk, Message]  # what one request's inbox receives: its Chunks one by one, or a reply
+
+_WATCHED = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+def _socket(ctx: zmq.Context, address: str, curve: ClientCurve | None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.sndhwm = 0  # never block a sender: requests queue while the daemon starts
+    if curve is not None:
+        curve.apply(sock)
+    if address.startswith("tcp://"):
+        sock.heartbeat_ivl, sock.heartbeat_timeout = 5000, 15000
+    return sock
+
+
+def _event_error(address: str, event: dict[str, Any]) -> Error | None:
+    kind = event["event"]
+    if kind == zmq.EVENT_DISCONNECTED:
+        return Error("", "DaemonNotRunningError", f"the connection to the daemon at {address} was lost (did it stop?)")
+    if kind & (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+        return Error(
+            "", "DaemonError",
+            f"the daemon at {address} refused the connection (CURVE handshake failed): give the client its "
+            "keypair file and the server's public key (curve_client_key=/curve_server_key= or "
+            "$MINISGL_CURVE_CLIENT_KEY/$MINISGL_CURVE_SERVER_KEY), authorized on the daemon",
+        )
+    return None
+
+
+class _Inboxes:
+    """Replies sorted by request id; replies for ids nobody waits on (any more) are dropped."""
+
+    def __init__(self) -> None:
+        self.boxes: dict[str, Any] = {}
+
+    def route(self, msg: Message) -> list[tuple[Any, Reply]]:
+        if isinstance(msg, Chunks):
+            return [(self.boxes[c.rid], c) for c in msg.items if c.rid in self.boxes]
+        rid = getattr(msg, "rid", "")
+        if rid in self.boxes:
+            return [(self.boxes[rid], msg)]
+        if isinstance(msg, Error) and not rid:  # about the connection itself: everyone waiting hears it
+            return [(box, msg) for box in self.boxes.values()]
+        return []
+
+
+class SyncConnection:
+    """Blocking; for one thread at a time (the sync Client keeps one per thread)."""
+
+    def __init__(self, ctx: zmq.Context, address: str, curve: ClientCurve | None = None) -> None:
+        self.address = address
+        self.sock = _socket(ctx, address, curve)
+        self.monitor = self.sock.get_monitor_socket(_WATCHED)
+        self.sock.connect(address)
+        self.inboxes = _Inboxes()
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+
+    def open(self, rid: str) -> None:
+        self.inboxes.boxes[rid] = deque()
+
+    def forget(self, rid: str) -> None:
+        self.inboxes.boxes.pop(rid, None)
+
+    def send(self, msg: Message) -> None:
+        self.sock.send(encode(msg))
+
+    def next(self, rid: str, timeout: float | None) -> Reply:
+        """The next reply for rid (opened before its request was sent); DaemonTimeoutError after timeout s."""
+        box: deque = self.inboxes.boxes[rid]
+        deadline = None if timeout is None else _now() + timeout
+        while not box:
+            wait_ms = None if deadline is None else max(0, int((deadline - _now()) * 1000))
+            events = dict(self.poller.poll(wait_ms))
+            if self.sock in events:
+                self._drain()
+            elif self.monitor in events:
+                self._drain()  # replies that arrived before the event come first
+                error = _event_error(self.address, recv_monitor_message(self.monitor))
+                if error is not None:
+                    for target, reply in self.inboxes.route(error):
+                        target.append(reply)
+            elif deadline is not None and _now() >= deadline:
+                raise DaemonTimeoutError(f"no reply from the daemon at {self.address} within {timeout:.1f}s")
+        return box.popleft()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                raw = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            for box, reply in self.inboxes.route(_decode_reply(raw)):
+                box.append(reply)
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
+class AsyncConnection:
+    """asyncio: one reader task feeds per-request queues, so any number of requests share the socket."""
+
+    def __init__(self, address: str, curve: ClientCurve | None = None) -> None:
+        self.address = address
+        self.sock = _socket(zmq.asyncio.Context.instance(), address, curve)
+        self.monitor = self.sock.get_monitor_socket(_WATCHED)
+        self.sock.connect(address)
+        self.inboxes = _Inboxes()
+        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
+
+    def open(self, rid: str) -> None:
+        self.inboxes.boxes[rid] = asyncio.Queue()
+
+    def forget(self, rid: str) -> None:
+        self.inboxes.boxes.pop(rid, None)
+
+    def send(self, msg: Message) -> None:
+        """Send without waiting (safe in a finally block of a cancelled task)."""
+        self.sock.send(encode(msg))
+
+    async def next(self, rid: str, timeout: float | None) -> Reply:
+        box: asyncio.Queue = self.inboxes.boxes[rid]
+        if not box.empty() or timeout is None:
+            return await box.get()
+        try:
+            return await asyncio.wait_for(box.get(), timeout)
+        except asyncio.TimeoutError:
+            raise DaemonTimeoutError(f"no reply from the daemon at {self.address} within {timeout:.1f}s") from None
+
+    async def _read(self) -> None:
+        while True:
+            raw = await self.sock.recv()
+            for box, reply in self.inboxes.route(_decode_reply(raw)):
+                box.put_nowait(reply)
+
+    async def _watch(self) -> None:
+        while True:
+            frames = await self.monitor.recv_multipart()
+            error = _event_error(self.address, parse_monitor_message(frames))
+            if error is None:
+                continue
+            await asyncio.sleep(0)  # let the reader hand out replies that arrived before the event
+            for box, reply in self.inboxes.route(error):
+                box.put_nowait(reply)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
+def _decode_reply(raw: bytes) -> Message:
+    try:
+        return decode(raw)
+    except ProtocolError as e:
+        logger.warning("unreadable reply from the daemon: %s", e)
+        return Error("", "ProtocolError", f"unreadable reply from the daemon: {e}")
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def as_exception(reply: Error) -> Exception:
+    """The typed exception an Error reply stands for."""
+    return error_class(reply.error_type)(reply.message)

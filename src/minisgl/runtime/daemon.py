@@ -1,0 +1,446 @@
+"""The daemon process: the frontend ROUTER, the worker processes it starts, start-up and shutdown.
+
+    clients ──DEALER──▶ ROUTER (this process) ──▶ tokenizer ──▶ scheduler = TP rank 0 (──▶ ranks 1..N-1)
+                           ▲                         │               │
+                           └──────── frontend PULL ◀─┴── detokenizer ◀┘
+
+The frontend remembers which client (ZMQ identity) owns each request id and routes every
+reply back to it. A reply that cannot be routed (the client's connection is gone) aborts all of
+that client's requests, so the scheduler frees their pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import zmq
+
+from minisgl.config import EngineConfig
+from minisgl.errors import ConfigError, DaemonError, MiniSGLError
+from minisgl.runtime.addresses import Address, default_address, parse_address
+from minisgl.runtime.auth import ServerCurve, curve_dir
+from minisgl.runtime.protocol import (
+    CLIENT_MESSAGES,
+    Abort,
+    Chunk,
+    Chunks,
+    Error,
+    Generate,
+    GetModelInfo,
+    GetStats,
+    Message,
+    ModelInfoReply,
+    Ping,
+    Pong,
+    ProtocolError,
+    SchedulerReady,
+    Shutdown,
+    StatsReply,
+    WorkerFailed,
+    WorkerInit,
+    WorkerReady,
+    decode,
+    encode,
+    error_reply,
+)
+from minisgl.runtime.registry import DaemonRecord, FileLock, Registry
+from minisgl.runtime.transport import Endpoints, PrivateDir, pull, push
+
+logger = logging.getLogger("minisgl")
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
+STOP_GRACE_S = 5.0  # after Shutdown is sent, how long workers get to exit before they are terminated
+WORKERS = ("tokenizer", "detokenizer")
+
+
+class HttpOptions(NamedTuple):
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+
+
+def run_http(address: str, options: HttpOptions, model: str, log_level: int) -> None:
+    """Process entry of the HTTP server: one more client of this daemon, on its private endpoint."""
+    from minisgl.runtime.transport import worker_setup
+    from minisgl.server.app import run_http_server
+
+    worker_setup(log_level)
+    run_http_server(address, options.host, options.port, options.api_key, model_name=model)
+
+
+class Daemon:
+    """Serve one model at one address until SIGTERM/SIGINT, a Shutdown message or a worker failure."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        address: str | None = None,
+        *,
+        allow_remote: bool = False,
+        curve: bool = False,
+        curve_keys: str | os.PathLike | None = None,
+        http: HttpOptions | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        log_level: int = logging.INFO,
+    ) -> None:
+        self.config = config
+        self.address: Address = parse_address(address or default_address(config))
+        if not self.address.is_loopback and not allow_remote:
+            raise ConfigError(
+                f"{self.address.url} can be reached from other machines: pass --allow-remote to bind it "
+                "(clients then need CURVE keys), or bind tcp://127.0.0.1:PORT"
+            )
+        self.curve = ServerCurve(Path(curve_keys) if curve_keys else curve_dir()) if curve or not self.address.is_loopback else None
+        self.http = http
+        self.max_message_bytes = max_message_bytes
+        self.log_level = log_level
+        self.registry = Registry()
+
+        self.state = "starting"  # -> "ready" -> "stopping"
+        self.exit_code = 0
+        self.inflight: dict[str, bytes] = {}  # rid -> client identity
+        self.pending: list[tuple[bytes, Message, bytes]] = []  # requests that arrived during start-up
+        self.ready_workers: set[str] = set()
+        self.model_info: dict[str, Any] = {}
+        self.children: dict[str, multiprocessing.process.BaseProcess] = {}
+        self.started = time.monotonic()
+        self.stop_deadline = 0.0
+        self._lock: FileLock | None = None
+        self._private: PrivateDir | None = None
+        self._ctx: zmq.Context | None = None
+        self._signal = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self) -> int:
+        """Serve until stopped; returns the process exit code (0: asked to stop, 1: a failure)."""
+        self._claim_address()
+        try:
+            self._bind()
+            self.registry.add(DaemonRecord(self.address.url, self.config.model, os.getpid(), self.config.to_dict(), time.time()))
+            self._spawn_workers()
+            self._loop()
+        finally:
+            self._cleanup()
+        logger.info("stopped")
+        return self.exit_code
+
+    def _claim_address(self) -> None:
+        if self.address.scheme != "ipc":
+            return  # a tcp port is claimed by the bind itself
+        path = Path(self.address.path or "")
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock = FileLock(path.with_name(path.name + ".lock"))
+        if not self._lock.try_acquire():
+            self._lock = None
+            other = self.registry.get(self.address.url)
+            who = f" (pid {other.pid}, model {other.model})" if other else ""
+            raise DaemonError(
+                f"another minisgl daemon already serves {self.address.url}{who}: use it, stop it with "
+                f"`minisgl stop --address {self.address.url}`, or pick another --address"
+            )
+        path.unlink(missing_ok=True)  # a socket left behind by a daemon that was killed
+
+    def _bind(self) -> None:
+        self._private = PrivateDir()
+        self.endpoints = Endpoints.in_dir(self._private.path)
+        self._ctx = ctx = zmq.Context()
+        self.inbox = pull(ctx, self.endpoints.frontend)
+        self.tokenizer = push(ctx, self.endpoints.tokenizer)
+        router = self.router = ctx.socket(zmq.ROUTER)
+        router.router_mandatory = 1  # an unroutable reply raises EHOSTUNREACH: that client is gone
+        router.sndhwm = 0
+        router.maxmsgsize = self.max_message_bytes  # a bigger message drops that connection only
+        router.linger = 1000  # flush the error replies of a shutdown
+        router.bind(self.endpoints.router)  # in-daemon clients (HTTP server): private dir, no CURVE
+        if self.address.scheme == "tcp":
+            router.heartbeat_ivl, router.heartbeat_timeout = 5000, 15000  # notice vanished remote peers
+        if self.curve is not None:
+            self.curve.apply(ctx, router)
+        try:
+            if self.address.scheme == "ipc":
+                old_umask = os.umask(0o177)
+                try:
+                    router.bind(self.address.url)
+                finally:
+                    os.umask(old_umask)
+                os.chmod(self.address.path or "", 0o600)
+            else:
+                router.bind(self.address.url)
+        except zmq.ZMQError as e:
+            raise DaemonError(
+                f"cannot bind {self.address.url}: {e.strerror}; if another daemon listens there, stop it "
+                f"(`minisgl stop --address {self.address.url}`) or pick another address"
+            ) from e
+        auth = " with CURVE authentication" if self.curve is not None else ""
+        logger.info("listening at %s%s; starting %s", self.address.url, auth, self.config.model)
+
+    def _spawn_workers(self) -> None:
+        from minisgl.runtime.detokenizer_worker import run_detokenizer
+        from minisgl.runtime.scheduler_worker import run_scheduler
+        from minisgl.runtime.tokenizer_worker import run_tokenizer
+
+        mp = multiprocessing.get_context("spawn")
+        # With tp > 1 the scheduler process is rank 0 and starts the other ranks itself.
+        args = (self.config, self.endpoints, self.log_level)
+        self._start(mp.Process(target=run_scheduler, args=args, name="scheduler"))
+        self._start(mp.Process(target=run_tokenizer, args=(self.endpoints, self.log_level), name="tokenizer"))
+        self._start(mp.Process(target=run_detokenizer, args=(self.endpoints, self.log_level), name="detokenizer"))
+
+    def _start(self, proc: multiprocessing.process.BaseProcess) -> None:
+        proc.start()
+        self.children[proc.name] = proc
+
+    def _loop(self) -> None:
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        old_wakeup = signal.set_wakeup_fd(wake_w.fileno())
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.inbox, zmq.POLLIN)
+        poller.register(wake_r.fileno(), zmq.POLLIN)
+        watched = {proc.sentinel: proc for proc in self.children.values()}
+        for fd in watched:
+            poller.register(fd, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll(200))
+                if wake_r.fileno() in events:
+                    while True:
+                        try:
+                            wake_r.recv(64)
+                        except BlockingIOError:
+                            break
+                if self._signal:
+                    name = signal.Signals(self._signal).name
+                    self._signal = 0
+                    self.stop(f"received {name}", "RequestAbortedError", f"the daemon is shutting down ({name})")
+                if self.inbox in events:
+                    self._drain(self.inbox, self._on_internal)
+                if self.router in events:
+                    self._drain(self.router, self._on_client)
+                for fd in [fd for fd in watched if fd in events]:
+                    poller.unregister(fd)
+                    self._on_child_exit(watched.pop(fd))
+                for proc in self.children.values():  # the HTTP server starts after the loop does
+                    if proc.sentinel not in watched and proc.exitcode is None:
+                        watched[proc.sentinel] = proc
+                        poller.register(proc.sentinel, zmq.POLLIN)
+                if self.state == "stopping" and self._stopped():
+                    return
+        finally:
+            signal.set_wakeup_fd(old_wakeup)
+            for s, handler in old_handlers.items():
+                signal.signal(s, handler)
+            wake_r.close()
+            wake_w.close()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signal = signum
+
+    def _drain(self, sock: zmq.Socket, handle: Any, limit: int = 1024) -> None:
+        for _ in range(limit):  # bounded, so one busy socket cannot starve the other
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            handle(*frames)
+
+    def stop(self, reason: str, error_type: str, message: str, exit_code: int = 0) -> None:
+        """Begin shutdown: fail every request in flight, tell the workers to exit."""
+        if self.state == "stopping":
+            return
+        logger.info("stopping: %s", reason)
+        self.state = "stopping"
+        self.exit_code = exit_code
+        for rid, ident in list(self.inflight.items()):
+            self._reply(ident, Error(rid, error_type, message))
+        for ident, msg, _ in self.pending:
+            self._reply(ident, Error(msg.rid, error_type, message))  # type: ignore[union-attr]
+        self.inflight.clear()
+        self.pending.clear()
+        self.tokenizer.send(encode(Shutdown("", reason)))
+        if "http" in self.children:
+            self.children["http"].terminate()
+        self.stop_deadline = time.monotonic() + STOP_GRACE_S
+
+    def _stopped(self) -> bool:
+        alive = [p for p in self.children.values() if p.is_alive()]
+        if not alive:
+            return True
+        if time.monotonic() < self.stop_deadline:
+            return False
+        for proc in alive:
+            logger.warning("%s (pid %s) did not exit in time; terminating it", proc.name, proc.pid)
+            proc.terminate()
+            proc.join(3)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1)
+        return True
+
+    def _cleanup(self) -> None:
+        if self.curve is not None:
+            self.curve.stop()
+        if self._ctx is not None:
+            for sock in (self.router, self.inbox, self.tokenizer):
+                sock.close()
+            self._ctx.term()
+        for proc in self.children.values():
+            if proc.is_alive():
+                proc.kill()
+            proc.join(1)
+        self.registry.remove(self.address.url, os.getpid())
+        if self.address.scheme == "ipc" and self._lock is not None:
+            Path(self.address.path or "").unlink(missing_ok=True)
+            self._lock.path.unlink(missing_ok=True)
+            self._lock.release()
+        if self._private is not None:
+            self._private.remove()
+
+    # ------------------------------------------------------------------ messages
+
+    def _reply(self, ident: bytes, msg: Message) -> None:
+        try:
+            self.router.send_multipart([ident, encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._client_gone(ident)
+
+    def _client_gone(self, ident: bytes) -> None:
+        rids = [rid for rid, owner in self.inflight.items() if owner == ident]
+        for rid in rids:
+            del self.inflight[rid]
+            self.tokenizer.send(encode(Abort(rid)))
+        if rids:
+            logger.info("a client disconnected; aborted its %d request(s)", len(rids))
+
+    def _on_client(self, ident: bytes, *frames: bytes) -> None:
+        try:
+            if len(frames) != 1:
+                raise ProtocolError(f"expected one frame per message, got {len(frames)}")
+            msg = decode(frames[0])
+            if not isinstance(msg, CLIENT_MESSAGES):
+                raise ProtocolError(f"a client cannot send {type(msg).TAG!r} messages")  # type: ignore[union-attr]
+            if not isinstance(msg.rid, str) or not msg.rid:
+                raise ProtocolError("every request needs a non-empty string rid")
+        except ProtocolError as e:
+            self._reply(ident, error_reply("", e))
+            return
+        if isinstance(msg, Ping):
+            self._reply(ident, self._pong(msg.rid))
+        elif isinstance(msg, Shutdown):
+            self._reply(ident, self._pong(msg.rid)._replace(state="stopping"))
+            self.stop(f"a client asked ({msg.reason})", "RequestAbortedError", "the daemon is shutting down (minisgl stop)")
+        elif self.state == "stopping":
+            self._reply(ident, Error(msg.rid, "DaemonNotRunningError", "the daemon is shutting down"))
+        elif self.state == "starting":
+            self.pending.append((ident, msg, frames[0]))
+        else:
+            self._dispatch(ident, msg, frames[0])
+
+    def _dispatch(self, ident: bytes, msg: Message, raw: bytes) -> None:
+        if isinstance(msg, GetModelInfo):
+            self._reply(ident, ModelInfoReply(msg.rid, self.model_info))
+        elif isinstance(msg, Abort):
+            if msg.rid in self.inflight:
+                self.tokenizer.send(raw)
+        elif isinstance(msg, (Generate, GetStats)):
+            if msg.rid in self.inflight:
+                self._reply(ident, Error(msg.rid, "InvalidRequestError", f"request id {msg.rid!r} is already in flight"))
+                return
+            self.inflight[msg.rid] = ident
+            self.tokenizer.send(raw)
+
+    def _pong(self, rid: str) -> Pong:
+        from minisgl import __version__
+
+        return Pong(rid, self.state, os.getpid(), self.config.model, self.address.url, __version__, self.config.to_dict())
+
+    def _on_internal(self, raw: bytes) -> None:
+        msg = decode(raw)
+        if isinstance(msg, Chunks):
+            self._route_chunks(msg.items)
+        elif isinstance(msg, Error):
+            ident = self.inflight.pop(msg.rid, None)
+            if ident is not None:
+                self._reply(ident, msg)
+                self.tokenizer.send(encode(Abort(msg.rid)))  # the request's other samples, if any
+        elif isinstance(msg, StatsReply):
+            ident = self.inflight.pop(msg.rid, None)
+            if ident is not None:
+                stats = {**msg.stats, "inflight": len(self.inflight), "uptime_s": time.monotonic() - self.started}
+                self._reply(ident, msg._replace(stats=stats))
+        elif isinstance(msg, SchedulerReady):
+            self.model_info = msg.model_info
+            stats = msg.stats
+            logger.info(
+                "scheduler ready: %s (%s), context %d tokens, KV pool %d pages x %d tokens",
+                self.config.model, msg.model_info["architecture"], msg.model_info["context_length"],
+                stats["total_pages"], self.config.page_size,
+            )
+            self.tokenizer.send(encode(WorkerInit(msg.model_info, msg.tokenizer)))
+            self._on_ready("scheduler")
+        elif isinstance(msg, WorkerReady):
+            self._on_ready(msg.worker)
+        elif isinstance(msg, WorkerFailed):
+            text = f"{msg.worker} failed: {msg.error_type}: {msg.message}"
+            logger.error(text)
+            self.stop(text, "DaemonError", f"the daemon stopped because its {text}", exit_code=1)
+
+    def _route_chunks(self, chunks: list[Chunk]) -> None:
+        by_client: dict[bytes, list[Chunk]] = defaultdict(list)
+        for chunk in chunks:
+            ident = self.inflight.get(chunk.rid)
+            if ident is None:
+                continue  # aborted, or its client is gone
+            if chunk.done:
+                del self.inflight[chunk.rid]
+            by_client[ident].append(chunk)
+        for ident, items in by_client.items():
+            self._reply(ident, Chunks(items))
+
+    def _on_ready(self, worker: str) -> None:
+        self.ready_workers.add(worker)
+        if self.state != "starting" or not {"scheduler", *WORKERS} <= self.ready_workers:
+            return
+        self.state = "ready"
+        if self.http is not None:
+            mp = multiprocessing.get_context("spawn")
+            args = (self.endpoints.router, self.http, self.config.model, self.log_level)
+            self._start(mp.Process(target=run_http, args=args, name="http"))
+            logger.info("HTTP server starting on http://%s:%d", self.http.host, self.http.port)
+        logger.info(
+            "ready: serving %s at %s (start-up %.1fs)", self.config.model, self.address.url, time.monotonic() - self.started
+        )
+        pending, self.pending = self.pending, []
+        for ident, msg, raw in pending:
+            self._dispatch(ident, msg, raw)
+
+    def _on_child_exit(self, proc: multiprocessing.process.BaseProcess) -> None:
+        proc.join(0)
+        if self.state == "stopping":
+            return
+        text = f"{proc.name} process (pid {proc.pid}) exited unexpectedly with code {proc.exitcode}"
+        logger.error(text)
+        self.stop(text, "DaemonError", f"the daemon stopped because its {text}", exit_code=1)
+
+
+def serve(config: EngineConfig, address: str | None = None, **options: Any) -> int:
+    """Run a daemon in this process (what `minisgl serve` does); returns the exit code."""
+    try:
+        return Daemon(config, address, **options).run()
+    except MiniSGLError as e:
+        logger.error("%s", e)
+        return 1

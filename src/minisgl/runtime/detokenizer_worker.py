@@ -1,0 +1,175 @@
+"""The detokenizer process: token ids -> text deltas (UTF-8 safe, stop strings trimmed), usage, tool calls."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+from typing import Any
+
+import zmq
+
+from minisgl.core import TokenOutput
+from minisgl.runtime.protocol import (
+    Chunk,
+    Chunks,
+    Error,
+    RequestMeta,
+    Shutdown,
+    TokenOutputs,
+    Usage,
+    WorkerInit,
+    WorkerReady,
+    decode,
+    encode,
+)
+from minisgl.runtime.transport import Endpoints, ParentWatch, pull, push, worker_setup
+from minisgl.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger("minisgl")
+
+
+class RequestState:
+    """One request's decoding state: a detokenizer (and tool parser) per sample index."""
+
+    def __init__(self, tokenizer: Any, meta: dict[str, Any]) -> None:
+        self.tokenizer = tokenizer
+        self.n = int(meta.get("n", 1))
+        self.stop = list(meta.get("stop") or [])
+        self.skip_special_tokens = bool(meta.get("skip_special_tokens", True))
+        self.tools = meta.get("tools")
+        self.detoks: dict[int, IncrementalDetokenizer] = {}
+        self.tool_parsers: dict[int, Any] = {}
+        self.called: set[int] = set()  # indices that produced a tool call
+        self.finished: set[int] = set()
+        self.completion_tokens = 0
+
+    def detok(self, index: int) -> IncrementalDetokenizer:
+        if index not in self.detoks:
+            self.detoks[index] = IncrementalDetokenizer(self.tokenizer, self.stop, self.skip_special_tokens)
+        return self.detoks[index]
+
+    def tool_parser(self, index: int) -> Any:
+        if not self.tools:
+            return None
+        if index not in self.tool_parsers:
+            from minisgl.structured.parsers import StreamingToolParser, get_tool_parser
+
+            self.tool_parsers[index] = StreamingToolParser(get_tool_parser(self.tokenizer), self.tools)
+        return self.tool_parsers[index]
+
+
+class Detokenizer:
+    """Turns the scheduler's TokenOutputs into client Chunks (and Errors for failed requests)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(self, rid: str, meta: dict[str, Any]) -> None:
+        self.states[rid] = RequestState(self.tokenizer, meta)
+
+    def process(self, outputs: list[TokenOutput]) -> tuple[list[Chunk], list[Error]]:
+        chunks, errors = [], []
+        for out in outputs:
+            state = self.states.get(out.rid)
+            if state is None:
+                continue  # already failed (a sibling sequence's error ended the request)
+            if out.error is not None and out.finish_reason == "abort":
+                del self.states[out.rid]
+                errors.append(Error(out.rid, "RequestAbortedError", out.error))
+                continue
+            chunks.append(self._chunk(state, out))
+        return chunks, errors
+
+    def _chunk(self, state: RequestState, out: TokenOutput) -> Chunk:
+        detok = state.detok(out.index)
+        text = detok.add(out.new_token_ids) if out.new_token_ids else ""
+        if out.finished:
+            text += detok.finish()
+        tool_calls = None
+        parser = state.tool_parser(out.index)
+        if parser is not None:
+            text, tool_calls = parser.feed(text)
+            if out.finished:
+                tail_text, tail_calls = parser.finish()
+                text += tail_text
+                tool_calls = (tool_calls or []) + (tail_calls or []) or None
+            if tool_calls:
+                state.called.add(out.index)
+        finish_reason = out.finish_reason if out.finished else None
+        if finish_reason == "stop" and out.index in state.called:
+            finish_reason = "tool_calls"
+        usage, done = None, False
+        if out.finished:
+            state.finished.add(out.index)
+            state.completion_tokens += out.completion_tokens
+            if len(state.finished) == state.n:
+                done = True
+                usage = Usage(out.prompt_tokens, state.completion_tokens, out.cached_tokens)
+                del self.states[out.rid]
+        logprobs = self._logprobs(out) if out.new_logprobs else None
+        return Chunk(
+            out.rid, out.index, text, list(out.new_token_ids), logprobs, finish_reason,
+            out.matched_stop if out.finished else None, tool_calls, usage, done,
+        )
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(self, out: TokenOutput) -> list[dict[str, Any]]:
+        entries = []
+        for token_id, lp in zip(out.new_token_ids, out.new_logprobs or []):
+            if lp is None:
+                continue
+            chosen, alts = lp
+            entries.append({
+                "token_id": token_id,
+                "token": self._token(token_id),
+                "logprob": float(chosen),
+                "top_logprobs": [
+                    {"token_id": int(t), "token": self._token(int(t)), "logprob": float(v)} for t, v in alts
+                ],
+            })
+        return entries
+
+
+def run_detokenizer(endpoints: Endpoints, log_level: int) -> None:
+    """Process entry: wait for WorkerInit, then detokenize until Shutdown."""
+    worker_setup(log_level)
+    ctx = zmq.Context()
+    inbox = pull(ctx, endpoints.detokenizer)
+    frontend = push(ctx, endpoints.frontend)
+    parent = ParentWatch()
+    try:
+        detokenizer: Detokenizer | None = None
+        while True:
+            if not inbox.poll(1000):
+                if parent.gone:
+                    logger.error("the daemon process is gone; detokenizer exiting")
+                    return
+                continue
+            msg = decode(inbox.recv())
+            if isinstance(msg, TokenOutputs):
+                assert detokenizer is not None, "the scheduler sends WorkerInit first"
+                chunks, errors = detokenizer.process(msg.items)
+                if chunks:
+                    frontend.send(encode(Chunks(chunks)))
+                for error in errors:
+                    frontend.send(encode(error))
+            elif isinstance(msg, RequestMeta):
+                assert detokenizer is not None, "the scheduler sends WorkerInit first"
+                detokenizer.add_request(msg.rid, msg.detok)
+            elif isinstance(msg, WorkerInit):
+                detokenizer = Detokenizer(pickle.loads(msg.tokenizer))
+                frontend.send(encode(WorkerReady("detokenizer")))
+                logger.info("detokenizer worker ready")
+            elif isinstance(msg, Shutdown):
+                return
+    except Exception:  # noqa: BLE001 - log it; the daemon notices this process is gone and shuts down
+        logger.exception("detokenizer worker failed")
+        sys.exit(1)
+    finally:
+        inbox.close()
+        frontend.close()
+        ctx.term()

@@ -1,0 +1,268 @@
+"""The daemon's wire protocol: typed, versioned messages and the one codec that packs them.
+
+Every message is a NamedTuple registered under a short tag; on the wire it is the msgpack
+array ``[PROTOCOL_VERSION, tag, *fields]``. Nested NamedTuples travel as arrays and are rebuilt
+by the receiving class's ``from_wire``. Anything that does not decode to a known message of
+this version raises ProtocolError, which the daemon answers with an error reply.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, TypeVar, Union
+
+import msgpack
+
+from minisgl import errors
+from minisgl.core import TokenOutput
+from minisgl.errors import DaemonError
+
+PROTOCOL_VERSION = 1
+
+_BY_TAG: dict[str, type] = {}
+_T = TypeVar("_T")
+
+
+class ProtocolError(DaemonError):
+    """A message that is not valid msgpack, not a known message type, or of another protocol version."""
+
+
+def _message(tag: str) -> Callable[[type[_T]], type[_T]]:
+    def register(cls: type[_T]) -> type[_T]:
+        assert tag not in _BY_TAG, f"duplicate message tag {tag!r}"
+        cls.TAG = tag  # type: ignore[attr-defined]
+        _BY_TAG[tag] = cls
+        return cls
+
+    return register
+
+
+# ---------------------------------------------------------------------------- client -> daemon
+
+
+@_message("generate")
+class Generate(NamedTuple):
+    """Generate from exactly one of prompt (text), input_ids or messages (chat)."""
+
+    rid: str
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    params: dict[str, Any] | None = None  # SamplingParams.to_dict(); None: defaults
+    tools: list[dict[str, Any]] | None = None  # OpenAI-style tool definitions
+    tool_choice: Any = None  # "auto" | "none" | "required" | {"type": "function", "function": {"name": ...}}
+    response_format: dict[str, Any] | None = None  # OpenAI-style {"type": "json_object" | "json_schema" | "text", ...}
+
+
+@_message("abort")
+class Abort(NamedTuple):
+    rid: str
+
+
+@_message("ping")
+class Ping(NamedTuple):
+    rid: str
+
+
+@_message("get_model_info")
+class GetModelInfo(NamedTuple):
+    rid: str
+
+
+@_message("get_stats")
+class GetStats(NamedTuple):
+    rid: str
+
+
+@_message("shutdown")
+class Shutdown(NamedTuple):
+    rid: str
+    reason: str = "asked by a client"
+
+
+# ---------------------------------------------------------------------------- daemon -> client
+
+
+class Usage(NamedTuple):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+class Chunk(NamedTuple):
+    """One piece of a request's output: new text and tokens of sequence `index`.
+
+    finish_reason is set on the last chunk of each sequence; done and usage on the last chunk
+    of the whole request (all n sequences finished).
+    """
+
+    rid: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[str, Any]] | None = None  # per token: {token_id, token, logprob, top_logprobs}
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "tool_calls"
+    matched_stop: str | int | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # tool-call deltas (see minisgl.structured.parsers)
+    usage: Usage | None = None
+    done: bool = False
+
+
+@_message("chunks")
+class Chunks(NamedTuple):
+    items: list[Chunk]
+
+    @classmethod
+    def from_wire(cls, fields: list[Any]) -> "Chunks":
+        items = []
+        for item in fields[0]:
+            chunk = Chunk(*item)
+            if chunk.usage is not None:
+                chunk = chunk._replace(usage=Usage(*chunk.usage))
+            items.append(chunk)
+        return cls(items)
+
+
+@_message("error")
+class Error(NamedTuple):
+    """The request `rid` failed (or, with rid "", the connection sent something unusable)."""
+
+    rid: str
+    error_type: str  # a class name from minisgl.errors (or ProtocolError)
+    message: str
+
+
+@_message("pong")
+class Pong(NamedTuple):
+    rid: str
+    state: str  # "starting" | "ready" | "stopping"
+    pid: int
+    model: str
+    address: str
+    version: str  # minisgl version
+    config: dict[str, Any]
+
+
+@_message("model_info")
+class ModelInfoReply(NamedTuple):
+    rid: str
+    info: dict[str, Any]
+
+
+@_message("stats")
+class StatsReply(NamedTuple):
+    rid: str
+    stats: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------- inside the daemon
+
+
+@_message("add_request")
+class AddRequest(NamedTuple):
+    """Tokenizer worker -> scheduler: a tokenized, validated request."""
+
+    rid: str
+    input_ids: list[int]
+    params: dict[str, Any]
+    detok: dict[str, Any]  # what the detokenizer needs (stop, skip_special_tokens, n, tools); passed through
+
+
+@_message("request_meta")
+class RequestMeta(NamedTuple):
+    """Scheduler -> detokenizer, ahead of the request's first output on the same pipe."""
+
+    rid: str
+    detok: dict[str, Any]
+
+
+@_message("token_outputs")
+class TokenOutputs(NamedTuple):
+    """Scheduler -> detokenizer: everything one step produced."""
+
+    items: list[TokenOutput]
+
+    @classmethod
+    def from_wire(cls, fields: list[Any]) -> "TokenOutputs":
+        return cls([TokenOutput(*item) for item in fields[0]])
+
+
+@_message("worker_init")
+class WorkerInit(NamedTuple):
+    """What the tokenizer and detokenizer workers need from the loaded model."""
+
+    model_info: dict[str, Any]
+    tokenizer: bytes  # the scheduler's tokenizer, pickled: the workers use exactly what the engine loaded
+
+
+@_message("scheduler_ready")
+class SchedulerReady(NamedTuple):
+    model_info: dict[str, Any]
+    tokenizer: bytes
+    stats: dict[str, Any]
+
+
+@_message("worker_ready")
+class WorkerReady(NamedTuple):
+    worker: str
+
+
+@_message("worker_failed")
+class WorkerFailed(NamedTuple):
+    """A worker hit an error it cannot recover from; the daemon reports it and shuts down."""
+
+    worker: str
+    error_type: str
+    message: str
+
+
+Message = Union[
+    Generate, Abort, Ping, GetModelInfo, GetStats, Shutdown, Chunks, Error, Pong, ModelInfoReply, StatsReply,
+    AddRequest, RequestMeta, TokenOutputs, WorkerInit, SchedulerReady, WorkerReady, WorkerFailed,
+]
+CLIENT_MESSAGES = (Generate, Abort, Ping, GetModelInfo, GetStats, Shutdown)
+
+
+def encode(msg: Message) -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION, type(msg).TAG, *msg], use_bin_type=True)  # type: ignore[union-attr]
+
+
+def decode(data: bytes) -> Message:
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"malformed message: not msgpack ({type(e).__name__})") from e
+    if not isinstance(obj, list) or len(obj) < 2 or not isinstance(obj[1], str):
+        raise ProtocolError("malformed message: expected [version, type, fields...]")
+    version, tag, fields = obj[0], obj[1], obj[2:]
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION}): "
+            "use the same minisgl version for the client and the daemon"
+        )
+    cls = _BY_TAG.get(tag)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {tag!r}")
+    required = len(cls._fields) - len(cls._field_defaults)
+    if not required <= len(fields) <= len(cls._fields):
+        raise ProtocolError(f"message {tag!r} takes {required}..{len(cls._fields)} fields, got {len(fields)}")
+    try:
+        return cls.from_wire(fields) if hasattr(cls, "from_wire") else cls(*fields)
+    except (TypeError, ValueError, IndexError) as e:
+        raise ProtocolError(f"malformed {tag!r} message: {e}") from e
+
+
+def error_class(name: str) -> type[Exception]:
+    """The exception class an Error reply names (a minisgl.errors class, ProtocolError, else MiniSGLError)."""
+    if name == ProtocolError.__name__:
+        return ProtocolError
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.MiniSGLError):
+        return cls
+    return errors.MiniSGLError
+
+
+def error_reply(rid: str, exc: BaseException) -> Error:
+    """The Error message for an exception: typed errors keep their class, anything else is reported as is."""
+    if isinstance(exc, errors.MiniSGLError):
+        return Error(rid, type(exc).__name__, str(exc))
+    return Error(rid, "MiniSGLError", f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,144 @@
+"""The scheduler process: receives tokenized requests, steps the engine, sends token outputs.
+
+With tp > 1 this is rank 0: minisgl.distributed.launch.TPScheduler starts ranks 1..N-1 and
+broadcasts each step's requests to them, behind the same Scheduler API.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from minisgl.config import EngineConfig
+from minisgl.core import SamplingParams
+from minisgl.runtime.protocol import (
+    Abort,
+    AddRequest,
+    GetStats,
+    RequestMeta,
+    SchedulerReady,
+    Shutdown,
+    StatsReply,
+    TokenOutputs,
+    WorkerFailed,
+    WorkerInit,
+    encode,
+    error_reply,
+)
+from minisgl.runtime.transport import Endpoints, ParentWatch, pull, push, recv_ready, worker_setup
+
+if TYPE_CHECKING:
+    from minisgl.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger("minisgl")
+
+IDLE_POLL_MS = 500  # how long an idle scheduler waits for a message before checking on its parent
+
+
+def model_info(sched: "Scheduler", config: EngineConfig) -> dict[str, Any]:
+    mc, engine = sched.model_config, sched.engine
+    return {
+        "name": config.model,
+        "path": str(engine.model_dir) if engine.model_dir is not None else None,
+        "architecture": mc.architecture,
+        "context_length": engine.max_seq_len,
+        "max_position_embeddings": mc.max_position_embeddings,
+        "eos_token_ids": list(mc.eos_token_ids),
+        "vocab_size": mc.vocab_size,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "tp": config.tp,
+        "page_size": config.page_size,
+        "total_pages": sched.stats()["total_pages"],
+        "has_chat_template": getattr(sched.tokenizer, "chat_template", None) is not None,
+        "config": config.to_dict(),
+    }
+
+
+def run_scheduler(config: EngineConfig, endpoints: Endpoints, log_level: int) -> None:
+    """Process entry: load the engine, report readiness, then serve until Shutdown."""
+    worker_setup(log_level)
+    ctx = zmq.Context()
+    frontend = push(ctx, endpoints.frontend)
+    try:
+        t0 = time.perf_counter()
+        from minisgl.distributed.launch import make_scheduler
+
+        sched = make_scheduler(config)
+    except BaseException as e:  # noqa: BLE001 - any start-up failure is reported to the daemon, then we exit
+        logger.error("scheduler failed to start: %s: %s", type(e).__name__, e)
+        frontend.send(encode(WorkerFailed("scheduler", type(e).__name__, str(e))))
+        frontend.close()
+        ctx.term()
+        sys.exit(1)
+    inbox = pull(ctx, endpoints.scheduler)
+    detokenizer = push(ctx, endpoints.detokenizer)
+    info = model_info(sched, config)
+    tokenizer = pickle.dumps(sched.tokenizer)
+    detokenizer.send(encode(WorkerInit(info, tokenizer)))
+    frontend.send(encode(SchedulerReady(info, tokenizer, sched.stats())))
+    logger.info("scheduler ready in %.1fs", time.perf_counter() - t0)
+    try:
+        SchedulerLoop(sched, inbox, detokenizer, frontend).run()
+    except Exception as e:  # noqa: BLE001 - an engine failure ends the daemon; clients get an error
+        logger.exception("scheduler failed")
+        frontend.send(encode(WorkerFailed("scheduler", type(e).__name__, str(e))))
+        sys.exit(1)
+    finally:
+        sched.shutdown()
+        for sock in (inbox, detokenizer, frontend):
+            sock.close()
+        ctx.term()
+
+
+class SchedulerLoop:
+    """Receive -> apply -> step -> send outputs, until Shutdown (or the daemon process is gone)."""
+
+    def __init__(self, sched: "Scheduler", inbox: zmq.Socket, detokenizer: zmq.Socket, frontend: zmq.Socket) -> None:
+        self.sched = sched
+        self.inbox = inbox
+        self.detokenizer = detokenizer
+        self.frontend = frontend
+        self.parent = ParentWatch()
+
+    def run(self) -> None:
+        while True:
+            for msg in recv_ready(self.inbox, 0 if self.sched.has_work else IDLE_POLL_MS):
+                if isinstance(msg, Shutdown):
+                    self._send_detok(msg)
+                    return
+                self._apply(msg)
+            if self.sched.has_work:
+                outputs = self.sched.step()
+                if outputs:
+                    self._send_detok(TokenOutputs(outputs))
+            elif self.parent.gone:
+                logger.error("the daemon process is gone; scheduler exiting")
+                return
+
+    def _apply(self, msg: Any) -> None:
+        if isinstance(msg, AddRequest):
+            try:
+                params = SamplingParams.from_dict(msg.params)
+                self.sched.add_request(msg.rid, msg.input_ids, params)
+            except Exception as e:  # noqa: BLE001 - a bad request fails alone, with its error type
+                self._send_frontend(error_reply(msg.rid, e))
+                return
+            self._send_detok(RequestMeta(msg.rid, msg.detok))
+        elif isinstance(msg, Abort):
+            self.sched.abort(msg.rid)
+        elif isinstance(msg, GetStats):
+            self._send_frontend(StatsReply(msg.rid, self.sched.stats()))
+        else:
+            logger.warning("scheduler ignored an unexpected %s message", type(msg).__name__)
+
+    def _send_detok(self, msg: Any) -> None:
+        self.detokenizer.send(encode(msg))
+
+    def _send_frontend(self, msg: Any) -> None:
+        self.frontend.send(encode(msg))

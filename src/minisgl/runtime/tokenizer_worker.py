@@ -1,0 +1,178 @@
+"""The tokenizer process: chat templates (with tools), tokenization and validation.
+
+A request that cannot be served is answered here with a typed error and never reaches the
+scheduler; the rest go on as AddRequest, in arrival order (aborts follow the same path so an
+abort can never overtake the request it cancels).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+from typing import Any
+
+import zmq
+
+from minisgl.core import SamplingParams
+from minisgl.errors import InvalidRequestError, PromptTooLongError
+from minisgl.runtime.protocol import (
+    Abort,
+    AddRequest,
+    Generate,
+    GetStats,
+    Shutdown,
+    WorkerInit,
+    WorkerReady,
+    decode,
+    encode,
+    error_reply,
+)
+from minisgl.runtime.transport import Endpoints, ParentWatch, pull, push, worker_setup
+from minisgl.tokenizer import apply_chat_template, encode_prompt
+
+logger = logging.getLogger("minisgl")
+
+
+def _sampling_params(d: Any) -> SamplingParams:
+    if d is None:
+        return SamplingParams()
+    if not isinstance(d, dict):
+        raise InvalidRequestError(f"sampling params must be a mapping, got {type(d).__name__}")
+    try:
+        return SamplingParams.from_dict(d)
+    except TypeError as e:  # a value of the wrong type (e.g. temperature="hot")
+        raise InvalidRequestError(f"invalid SamplingParams: {e}") from e
+
+
+def apply_response_format(params: SamplingParams, response_format: Any) -> SamplingParams:
+    """OpenAI's response_format as a grammar on the params ({"type": "text" | "json_object" | "json_schema"})."""
+    if response_format is None:
+        return params
+    if not isinstance(response_format, dict) or "type" not in response_format:
+        raise InvalidRequestError("response_format must be an object with a 'type'")
+    kind = response_format["type"]
+    if kind == "text":
+        return params
+    if params.has_grammar:
+        raise InvalidRequestError("give either response_format or a json_schema/regex/ebnf constraint, not both")
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise InvalidRequestError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+        schema = spec.get("schema", {})
+    else:
+        raise InvalidRequestError(f"unknown response_format type {kind!r}: use text, json_object or json_schema")
+    return SamplingParams.from_dict({**params.to_dict(), "json_schema": schema})
+
+
+class RequestPreparer:
+    """Turns a Generate message into a tokenized, validated AddRequest."""
+
+    def __init__(self, tokenizer: Any, model_info: dict[str, Any]) -> None:
+        self.tokenizer = tokenizer
+        self.context_length = int(model_info["context_length"])
+
+    def prepare(self, msg: Generate) -> AddRequest:
+        params = _sampling_params(msg.params)
+        given = [name for name in ("prompt", "input_ids", "messages") if getattr(msg, name) is not None]
+        if len(given) != 1:
+            raise InvalidRequestError(f"give exactly one of prompt, input_ids and messages (got {given or 'none'})")
+        tools = self._tools(msg)
+        if tools and msg.messages is None:
+            raise InvalidRequestError("tools need a chat request: send messages, not a plain prompt")
+        params = apply_response_format(params, msg.response_format)
+        if tools:
+            params = self._tool_constraint(params, tools, msg.tool_choice)
+        if msg.messages is not None:
+            input_ids = apply_chat_template(self.tokenizer, msg.messages, tools=tools or None)
+        elif msg.prompt is not None:
+            if not isinstance(msg.prompt, str):
+                raise InvalidRequestError(f"prompt must be a string, got {type(msg.prompt).__name__}")
+            input_ids = encode_prompt(self.tokenizer, msg.prompt)
+        else:
+            if not isinstance(msg.input_ids, list):
+                raise InvalidRequestError("input_ids must be a list of token ids")
+            input_ids = encode_prompt(self.tokenizer, msg.input_ids)
+        if len(input_ids) >= self.context_length:
+            raise PromptTooLongError(
+                f"the prompt has {len(input_ids)} tokens but the context window is {self.context_length}: "
+                "shorten the prompt"
+            )
+        detok = {
+            "n": params.n,
+            "stop": params.stop,
+            "skip_special_tokens": params.skip_special_tokens,
+            "logprobs": params.logprobs is not None,
+            "tools": tools or None,
+        }
+        return AddRequest(msg.rid, input_ids, params.to_dict(), detok)
+
+    @staticmethod
+    def _tools(msg: Generate) -> list[dict[str, Any]]:
+        if msg.tools is None:
+            if msg.tool_choice not in (None, "none", "auto"):
+                raise InvalidRequestError(f"tool_choice {msg.tool_choice!r} needs tools")
+            return []
+        if not isinstance(msg.tools, list) or not all(isinstance(t, dict) for t in msg.tools):
+            raise InvalidRequestError("tools must be a list of {'type': 'function', 'function': {...}} objects")
+        if msg.tool_choice == "none":
+            return []
+        return msg.tools
+
+    @staticmethod
+    def _tool_constraint(params: SamplingParams, tools: list[dict[str, Any]], tool_choice: Any) -> SamplingParams:
+        from minisgl.structured import tools as tool_support
+
+        grammar = tool_support.tool_call_constraint(tools, tool_choice)
+        if not grammar:
+            return params
+        if params.has_grammar:
+            raise InvalidRequestError("a forced tool call cannot be combined with response_format or a grammar")
+        return SamplingParams.from_dict({**params.to_dict(), **grammar})
+
+
+def run_tokenizer(endpoints: Endpoints, log_level: int) -> None:
+    """Process entry: wait for WorkerInit, then tokenize until Shutdown."""
+    worker_setup(log_level)
+    ctx = zmq.Context()
+    inbox = pull(ctx, endpoints.tokenizer)
+    scheduler = push(ctx, endpoints.scheduler)
+    frontend = push(ctx, endpoints.frontend)
+    parent = ParentWatch()
+    try:
+        preparer: RequestPreparer | None = None
+        while True:
+            if not inbox.poll(1000):
+                if parent.gone:
+                    logger.error("the daemon process is gone; tokenizer exiting")
+                    return
+                continue
+            raw = inbox.recv()
+            msg = decode(raw)
+            if isinstance(msg, WorkerInit):
+                preparer = RequestPreparer(pickle.loads(msg.tokenizer), msg.model_info)
+                frontend.send(encode(WorkerReady("tokenizer")))
+                logger.info("tokenizer worker ready")
+            elif isinstance(msg, Generate):
+                assert preparer is not None, "the daemon forwards requests only after start-up"
+                try:
+                    add = preparer.prepare(msg)
+                except Exception as e:  # noqa: BLE001 - a bad request fails alone, with its error type
+                    frontend.send(encode(error_reply(msg.rid, e)))
+                    continue
+                scheduler.send(encode(add))
+            elif isinstance(msg, (Abort, GetStats)):
+                scheduler.send(raw)
+            elif isinstance(msg, Shutdown):
+                scheduler.send(raw)
+                return
+    except Exception:  # noqa: BLE001 - log it; the daemon notices this process is gone and shuts down
+        logger.exception("tokenizer worker failed")
+        sys.exit(1)
+    finally:
+        for sock in (inbox, scheduler, frontend):
+            sock.close()
+        ctx.term()

@@ -1,0 +1,647 @@
+"""The OpenAI-compatible HTTP server: FastAPI endpoints over one AsyncClient to the daemon.
+
+The server holds no model: it validates requests, translates them into Client calls and
+translates chunks back into OpenAI JSON (or SSE). Errors found before the first streamed
+byte are ordinary HTTP errors; a client that goes away aborts its request in the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minisgl.errors import (
+    ConfigError,
+    DaemonError,
+    InvalidRequestError,
+    MiniSGLError,
+    OutOfMemoryError,
+    PromptTooLongError,
+    RequestAbortedError,
+    UnknownModelError,
+)
+from minisgl.server.metrics import RequestTimer, ServerMetrics
+from minisgl.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenLogprob,
+    ToolCall,
+    TopLogprob,
+    Usage,
+    new_id,
+)
+
+logger = logging.getLogger("minisgl.server")
+
+_T = TypeVar("_T")
+_LOOPBACK_NAMES = ("localhost", "ip6-localhost")
+
+
+class APIError(Exception):
+    """An error with its HTTP status and OpenAI error type/code."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+def api_error(e: BaseException) -> APIError:
+    """The HTTP form of an exception: 400 for bad requests, 503 when the daemon is unreachable, else 500."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, PromptTooLongError):
+        return APIError(400, str(e), "invalid_request_error", "context_length_exceeded")
+    if isinstance(e, (InvalidRequestError, OutOfMemoryError)):
+        return APIError(400, str(e), "invalid_request_error", type(e).__name__)
+    if isinstance(e, UnknownModelError):
+        return APIError(404, str(e), "invalid_request_error", "model_not_found", "model")
+    if isinstance(e, DaemonError):
+        return APIError(503, f"the minisgl daemon is unavailable: {e}", "service_unavailable", type(e).__name__)
+    if isinstance(e, RequestAbortedError):
+        return APIError(503, f"the request was aborted: {e}", "service_unavailable", type(e).__name__)
+    logger.exception("internal error", exc_info=e)
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error", type(e).__name__)
+
+
+def is_loopback(host: str) -> bool:
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------------------- chunk -> OpenAI
+
+
+def _usage(u: Any) -> Usage:
+    """A Usage from the client's usage (attributes or dict); zeros when absent."""
+    if u is None:
+        return Usage.of(0, 0, 0)
+    get = u.get if isinstance(u, dict) else lambda k, d=0: getattr(u, k, d)
+    return Usage.of(int(get("prompt_tokens", 0)), int(get("completion_tokens", 0)), int(get("cached_tokens", 0) or 0))
+
+
+def _field(x: Any, name: str, default: Any = None) -> Any:
+    return x.get(name, default) if isinstance(x, dict) else getattr(x, name, default)
+
+
+def _top(entry: Any) -> tuple[str, float]:
+    return str(_field(entry, "token", "")), float(_field(entry, "logprob"))
+
+
+def _utf8(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(entries: Sequence[Any] | None) -> ChoiceLogprobs | None:
+    """Per-token logprobs ({token, logprob, top_logprobs: [{token, logprob}]}) in chat form."""
+    if not entries:
+        return None
+    content = []
+    for e in entries:
+        token, logprob = _top(e)
+        tops = [TopLogprob(token=t, logprob=lp, bytes=_utf8(t)) for t, lp in map(_top, _field(e, "top_logprobs") or [])]
+        content.append(TokenLogprob(token=token, logprob=logprob, bytes=_utf8(token), top_logprobs=tops))
+    return ChoiceLogprobs(content=content)
+
+
+def completion_logprobs(entries: Sequence[Any] | None, text_offset: int) -> CompletionLogprobs | None:
+    if not entries:
+        return None
+    out = CompletionLogprobs()
+    for e in entries:
+        token, logprob = _top(e)
+        out.tokens.append(token)
+        out.token_logprobs.append(logprob)
+        out.top_logprobs.append(dict(map(_top, _field(e, "top_logprobs") or [])))
+        out.text_offset.append(text_offset)
+        text_offset += len(token)
+    return out
+
+
+def _tool_calls(calls: Sequence[Any] | None) -> list[ToolCall] | None:
+    """Complete tool calls (dicts or objects in OpenAI's shape) as ToolCall models."""
+    if not calls:
+        return None
+    return [ToolCall.model_validate(c if isinstance(c, dict) else _obj_to_dict(c)) for c in calls]
+
+
+def _obj_to_dict(c: Any) -> dict[str, Any]:
+    fn = _field(c, "function")
+    name = _field(fn, "name") if fn is not None else _field(c, "name")
+    args = _field(fn, "arguments") if fn is not None else _field(c, "arguments")
+    if not isinstance(args, str):
+        args = json.dumps(args)
+    return {"id": _field(c, "id"), "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _chunk_json(chunk: ChatCompletionChunk | CompletionResponse, include_usage: bool) -> dict[str, Any]:
+    """OpenAI's chunk shape: deltas carry only the fields they set; usage is present iff asked for."""
+    d = chunk.model_dump()
+    for choice in d["choices"]:
+        if "delta" in choice:
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    if not include_usage:
+        d.pop("usage", None)
+    return d
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+async def _first(stream: AsyncIterator[_T]) -> tuple[_T | None, bool]:
+    """The first item of a stream (None, True when it is empty); errors surface before any byte is sent."""
+    try:
+        return await stream.__anext__(), False
+    except StopAsyncIteration:
+        return None, True
+
+
+async def _close(stream: Any) -> None:
+    """Close a client stream (which aborts its request), even while being cancelled."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with anyio.CancelScope(shield=True):
+            await aclose()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T:
+    """Await work; if the HTTP client disconnects first, cancel it (the Client aborts the request)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientDisconnected()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(task, return_exceptions=True)
+
+
+async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several streams as (stream index, item); an error in any one ends them all."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await _close(streams[0])
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item, None, False))
+            await queue.put((i, None, None, True))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            await queue.put((i, None, e, True))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(streams)
+        while live:
+            i, item, error, finished = await queue.get()
+            if error is not None:
+                raise error
+            if finished:
+                live -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for s in streams:
+                await _close(s)
+
+
+# ---------------------------------------------------------------------------- the app
+
+
+class _Server:
+    """What the endpoints share: the daemon client, model facts, metrics."""
+
+    def __init__(self, client_address: str, model_name: str, client_factory: Callable[[], Any] | None) -> None:
+        self.client_address = client_address
+        self.model_name = model_name
+        self.metrics = ServerMetrics(model_name)
+        self._client_factory = client_factory
+        self.client: Any = None
+        self._info: dict[str, Any] | None = None
+
+    async def start(self) -> None:
+        if self._client_factory is not None:
+            self.client = self._client_factory()
+        else:
+            from minisgl.client import AsyncClient
+
+            self.client = AsyncClient(model=self.model_name, address=self.client_address, auto_start=False)
+        if hasattr(self.client, "__aenter__"):
+            await self.client.__aenter__()
+
+    async def close(self) -> None:
+        if self.client is not None and hasattr(self.client, "__aexit__"):
+            await self.client.__aexit__(None, None, None)
+
+    async def info(self) -> dict[str, Any]:
+        if self._info is None:
+            self._info = dict(await self.client.model_info())
+        return self._info
+
+    async def context_len(self) -> int:
+        info = await self.info()
+        for key in ("max_seq_len", "context_length", "max_model_len", "max_position_embeddings"):
+            if isinstance(info.get(key), int):
+                return info[key]
+        return 4096
+
+    async def check_model(self, requested: str | None) -> None:
+        if not requested or requested == self.model_name:
+            return
+        info = await self.info()
+        aliases = {str(info.get(k)) for k in ("name", "model", "model_path", "path", "hf_id", "alias") if info.get(k)}
+        if requested not in aliases:
+            raise APIError(
+                404, f"the model {requested!r} does not exist: this server serves {self.model_name!r}",
+                "invalid_request_error", "model_not_found", "model",
+            )
+
+
+def create_app(
+    client_address: str,
+    model_name: str,
+    api_key: str | None = None,
+    client_factory: Callable[[], Any] | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `model_name` from the daemon at `client_address`.
+
+    With api_key set, every /v1 route needs `Authorization: Bearer <api_key>`.
+    client_factory (tests, embedding) builds the async client instead of minisgl.AsyncClient.
+    """
+    server = _Server(client_address, model_name, client_factory)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await server.start()
+        try:
+            yield
+        finally:
+            await server.close()
+
+    app = FastAPI(title="minisgl", version=_version(), lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _on_api_error(_: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(MiniSGLError)
+    async def _on_minisgl_error(_: Request, e: MiniSGLError) -> JSONResponse:
+        return api_error(e).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        param = ".".join(str(p) for p in errs[0]["loc"][1:]) if errs and errs[0].get("loc") else None
+        message = "; ".join(f"{'.'.join(str(p) for p in x['loc'][1:]) or 'body'}: {x['msg']}" for x in errs)
+        return APIError(400, f"invalid request: {message}", "invalid_request_error", "invalid_request", param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if e.status_code < 500 else "internal_server_error"
+        return APIError(e.status_code, str(e.detail), type_).response()
+
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           "invalid_request_error", "invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await asyncio.wait_for(server.info(), timeout=5.0)
+        except (MiniSGLError, asyncio.TimeoutError) as e:
+            return APIError(503, f"the minisgl daemon is unavailable: {e}", "service_unavailable").response()
+        return JSONResponse({"status": "ok", "model": model_name})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = getattr(server.client, "stats", None)
+        if stats is not None:
+            try:
+                server.metrics.set_daemon_stats(await asyncio.wait_for(stats(), timeout=2.0))
+            except (MiniSGLError, asyncio.TimeoutError):
+                pass  # the server's own metrics are still worth scraping
+        return Response(server.metrics.render(), media_type=server.metrics.content_type)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @v1.get("/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=await server.context_len())])
+
+    @v1.get("/models/{model:path}")
+    async def get_model(model: str) -> ModelCard:
+        await server.check_model(model)
+        return ModelCard(id=model_name, max_model_len=await server.context_len())
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        timer = server.metrics.request("chat")
+        try:
+            await server.check_model(body.model)
+            kwargs = dict(
+                sampling_params=body.to_sampling_params(await server.context_len()),
+                tools=body.tools or None,
+                tool_choice=body.tool_choice,
+                response_format=body.response_format_dict(),
+            )
+            messages = body.chat_messages()
+            rid = new_id("chatcmpl")
+            if body.stream:
+                stream = server.client.stream(messages, rid=rid, **kwargs)
+                first = await _first_or_close(stream)
+                return _sse_response(_chat_events(server, body, rid, first, stream, timer))
+            out = await _unless_disconnected(request, server.client.generate(messages, rid=rid, **kwargs))
+        except BaseException as e:
+            return _fail(timer, e)
+        response = _chat_response(out, rid, model_name)
+        u = response.usage
+        timer.done(200, u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens)
+        return JSONResponse(response.model_dump())
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        timer = server.metrics.request("completions")
+        try:
+            await server.check_model(body.model)
+            kwargs = dict(sampling_params=body.to_sampling_params(), response_format=body.response_format_dict())
+            prompts = body.prompts()
+            rid = new_id("cmpl")
+            rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+            if body.stream:
+                streams = [server.client.stream(p, rid=r, **kwargs) for p, r in zip(prompts, rids)]
+                merged = _merge(streams)
+                first = await _first_or_close(merged)
+                return _sse_response(_completion_events(body, rid, model_name, first, merged, timer))
+            outs = await _unless_disconnected(
+                request, _gather([server.client.generate(p, rid=r, **kwargs) for p, r in zip(prompts, rids)])
+            )
+        except BaseException as e:
+            return _fail(timer, e)
+        response = _completion_response(outs, rid, model_name, body.n)
+        u = response.usage or Usage()
+        timer.done(200, u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens)
+        return JSONResponse(response.model_dump())
+
+    app.include_router(v1)
+    return app
+
+
+def _version() -> str:
+    from minisgl import __version__
+
+    return __version__
+
+
+def _fail(timer: RequestTimer, e: BaseException) -> Response:
+    if isinstance(e, ClientDisconnected):
+        timer.done(499)
+        return Response(status_code=499)
+    if not isinstance(e, Exception):  # cancellation and the like are not ours to answer
+        timer.done(499)
+        raise e
+    err = api_error(e)
+    timer.done(err.status)
+    return err.response()
+
+
+async def _first_or_close(stream: AsyncIterator[Any]) -> tuple[Any, bool]:
+    try:
+        return await _first(stream)
+    except BaseException:
+        await _close(stream)
+        raise
+
+
+async def _gather(works: list[Awaitable[_T]]) -> list[_T]:
+    """All results, in order; the first failure cancels the rest (whose requests the Client aborts)."""
+    tasks = [asyncio.ensure_future(w) for w in works]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _error_event(e: BaseException) -> str:
+    err = api_error(e)
+    info = ErrorInfo(message=err.message, type=err.type, param=err.param, code=err.code or err.status)
+    return _sse(ErrorResponse(error=info).model_dump())
+
+
+def _chat_response(out: Any, rid: str, model: str) -> ChatCompletionResponse:
+    outputs = list(getattr(out, "outputs", None) or [out])
+    choices = []
+    for i, o in enumerate(outputs):
+        calls = _tool_calls(getattr(o, "tool_calls", None) or (out.tool_calls if i == 0 else None))
+        text = o.text
+        finish = o.finish_reason
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        message = ChatMessage(content=text if (text or not calls) else None, tool_calls=calls)
+        choices.append(ChatChoice(index=_field(o, "index", i), message=message,
+                                  logprobs=chat_logprobs(getattr(o, "logprobs", None)), finish_reason=finish))
+    return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage(getattr(out, "usage", None)))
+
+
+def _completion_response(outs: list[Any], rid: str, model: str, n: int) -> CompletionResponse:
+    choices = []
+    usage = Usage.of(0, 0, 0)
+    for p, out in enumerate(outs):
+        for i, o in enumerate(list(getattr(out, "outputs", None) or [out])):
+            choices.append(CompletionChoice(
+                index=p * n + _field(o, "index", i), text=o.text,
+                logprobs=completion_logprobs(getattr(o, "logprobs", None), 0), finish_reason=o.finish_reason,
+            ))
+        usage = usage + _usage(getattr(out, "usage", None))
+    return CompletionResponse(id=rid, model=model, choices=choices, usage=usage)
+
+
+async def _chat_events(
+    server: _Server, body: ChatCompletionRequest, rid: str, first: tuple[Any, bool],
+    stream: AsyncIterator[Any], timer: RequestTimer,
+) -> AsyncIterator[str]:
+    model, include_usage = server.model_name, body.include_usage
+    started: set[int] = set()
+    called: set[int] = set()
+    usage: Usage | None = None
+    status = 200
+
+    def event(choice: ChatChunkChoice) -> str:
+        return _sse(_chunk_json(ChatCompletionChunk(id=rid, model=model, choices=[choice]), include_usage))
+
+    try:
+        chunk, empty = first
+        while not empty:
+            timer.first_token()
+            index = int(chunk.index)
+            if index not in started:
+                started.add(index)
+                yield event(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+            tool_deltas = getattr(chunk, "tool_calls", None)
+            if tool_deltas:
+                called.add(index)
+            finish = chunk.finish_reason
+            if finish == "stop" and index in called:
+                finish = "tool_calls"
+            logprobs = chat_logprobs(getattr(chunk, "logprobs", None)) if body.logprobs else None
+            if chunk.text or tool_deltas or logprobs or finish:
+                delta = DeltaMessage(content=chunk.text or None, tool_calls=tool_deltas or None)
+                yield event(ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish))
+            if getattr(chunk, "usage", None) is not None:
+                usage = _usage(chunk.usage)
+            try:
+                chunk = await stream.__anext__()
+            except StopAsyncIteration:
+                empty = True
+        if include_usage:
+            final = ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage or Usage.of(0, 0, 0))
+            yield _sse(_chunk_json(final, True))
+    except Exception as e:  # noqa: BLE001 - after the first byte an error can only travel in the stream
+        status = api_error(e).status
+        yield _error_event(e)
+    except BaseException:
+        status = 499  # the HTTP client went away: closing the stream below aborts the request
+        raise
+    finally:
+        await _close(stream)
+        u = usage or Usage()
+        timer.done(status, u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens)
+    yield _sse("[DONE]")
+
+
+async def _completion_events(
+    body: CompletionRequest, rid: str, model: str, first: tuple[Any, bool],
+    merged: AsyncIterator[tuple[int, Any]], timer: RequestTimer,
+) -> AsyncIterator[str]:
+    include_usage = body.include_usage
+    usage = Usage.of(0, 0, 0)
+    offsets: dict[int, int] = {}
+    status = 200
+    try:
+        item, empty = first
+        while not empty:
+            timer.first_token()
+            p, chunk = item
+            index = p * body.n + int(chunk.index)
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(getattr(chunk, "logprobs", None), offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + len(chunk.text)
+            if chunk.text or logprobs or chunk.finish_reason:
+                choice = CompletionChoice(index=index, text=chunk.text, logprobs=logprobs,
+                                          finish_reason=chunk.finish_reason)
+                yield _sse(_chunk_json(CompletionResponse(id=rid, model=model, choices=[choice]), include_usage))
+            if getattr(chunk, "usage", None) is not None:
+                usage = usage + _usage(chunk.usage)
+            try:
+                item = await merged.__anext__()
+            except StopAsyncIteration:
+                empty = True
+        if include_usage:
+            yield _sse(_chunk_json(CompletionResponse(id=rid, model=model, choices=[], usage=usage), True))
+    except Exception as e:  # noqa: BLE001 - after the first byte an error can only travel in the stream
+        status = api_error(e).status
+        yield _error_event(e)
+    except BaseException:
+        status = 499
+        raise
+    finally:
+        await _close(merged)
+        timer.done(status, usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens)
+    yield _sse("[DONE]")
+
+
+def run_http_server(
+    client_address: str,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    api_key: str | None = None,
+    model_name: str = "smollm2",
+    log_level: str = "info",
+) -> None:
+    """Serve the OpenAI-compatible API with uvicorn until interrupted.
+
+    Binding anything but a loopback address needs an api_key: the server never offers
+    unauthenticated remote access.
+    """
+    if not is_loopback(host) and not api_key:
+        raise ConfigError(
+            f"refusing to serve HTTP on {host!r} without an API key: pass --api-key (or bind 127.0.0.1)"
+        )
+    import uvicorn
+
+    app = create_app(client_address, model_name, api_key)
+    logger.info("OpenAI-compatible API for %s on http://%s:%d/v1", model_name, host, port)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

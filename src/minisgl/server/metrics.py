@@ -1,0 +1,97 @@
+"""Prometheus metrics of the HTTP server (prometheus-client), one registry per app."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# Daemon stats keys (Client.stats()) exported as gauges, with their help text.
+_DAEMON_GAUGES = {
+    "num_waiting": ("minisgl_num_requests_waiting", "Requests queued in the daemon's scheduler"),
+    "num_running": ("minisgl_num_requests_running", "Requests being decoded by the daemon's scheduler"),
+    "kv_usage": ("minisgl_kv_cache_usage_ratio", "Fraction of KV pages owned by running requests"),
+    "cache_hit_rate": ("minisgl_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens"),
+    "num_pages": ("minisgl_kv_cache_pages", "KV pages in the pool"),
+    "free_pages": ("minisgl_kv_cache_free_pages", "Free KV pages"),
+    "cached_pages": ("minisgl_kv_cache_cached_pages", "KV pages owned by the prefix cache"),
+}
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.requests = Counter(
+            "minisgl_requests", "Finished HTTP requests", m + ["endpoint", "status"], registry=r
+        )
+        self.in_flight = Gauge("minisgl_requests_in_flight", "HTTP requests being served", m, registry=r)
+        self.prompt_tokens = Counter("minisgl_prompt_tokens", "Prompt tokens processed", m, registry=r)
+        self.generation_tokens = Counter("minisgl_generation_tokens", "Tokens generated", m, registry=r)
+        self.cached_tokens = Counter(
+            "minisgl_cached_prompt_tokens", "Prompt tokens served from the prefix cache", m, registry=r
+        )
+        self.ttft = Histogram(
+            "minisgl_time_to_first_token_seconds", "Time to first token", m, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "minisgl_time_per_output_token_seconds", "Time per output token after the first", m,
+            buckets=_TPOT_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "minisgl_e2e_request_latency_seconds", "Request latency", m, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.daemon = {
+            key: Gauge(name, help_text, m, registry=r) for key, (name, help_text) in _DAEMON_GAUGES.items()
+        }
+        self.model_name = model_name
+
+    def request(self, endpoint: str) -> "RequestTimer":
+        return RequestTimer(self, endpoint)
+
+    def set_daemon_stats(self, stats: Mapping[str, Any]) -> None:
+        for key, gauge in self.daemon.items():
+            value = stats.get(key)
+            if isinstance(value, (int, float)):
+                gauge.labels(self.model_name).set(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Times one request: call first_token() when its first token arrives, done() at the end."""
+
+    def __init__(self, metrics: ServerMetrics, endpoint: str) -> None:
+        self.metrics, self.endpoint = metrics, endpoint
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.finished = False
+        metrics.in_flight.labels(metrics.model_name).inc()
+
+    def first_token(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+            self.metrics.ttft.labels(self.metrics.model_name).observe(self.first - self.start)
+
+    def done(self, status: int, prompt_tokens: int = 0, completion_tokens: int = 0, cached_tokens: int = 0) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        m, name, end = self.metrics, self.metrics.model_name, time.perf_counter()
+        m.in_flight.labels(name).dec()
+        m.requests.labels(name, self.endpoint, str(status)).inc()
+        if status != 200:
+            return
+        m.prompt_tokens.labels(name).inc(prompt_tokens)
+        m.generation_tokens.labels(name).inc(completion_tokens)
+        m.cached_tokens.labels(name).inc(cached_tokens)
+        m.e2e.labels(name).observe(end - self.start)
+        if self.first is not None and completion_tokens > 1:
+            m.tpot.labels(name).observe((end - self.first) / (completion_tokens - 1))
