@@ -142,10 +142,13 @@ class PagedRunner:
         from minisgl import plugins
         from minisgl.kvcache.pool import KVPool
 
+        from minisgl.distributed import get_tp_info
+
         cfg = self.model_config
+        kv_heads = max(1, cfg.num_kv_heads // get_tp_info().size)  # per rank; replicated when tp > kv heads
         pages_per_row = -(-self.max_seq_len // self.page_size)
         num_pages = pages_per_row * self.max_rows + 1
-        self.kv_pool = KVPool(cfg.num_layers, num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, "cpu")
+        self.kv_pool = KVPool(cfg.num_layers, num_pages, self.page_size, kv_heads, cfg.head_dim, cfg.dtype, "cpu")
         pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(2))[: pages_per_row * self.max_rows]
         slots = pages.view(self.max_rows, pages_per_row, 1) * self.page_size + torch.arange(self.page_size)
         self.page_table = slots.view(self.max_rows, -1)[:, : self.max_seq_len].contiguous()

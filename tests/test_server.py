@@ -9,15 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
+import jsonschema
 import openai
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from minisgl.core import SamplingParams
-from minisgl.errors import ConfigError, DaemonNotRunningError, InvalidRequestError, PromptTooLongError
+from minisgl.errors import ConfigError, DaemonNotRunningError, PromptTooLongError
 from minisgl.server.app import create_app, run_http_server
 
 # ---------------------------------------------------------------------------- HTTP layer
@@ -25,7 +34,6 @@ from minisgl.server.app import create_app, run_http_server
 
 class StandInClient:
     """Answers every request with `reply`, split into one chunk per word; records what it was asked."""
-
     def __init__(self, reply: str = "Paris is the capital of France.", error: Exception | None = None,
                  chunk_delay: float = 0.0) -> None:
         self.reply, self.error, self.chunk_delay = reply, error, chunk_delay
@@ -33,10 +41,7 @@ class StandInClient:
         self.aborted: list[str] = []
         self.finished: list[str] = []
 
-    async def __aenter__(self) -> "StandInClient":
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
+    async def close(self) -> None:
         pass
 
     async def model_info(self) -> dict[str, Any]:
@@ -45,7 +50,7 @@ class StandInClient:
         return {"name": "stand-in", "max_seq_len": 2048}
 
     async def stats(self) -> dict[str, Any]:
-        return {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0}
+        return {"waiting": 0, "running": 1, "total_pages": 100, "free_pages": 90, "cached_pages": 6, "req_pages": 4}
 
     def _pieces(self, params: SamplingParams) -> list[str]:
         words = self.reply.split(" ")
@@ -53,7 +58,6 @@ class StandInClient:
 
     def _usage(self, params: SamplingParams) -> Any:
         return SimpleNamespace(prompt_tokens=7, completion_tokens=len(self._pieces(params)) * params.n, cached_tokens=3)
-
     def _logprobs(self, pieces: list[str]) -> list[dict[str, Any]]:
         return [{"token_id": i, "token": p, "logprob": -0.5, "top_logprobs": [{"token": p, "logprob": -0.5}]}
                 for i, p in enumerate(pieces)]
@@ -79,7 +83,6 @@ class StandInClient:
         self.finished.append(rid)
         return SimpleNamespace(outputs=outputs, text=outputs[0].text, finish_reason=finish, tool_calls=None,
                                usage=self._usage(sampling_params))
-
     async def stream(self, prompt: Any, sampling_params: SamplingParams, rid: str, **kw: Any) -> Any:
         self.calls.append({"prompt": prompt, "params": sampling_params, "rid": rid, **kw})
         if self.error is not None:
@@ -251,7 +254,9 @@ def test_metrics_count_requests_tokens_and_ttft():
     assert 'minisgl_requests_total{endpoint="completions",model_name="stand-in",status="400"} 1.0' in text
     assert 'minisgl_cached_prompt_tokens_total{model_name="stand-in"} 6.0' in text
     assert 'minisgl_time_to_first_token_seconds_count{model_name="stand-in"} 1.0' in text
-    assert "minisgl_num_requests_running" in text
+    assert 'minisgl_num_requests_running{model_name="stand-in"} 1.0' in text
+    assert 'minisgl_kv_cache_usage_ratio{model_name="stand-in"} 0.04' in text
+    assert 'minisgl_prefix_cache_hit_rate{model_name="stand-in"}' in text
 
 
 def test_non_loopback_bind_without_api_key_is_refused():
@@ -260,9 +265,6 @@ def test_non_loopback_bind_without_api_key_is_refused():
 
 
 async def test_client_disconnect_mid_stream_aborts_the_request():
-    import httpx
-    import uvicorn
-
     stand_in = StandInClient(reply=" ".join(["word"] * 200), chunk_delay=0.02)
     app = create_app("ipc:///unused", "stand-in", None, client_factory=lambda: stand_in)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
@@ -292,3 +294,243 @@ async def test_client_disconnect_mid_stream_aborts_the_request():
     finally:
         server.should_exit = True
         await task
+
+
+# ---------------------------------------------------------------------------- acceptance: a real daemon
+
+API_KEY = "sk-minisgl-test"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+           "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"],
+         "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
+                                      "parameters": CLOCK}},
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def daemon(smollm2_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`minisgl serve --model smollm2 --http-port P --api-key K`: the daemon and its HTTP server, as users run them."""
+    from minisgl.runtime.launcher import wait_ready
+
+    run_dir = tmp_path_factory.mktemp("run")
+    address, port = f"ipc://{run_dir}/smollm2.sock", _free_port()
+    log_path = run_dir / "daemon.log"
+    cmd = [sys.executable, "-m", "minisgl", "serve", "--model", "smollm2", "--address", address,
+           "--kv-cache-gb", "0.25", "--http-port", str(port), "--api-key", API_KEY]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "MINISGL_RUNTIME_DIR": str(run_dir)})
+    try:
+        wait_ready(address, 300, proc=proc, log_path=log_path)
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, log_path.read_text()
+            time.sleep(0.2)
+        yield SimpleNamespace(address=address, base=base, log=log_path)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def client(daemon: Any) -> Any:
+    from minisgl.client import Client
+
+    with Client("smollm2", daemon.address, auto_start=False, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture
+def oai(daemon: Any, client: Any) -> Any:
+    """The real openai package pointed at the server; after the test, no KV page may be left in use."""
+    yield openai.OpenAI(base_url=f"{daemon.base}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    for _ in range(200):
+        stats = client.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0 and stats.get("inflight", 0) == 0:
+            break
+        time.sleep(0.1)
+    assert stats["free_pages"] + stats["cached_pages"] == stats["total_pages"], stats
+
+
+def test_openai_chat_matches_the_daemon_and_its_stream_concatenates_to_the_same_text(oai, client):
+    ref = client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=24))
+    full = oai.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=24)
+    answer = full.choices[0].message.content
+    assert answer == ref.text and "Paris" in answer
+    assert full.choices[0].finish_reason == ref.finish_reason
+    assert full.usage.prompt_tokens == ref.usage.prompt_tokens
+    assert full.usage.completion_tokens == ref.usage.completion_tokens
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    chunks = list(oai.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=24,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_openai_chat_n2_seed_and_logprobs(oai):
+    r = oai.chat.completions.create(model="smollm2", messages=QUESTION, n=2, temperature=1.0, seed=3,
+                                    max_tokens=6, logprobs=True, top_logprobs=3)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+    for choice in r.choices:
+        for t in choice.logprobs.content:
+            assert len(t.top_logprobs) == 3 and t.logprob <= 0.0
+            assert t.top_logprobs[0].logprob >= t.logprob - 1e-4  # the best alternative is at least as likely
+    again = oai.chat.completions.create(model="smollm2", messages=QUESTION, n=2, temperature=1.0, seed=3,
+                                        max_tokens=6)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+
+
+def test_openai_completions_text_and_token_prompts_and_batches(oai, client, smollm2_dir):
+    from transformers import AutoTokenizer
+
+    prompt = "The capital of France is"
+    ref = client.generate(prompt, SamplingParams(temperature=0, max_tokens=8))
+    r = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text == ref.text
+    ids = AutoTokenizer.from_pretrained(smollm2_dir).encode(prompt)
+    assert oai.completions.create(model="smollm2", prompt=ids, max_tokens=8, temperature=0).choices[0].text == ref.text
+    batch = oai.completions.create(model="smollm2", prompt=[prompt, "1, 2, 3,"], max_tokens=4, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == client.generate(prompt, SamplingParams(temperature=0, max_tokens=4)).text
+    streamed = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == ref.text
+
+
+def test_openai_models_lists_the_served_model(oai):
+    assert [m.id for m in oai.models.list().data] == ["smollm2"]
+
+
+def test_repeated_long_system_prompt_reports_cached_tokens(oai):
+
+    system = f"Session {uuid.uuid4().hex}. " + "You are a helpful, concise assistant who answers in one line. " * 20
+    asks = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+            for q in ("Name a color.", "Name a fruit.")]
+    first = oai.chat.completions.create(model="smollm2", messages=asks[0], max_tokens=2, temperature=0)
+    second = oai.chat.completions.create(model="smollm2", messages=asks[1], max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens < 10
+    assert second.usage.prompt_tokens_details.cached_tokens > 200
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+
+
+def test_response_format_json_schema_output_validates(oai):
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    for seed in range(3):
+        r = oai.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Invent a person and describe them."}],
+            response_format=fmt, temperature=1.0, seed=seed, max_tokens=64,
+        )
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Reply with JSON."}],
+                                    response_format={"type": "json_object"}, temperature=0, max_tokens=48)
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_tool_choice_required_returns_a_valid_call_and_streams_it_as_deltas(oai):
+
+    ask = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+    r = oai.chat.completions.create(model="smollm2", messages=ask, tools=TOOLS, tool_choice="required",
+                                    temperature=0, max_tokens=64)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    schemas = {"get_weather": WEATHER, "get_time": CLOCK}
+    assert call.type == "function" and call.id and call.function.name in schemas
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    chunks = list(oai.chat.completions.create(model="smollm2", messages=ask, tools=TOOLS, tool_choice="required",
+                                              temperature=0, max_tokens=64, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].id and deltas[0].function.name == call.function.name
+    assert "".join(d.function.arguments or "" for d in deltas if d.index == 0) == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_bad_requests_are_openai_bad_request_errors(oai):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        oai.chat.completions.create(model="smollm2", messages=QUESTION, temperature=-1)
+    too_long = "hello " * 9000
+    for stream in (False, True):  # a stream that cannot start is an HTTP error, not a 200 with an error inside
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.completions.create(model="smollm2", prompt=too_long, max_tokens=1, stream=stream)
+        assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model="smollm2", messages=QUESTION, tools=TOOLS,
+                                    tool_choice={"type": "function", "function": {"name": "not_a_tool"}})
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="gpt-4o", messages=QUESTION)
+
+
+def test_missing_or_wrong_api_key_is_an_authentication_error(daemon):
+    bad = openai.OpenAI(base_url=f"{daemon.base}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=1)
+    r = httpx.get(f"{daemon.base}/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_raw_sse_response_format(daemon, oai):
+
+    body = {"model": "smollm2", "messages": QUESTION, "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{daemon.base}/v1/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert len({p["id"] for p in payloads}) == 1
+    assert all(p["object"] == "chat.completion.chunk" and "usage" not in p for p in payloads)
+    assert payloads[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_client_disconnect_mid_stream_frees_the_request_in_the_daemon(daemon, oai, client):
+
+
+    body = {"model": "smollm2", "messages": QUESTION, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{daemon.base}/v1/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        lines = r.iter_lines()
+        next(lines), next(lines), next(lines)
+        assert client.stats()["running"] == 1
+    for _ in range(100):
+        if client.stats()["running"] == 0:
+            break
+        time.sleep(0.1)
+    assert client.stats()["running"] == 0  # the oai fixture then checks that every page came back
+
+
+def test_metrics_report_requests_tokens_and_daemon_state(daemon, oai):
+
+    list(oai.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=3, stream=True))
+    oai.completions.create(model="smollm2", prompt="Hi", max_tokens=2)
+    text = httpx.get(f"{daemon.base}/metrics").text
+    assert 'minisgl_requests_total{endpoint="completions",model_name="smollm2",status="200"}' in text
+    assert 'minisgl_time_to_first_token_seconds_count{model_name="smollm2"}' in text
+    for name in ("minisgl_prompt_tokens_total", "minisgl_generation_tokens_total", "minisgl_cached_prompt_tokens_total",
+                 "minisgl_num_requests_running", "minisgl_num_requests_waiting", "minisgl_kv_cache_usage_ratio",
+                 "minisgl_prefix_cache_hit_rate", "minisgl_time_per_output_token_seconds_bucket"):
+        assert name in text

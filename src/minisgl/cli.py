@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--seed", dest="sample_seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     add_engine_flags(gen, skip=("seed",))
@@ -154,7 +154,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
         stop=args.stop,
     )
     if args.chat:

@@ -24,6 +24,7 @@ class TorchNativeMetadata(NamedTuple):
     kv_indices: torch.Tensor  # [bs * max_seq] KV slots of every (request, key position), padding -> a valid slot
     mask: torch.Tensor  # [bs, 1, max_extend, max_seq] bool, True = attend
     token_to_padded: torch.Tensor  # [T] index of each flat token in the padded [bs * max_extend] queries
+    dense: bool  # every request extends by max_extend (e.g. decode): flat tokens are already the padded layout
     bs: int
     max_extend: int
     max_seq: int
@@ -65,6 +66,7 @@ class TorchNativeBackend(AttentionBackend):
             kv_indices=kv_indices.to(self.device, non_blocking=True),
             mask=mask.unsqueeze(1).to(self.device, non_blocking=True),
             token_to_padded=token_to_padded.to(self.device, non_blocking=True),
+            dense=token_to_padded.numel() == bs * max_extend,
             bs=bs,
             max_extend=max_extend,
             max_seq=max_seq,
@@ -83,12 +85,15 @@ class TorchNativeBackend(AttentionBackend):
         keys = keys.view(md.bs, md.max_seq, num_kv_heads, head_dim).transpose(1, 2)
         values = values.view(md.bs, md.max_seq, num_kv_heads, head_dim).transpose(1, 2)
 
-        padded_q = q.new_zeros(md.bs * md.max_extend, num_heads, head_dim)
-        padded_q.index_copy_(0, md.token_to_padded, q)
-        padded_q = padded_q.view(md.bs, md.max_extend, num_heads, head_dim).transpose(1, 2)
+        if md.dense:
+            padded_q = q
+        else:
+            padded_q = q.new_zeros(md.bs * md.max_extend, num_heads, head_dim)
+            padded_q.index_copy_(0, md.token_to_padded, q)
+        padded_q = padded_q.reshape(md.bs, md.max_extend, num_heads, head_dim).transpose(1, 2)
 
         out = F.scaled_dot_product_attention(
             padded_q, keys, values, attn_mask=md.mask, scale=self.scale, enable_gqa=num_heads != num_kv_heads
         )
         out = out.transpose(1, 2).reshape(md.bs * md.max_extend, num_heads * head_dim)
-        return out.index_select(0, md.token_to_padded)
+        return out if md.dense else out.index_select(0, md.token_to_padded)

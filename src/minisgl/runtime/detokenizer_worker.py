@@ -23,7 +23,7 @@ from minisgl.runtime.protocol import (
     decode,
     encode,
 )
-from minisgl.runtime.transport import Endpoints, ParentWatch, pull, push, worker_setup
+from minisgl.runtime.transport import Endpoints, ParentWatch, preload_tokenizer_modules, pull, push, worker_setup
 from minisgl.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("minisgl")
@@ -141,6 +141,7 @@ def run_detokenizer(endpoints: Endpoints, log_level: int) -> None:
     inbox = pull(ctx, endpoints.detokenizer)
     frontend = push(ctx, endpoints.frontend)
     parent = ParentWatch()
+    preload_tokenizer_modules()
     try:
         detokenizer: Detokenizer | None = None
         while True:

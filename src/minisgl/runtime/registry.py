@@ -19,7 +19,6 @@ class DaemonRecord(NamedTuple):
     model: str
     pid: int
     config: dict[str, Any]  # EngineConfig.to_dict()
-    log_path: str | None
     started_at: float
 
     @property

@@ -28,7 +28,7 @@ from minisgl.runtime.protocol import (
     encode,
     error_reply,
 )
-from minisgl.runtime.transport import Endpoints, ParentWatch, pull, push, worker_setup
+from minisgl.runtime.transport import Endpoints, ParentWatch, preload_tokenizer_modules, pull, push, worker_setup
 from minisgl.tokenizer import apply_chat_template, encode_prompt
 
 logger = logging.getLogger("minisgl")
@@ -142,6 +142,7 @@ def run_tokenizer(endpoints: Endpoints, log_level: int) -> None:
     scheduler = push(ctx, endpoints.scheduler)
     frontend = push(ctx, endpoints.frontend)
     parent = ParentWatch()
+    preload_tokenizer_modules()
     try:
         preparer: RequestPreparer | None = None
         while True:

@@ -93,3 +93,8 @@ def worker_setup(log_level: int) -> None:
     """A worker leaves Ctrl-C to the daemon process, which shuts everything down in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(log_level)
+
+
+def preload_tokenizer_modules() -> None:
+    """Import what unpickling a HF tokenizer needs while the scheduler is still loading the model."""
+    from transformers import PreTrainedTokenizerFast  # noqa: F401

@@ -281,18 +281,18 @@ class _Server:
         self._info: dict[str, Any] | None = None
 
     async def start(self) -> None:
+        # The client connects on first use, so the server can come up before the daemon is ready
+        # (/health says 503 until it is).
         if self._client_factory is not None:
             self.client = self._client_factory()
         else:
             from minisgl.client import AsyncClient
 
             self.client = AsyncClient(model=self.model_name, address=self.client_address, auto_start=False)
-        if hasattr(self.client, "__aenter__"):
-            await self.client.__aenter__()
 
     async def close(self) -> None:
-        if self.client is not None and hasattr(self.client, "__aexit__"):
-            await self.client.__aexit__(None, None, None)
+        if self.client is not None:
+            await self.client.close()
 
     async def info(self) -> dict[str, Any]:
         if self._info is None:

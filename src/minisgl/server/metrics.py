@@ -10,15 +10,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-# Daemon stats keys (Client.stats()) exported as gauges, with their help text.
+# Daemon stats (AsyncClient.stats()) exported as gauges: name -> (help, value from the stats dict).
 _DAEMON_GAUGES = {
-    "num_waiting": ("minisgl_num_requests_waiting", "Requests queued in the daemon's scheduler"),
-    "num_running": ("minisgl_num_requests_running", "Requests being decoded by the daemon's scheduler"),
-    "kv_usage": ("minisgl_kv_cache_usage_ratio", "Fraction of KV pages owned by running requests"),
-    "cache_hit_rate": ("minisgl_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens"),
-    "num_pages": ("minisgl_kv_cache_pages", "KV pages in the pool"),
-    "free_pages": ("minisgl_kv_cache_free_pages", "Free KV pages"),
-    "cached_pages": ("minisgl_kv_cache_cached_pages", "KV pages owned by the prefix cache"),
+    "minisgl_num_requests_waiting": ("Requests queued in the daemon's scheduler", lambda s: s["waiting"]),
+    "minisgl_num_requests_running": ("Requests being prefilled or decoded by the daemon", lambda s: s["running"]),
+    "minisgl_kv_cache_usage_ratio": (
+        "Fraction of KV pages held by running requests", lambda s: s["req_pages"] / max(1, s["total_pages"])
+    ),
+    "minisgl_kv_cache_total_pages": ("KV pages in the pool", lambda s: s["total_pages"]),
+    "minisgl_kv_cache_free_pages": ("Free KV pages", lambda s: s["free_pages"]),
+    "minisgl_kv_cache_cached_pages": ("KV pages owned by the prefix cache", lambda s: s["cached_pages"]),
 }
 
 
@@ -47,19 +48,33 @@ class ServerMetrics:
         self.e2e = Histogram(
             "minisgl_e2e_request_latency_seconds", "Request latency", m, buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.daemon = {
-            key: Gauge(name, help_text, m, registry=r) for key, (name, help_text) in _DAEMON_GAUGES.items()
-        }
+        self.daemon = {name: Gauge(name, help_text, m, registry=r) for name, (help_text, _) in _DAEMON_GAUGES.items()}
+        self.cache_hit_rate = Gauge(
+            "minisgl_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens (since start)",
+            m, registry=r,
+        )
         self.model_name = model_name
+        self._prompt_total = self._cached_total = 0
 
     def request(self, endpoint: str) -> "RequestTimer":
         return RequestTimer(self, endpoint)
 
     def set_daemon_stats(self, stats: Mapping[str, Any]) -> None:
-        for key, gauge in self.daemon.items():
-            value = stats.get(key)
-            if isinstance(value, (int, float)):
-                gauge.labels(self.model_name).set(value)
+        for name, (_, value) in _DAEMON_GAUGES.items():
+            try:
+                self.daemon[name].labels(self.model_name).set(value(stats))
+            except (KeyError, TypeError):
+                pass  # a daemon of another version: export what it reports
+
+    def count_tokens(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.generation_tokens.labels(name).inc(completion_tokens)
+        self.cached_tokens.labels(name).inc(cached_tokens)
+        self._prompt_total += prompt_tokens
+        self._cached_total += cached_tokens
+        if self._prompt_total:
+            self.cache_hit_rate.labels(name).set(self._cached_total / self._prompt_total)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -89,9 +104,7 @@ class RequestTimer:
         m.requests.labels(name, self.endpoint, str(status)).inc()
         if status != 200:
             return
-        m.prompt_tokens.labels(name).inc(prompt_tokens)
-        m.generation_tokens.labels(name).inc(completion_tokens)
-        m.cached_tokens.labels(name).inc(cached_tokens)
+        m.count_tokens(prompt_tokens, completion_tokens, cached_tokens)
         m.e2e.labels(name).observe(end - self.start)
         if self.first is not None and completion_tokens > 1:
             m.tpot.labels(name).observe((end - self.first) / (completion_tokens - 1))

@@ -208,13 +208,6 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class ToolCallDelta(BaseModel):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCall | None = None
-
-
 class TopLogprob(BaseModel):
     token: str
     logprob: float
@@ -254,7 +247,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI tool-call deltas, passed through as the daemon sends them
 
 
 class ChatChunkChoice(BaseModel):

@@ -73,7 +73,8 @@ def normalize_tools(tools: Sequence[Any] | None) -> list[dict[str, Any]]:
         name = function.get("name")
         if not isinstance(name, str) or not _TOOL_NAME.match(name):
             raise InvalidRequestError(
-                f"tools[{i}].function.name must be 1-128 characters of letters, digits, '_', '-', '.', ':'; got {name!r}"
+                f"tools[{i}].function.name must be 1-128 characters of letters, digits, '_', '-', '.', ':'; "
+                f"got {name!r}"
             )
         if name in seen:
             raise InvalidRequestError(f"tools[{i}]: duplicate function name {name!r}")
@@ -164,7 +165,11 @@ def tool_call_constraint(
         return {
             "type": "tag",
             "begin": f'{begin}{{"name": "{fn["name"]}", "{args_key}": ',
-            "content": {"type": "json_schema", "json_schema": fn["parameters"], "max_whitespace_cnt": max_whitespace_cnt},
+            "content": {
+                "type": "json_schema",
+                "json_schema": fn["parameters"],
+                "max_whitespace_cnt": max_whitespace_cnt,
+            },
             "end": end,
         }
 
@@ -311,7 +316,8 @@ def _hermes_messages(
                 fn = call.get("function", call)
                 args = fn["arguments"]
                 args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-                parts.append(f'<tool_call>\n{{"name": {json.dumps(fn["name"])}, "arguments": {args_text}}}\n</tool_call>')
+                call_json = f'{{"name": {json.dumps(fn["name"])}, "arguments": {args_text}}}'
+                parts.append(f"<tool_call>\n{call_json}\n</tool_call>")
             out.append({"role": "assistant", "content": "\n".join(parts)})
             continue
         out.append({"role": role, "content": m["content"]})

@@ -1,0 +1,472 @@
+"""The client library and the daemon's plumbing, without a model: codec, addresses, registry,
+CLI flags, the tokenizer/detokenizer workers' logic, and Client/AsyncClient against a scripted
+in-test ROUTER (a double of the daemon's frontend, for the transport only)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import msgpack
+import pytest
+import zmq
+
+from minisgl.config import EngineConfig
+from minisgl.core import SamplingParams, TokenOutput
+from minisgl.errors import (
+    ConfigError,
+    DaemonNotRunningError,
+    DaemonTimeoutError,
+    GrammarError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
+from minisgl.runtime import protocol as P
+from minisgl.runtime.addresses import daemon_name, parse_address
+from minisgl.runtime.registry import DaemonRecord, FileLock, Registry
+
+
+@pytest.fixture
+def runtime_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MINISGL_RUNTIME_DIR", str(tmp_path))
+    return tmp_path
+
+
+# ---------------------------------------------------------------------------- protocol
+
+
+def test_every_message_survives_the_codec() -> None:
+    usage = P.Usage(5, 3, 2)
+    chunk = P.Chunk("r", 1, "hé", [1, 2], [{"token_id": 1, "token": "a", "logprob": -0.5, "top_logprobs": []}],
+                    "stop", "\n", [{"index": 0, "function": {"name": "f"}}], usage, True)
+    out = TokenOutput("r", 0, [7], [[-0.1, [[7, -0.1]]]], True, "stop", 2, 4, 1, 1, None)
+    msgs = [
+        P.Generate("r", prompt="hi", params=SamplingParams(max_tokens=3).to_dict(), tools=[{"type": "function"}]),
+        P.Generate("r", messages=[{"role": "user", "content": "x"}], tool_choice="auto"),
+        P.Abort("r"), P.Ping("r"), P.GetModelInfo("r"), P.GetStats("r"), P.Shutdown("r"),
+        P.Chunks([chunk, chunk._replace(usage=None, done=False)]), P.Error("r", "GrammarError", "bad"),
+        P.Pong("r", "ready", 1, "m", "ipc:///x", "0.1", {"tp": 1}), P.ModelInfoReply("r", {"a": 1}),
+        P.StatsReply("r", {"free_pages": 3}), P.AddRequest("r", [1, 2], {"n": 1}, {"stop": []}),
+        P.RequestMeta("r", {"n": 2}), P.TokenOutputs([out]), P.WorkerInit({"context_length": 8}, b"\x00\x01"),
+        P.SchedulerReady({"x": 1}, b"tok", {"total_pages": 4}), P.WorkerReady("tokenizer"),
+        P.WorkerFailed("scheduler", "ModelLoadError", "no"),
+    ]
+    for msg in msgs:
+        back = P.decode(P.encode(msg))
+        assert type(back) is type(msg) and back == msg
+    assert isinstance(P.decode(P.encode(P.Chunks([chunk]))).items[0].usage, P.Usage)
+    assert isinstance(P.decode(P.encode(P.TokenOutputs([out]))).items[0], TokenOutput)
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        (b"\xc1\xc1garbage", "not msgpack"),
+        (msgpack.packb({"type": "ping"}), "expected [version, type"),
+        (msgpack.packb([P.PROTOCOL_VERSION + 1, "ping", "r"]), "protocol version"),
+        (msgpack.packb([P.PROTOCOL_VERSION, "teleport", "r"]), "unknown message type 'teleport'"),
+        (msgpack.packb([P.PROTOCOL_VERSION, "ping"]), "takes 1..1 fields"),
+        (msgpack.packb([P.PROTOCOL_VERSION, "ping", "r", "extra"]), "takes 1..1 fields"),
+    ],
+)
+def test_bad_bytes_raise_protocol_error(raw: bytes, words: str) -> None:
+    with pytest.raises(P.ProtocolError, match=words.replace("[", r"\[")):
+        P.decode(raw)
+
+
+def test_error_replies_name_the_typed_exception() -> None:
+    assert P.error_class("PromptTooLongError") is PromptTooLongError
+    assert P.error_class("ProtocolError") is P.ProtocolError
+    assert P.error_class("os.system") is P.error_class("NoSuchError") is P.errors.MiniSGLError
+    assert P.error_reply("r", GrammarError("bad schema")) == P.Error("r", "GrammarError", "bad schema")
+    assert P.error_reply("r", KeyError("k")).error_type == "MiniSGLError"
+
+
+# ---------------------------------------------------------------------------- addresses, registry, flags
+
+
+def test_addresses_are_checked() -> None:
+    assert parse_address("ipc:///run/x.sock").is_loopback
+    assert parse_address("tcp://127.0.0.1:5555").is_loopback
+    assert parse_address("tcp://localhost:5555").is_loopback
+    assert not parse_address("tcp://0.0.0.0:5555").is_loopback
+    assert not parse_address("tcp://10.1.2.3:5555").is_loopback
+    for bad in ("ipc://relative.sock", "tcp://127.0.0.1", "http://127.0.0.1:80", "ipc:///" + "x" * 200):
+        with pytest.raises(ConfigError):
+            parse_address(bad)
+
+
+def test_daemon_name_follows_model_and_engine_options() -> None:
+    a = EngineConfig.from_kwargs("smollm2")
+    assert daemon_name(a) == daemon_name(EngineConfig.from_kwargs("smollm2"))
+    assert daemon_name(a).startswith("smollm2-")
+    assert daemon_name(a) != daemon_name(EngineConfig.from_kwargs("smollm2", page_size=16))
+    assert daemon_name(EngineConfig.from_kwargs("/models/Qwen3 0.6B/")).startswith("Qwen3-0.6B-")
+
+
+def test_registry_finds_live_daemons_and_drops_dead_ones(runtime_dir: Path) -> None:
+    reg = Registry()
+    cfg = EngineConfig.from_kwargs("m").to_dict()
+    reg.add(DaemonRecord("ipc:///a", "m", os.getpid(), cfg, 1.0))
+    reg.add(DaemonRecord("ipc:///b", "m", os.getpid(), {**cfg, "page_size": 4}, 2.0))
+    reg.add(DaemonRecord("ipc:///dead", "m", 2**22 + 12345, cfg, 3.0))
+    assert [r.address for r in reg.find("m")] == ["ipc:///b", "ipc:///a"]
+    assert [r.address for r in reg.find("m", cfg)] == ["ipc:///a"]
+    assert reg.find("other") == []
+    assert reg.get("ipc:///dead") is None  # removed as stale by the scan
+    reg.remove("ipc:///a", pid=os.getpid() + 1)  # not ours: kept
+    assert reg.get("ipc:///a") is not None
+    reg.remove("ipc:///a")
+    assert reg.get("ipc:///a") is None
+    assert (runtime_dir / "daemons").stat().st_mode & 0o777 == 0o700
+
+
+def test_file_lock_is_exclusive(tmp_path: Path) -> None:
+    a, b = FileLock(tmp_path / "l"), FileLock(tmp_path / "l")
+    assert a.try_acquire()
+    assert not b.try_acquire()
+    with pytest.raises(DaemonTimeoutError):
+        b.acquire(0.1)
+    a.release()
+    assert b.try_acquire()
+    b.release()
+
+
+def test_engine_flags_round_trip_through_the_cli() -> None:
+    from minisgl.cli import build_parser, engine_config
+    from minisgl.runtime.launcher import engine_flags
+
+    config = EngineConfig.from_kwargs("smollm2", page_size=16, kv_cache_gb=0.5, disable_overlap=True, dtype="bfloat16")
+    args = build_parser().parse_args(["serve", *engine_flags(config)])
+    assert engine_config(args) == config
+    assert engine_flags(EngineConfig.from_kwargs("smollm2")) == ["--model", "smollm2"]
+
+
+# ---------------------------------------------------------------------------- daemon refusals (no model load)
+
+
+def test_non_loopback_bind_needs_allow_remote(runtime_dir: Path) -> None:
+    from minisgl.cli import main
+    from minisgl.runtime.daemon import Daemon
+
+    with pytest.raises(ConfigError, match="--allow-remote"):
+        Daemon(EngineConfig.from_kwargs("smollm2"), "tcp://0.0.0.0:45123")
+    assert main(["serve", "--model", "smollm2", "--address", "tcp://0.0.0.0:45123"]) == 1
+
+
+def test_remote_access_needs_an_authorized_client_key(tmp_path: Path) -> None:
+    from minisgl.runtime.daemon import Daemon
+
+    with pytest.raises(ConfigError, match="minisgl keys --client"):
+        Daemon(EngineConfig.from_kwargs("smollm2"), "tcp://0.0.0.0:45123", allow_remote=True, curve_keys=tmp_path)
+    assert (tmp_path / "server.key_secret").stat().st_mode & 0o777 == 0o600
+
+
+def test_no_daemon_and_no_auto_start_fails_fast(runtime_dir: Path) -> None:
+    from minisgl.client import Client
+
+    t0 = time.monotonic()
+    with pytest.raises(DaemonNotRunningError, match="minisgl serve --model smollm2"):
+        Client("smollm2", auto_start=False)
+    with pytest.raises(DaemonNotRunningError, match="minisgl serve"):
+        Client("smollm2", address=f"ipc://{runtime_dir}/nothing.sock", auto_start=False)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_unknown_engine_option_is_a_config_error(runtime_dir: Path) -> None:
+    from minisgl.client import Client
+
+    with pytest.raises(ConfigError, match="unknown engine options"):
+        Client("smollm2", auto_start=False, page_sise=4)
+
+
+# ---------------------------------------------------------------------------- tokenizer / detokenizer logic
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: Path) -> Any:
+    from minisgl.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer_dir)
+
+
+def test_tokenizer_worker_validates_before_the_scheduler(tokenizer: Any) -> None:
+    from minisgl.runtime.tokenizer_worker import RequestPreparer
+
+    prep = RequestPreparer(tokenizer, {"context_length": 64})
+    add = prep.prepare(P.Generate("r", prompt="Hello there", params={"max_tokens": 4, "stop": ["x"]}))
+    assert add.input_ids == tokenizer.encode("Hello there")
+    assert add.detok["stop"] == ["x"] and add.params["max_tokens"] == 4
+    chat = prep.prepare(P.Generate("r", messages=[{"role": "user", "content": "Hi"}]))
+    assert chat.input_ids == tokenizer.encode(
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+    cases: list[tuple[P.Generate, type[Exception]]] = [
+        (P.Generate("r", prompt=""), InvalidRequestError),
+        (P.Generate("r"), InvalidRequestError),
+        (P.Generate("r", prompt="a", input_ids=[1]), InvalidRequestError),
+        (P.Generate("r", prompt=123), InvalidRequestError),  # type: ignore[arg-type]
+        (P.Generate("r", input_ids=[1, "2"]), InvalidRequestError),  # type: ignore[list-item]
+        (P.Generate("r", prompt="a", params={"temperature": "hot"}), InvalidRequestError),
+        (P.Generate("r", prompt="a", params={"max_tokens": 0}), InvalidRequestError),
+        (P.Generate("r", prompt="a", params={"bogus": 1}), InvalidRequestError),
+        (P.Generate("r", prompt="a", params=[1]), InvalidRequestError),  # type: ignore[arg-type]
+        (P.Generate("r", input_ids=list(range(64))), PromptTooLongError),
+        (P.Generate("r", prompt="a", response_format={"type": "yaml"}), InvalidRequestError),
+        (P.Generate("r", prompt="a", tool_choice="required"), InvalidRequestError),
+    ]
+    for msg, error in cases:
+        with pytest.raises(error):
+            prep.prepare(msg)
+
+
+def test_response_format_becomes_a_json_schema() -> None:
+    from minisgl.runtime.tokenizer_worker import apply_response_format
+
+    p = SamplingParams()
+    assert apply_response_format(p, None) is p
+    assert apply_response_format(p, {"type": "text"}) is p
+    assert apply_response_format(p, {"type": "json_object"}).json_schema == {"type": "object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert apply_response_format(p, rf).json_schema == schema
+    with pytest.raises(InvalidRequestError):
+        apply_response_format(SamplingParams(regex="a+"), rf)
+
+
+def _outputs(rid: str, index: int, ids: list[int], reason: str, matched: Any = None) -> list[TokenOutput]:
+    last = len(ids) - 1
+    return [
+        TokenOutput(rid, index, [t], None, i == last, reason if i == last else None, matched if i == last else None,
+                    7, 3, i + 1)
+        for i, t in enumerate(ids)
+    ]
+
+
+def test_detokenizer_streams_utf8_safe_deltas_and_usage_last(tokenizer: Any) -> None:
+    from minisgl.runtime.detokenizer_worker import Detokenizer
+
+    text = "Grüße, 世界! 🎉 done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = Detokenizer(tokenizer)
+    detok.add_request("r", {"n": 1, "stop": [], "skip_special_tokens": True})
+    chunks = []
+    for out in _outputs("r", 0, ids, "length"):
+        got, errors = detok.process([out])
+        assert not errors
+        chunks += got
+    assert "".join(c.text for c in chunks) == text
+    assert all("\ufffd" not in c.text for c in chunks)
+    assert [c.usage for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].usage == P.Usage(7, len(ids), 3) and chunks[-1].done
+    assert "r" not in detok.states
+
+
+def test_detokenizer_trims_stop_strings_and_waits_for_all_samples(tokenizer: Any) -> None:
+    from minisgl.runtime.detokenizer_worker import Detokenizer
+
+    ids = tokenizer.encode("one two three four", add_special_tokens=False)
+    detok = Detokenizer(tokenizer)
+    detok.add_request("r", {"n": 2, "stop": [" three"], "skip_special_tokens": True})
+    first, _ = detok.process(_outputs("r", 0, ids, "stop", " three"))
+    assert "".join(c.text for c in first) == "one two"
+    assert first[-1].finish_reason == "stop" and first[-1].matched_stop == " three"
+    assert not first[-1].done and first[-1].usage is None
+    second, _ = detok.process(_outputs("r", 1, ids[:2], "length"))
+    assert second[-1].done and second[-1].usage == P.Usage(7, len(ids) + 2, 3)
+
+
+def test_detokenizer_reports_a_failed_request_as_an_error(tokenizer: Any) -> None:
+    from minisgl.runtime.detokenizer_worker import Detokenizer
+
+    detok = Detokenizer(tokenizer)
+    detok.add_request("r", {"n": 1})
+    out = TokenOutput("r", 0, [], None, True, "abort", None, 3, 0, 0, "the engine shut down")
+    chunks, errors = detok.process([out])
+    assert chunks == [] and errors == [P.Error("r", "RequestAbortedError", "the engine shut down")]
+
+
+def test_tool_call_deltas_merge_into_complete_calls() -> None:
+    from minisgl.client import merge_tool_calls
+
+    calls: list[dict[str, Any]] = []
+    merge_tool_calls(calls, [{"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}])
+    merge_tool_calls(calls, [{"index": 0, "function": {"arguments": '{"a": '}}])
+    merge_tool_calls(calls, [{"index": 0, "function": {"arguments": "1}"}},
+                             {"index": 1, "id": "c2", "type": "function", "function": {"name": "g"}}])
+    assert calls == [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": ""}},
+    ]
+
+
+# ---------------------------------------------------------------------------- Client / AsyncClient over a scripted ROUTER
+
+
+class ScriptedRouter:
+    """Answers like the daemon's frontend: ping -> ready; prompt "slow" -> one chunk, then silence;
+    prompt "bad" -> a typed error; any other prompt -> its words as chunks, interleaved across requests."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.aborted: list[str] = []
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.bind(address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        streams: dict[str, tuple[bytes, list[str]]] = {}
+        while not self._stop.is_set():
+            if self.sock.poll(10):
+                ident, raw = self.sock.recv_multipart()
+                msg = P.decode(raw)
+                if isinstance(msg, P.Ping):
+                    self._send(ident, P.Pong(msg.rid, "ready", os.getpid(), "fake", self.address, "0", {}))
+                elif isinstance(msg, P.Abort):
+                    self.aborted.append(msg.rid)
+                elif isinstance(msg, P.Generate) and msg.prompt == "bad":
+                    self._send(ident, P.Error(msg.rid, "PromptTooLongError", "too long"))
+                elif isinstance(msg, P.Generate) and msg.prompt == "slow":
+                    self._send(ident, P.Chunks([P.Chunk(msg.rid, 0, "s", [1])]))
+                elif isinstance(msg, P.Generate):
+                    streams[msg.rid] = (ident, (msg.prompt or "").split(" "))
+            for rid, (ident, words) in list(streams.items()):  # one word per request per round: interleaved
+                word = words.pop(0)
+                last = not words
+                usage = P.Usage(1, 2, 0) if last else None
+                self._send(ident, P.Chunks([P.Chunk(rid, 0, word, [len(word)], None, "stop" if last else None,
+                                                    None, None, usage, last)]))
+                if last:
+                    del streams[rid]
+
+    def _send(self, ident: bytes, msg: Any) -> None:
+        self.sock.send_multipart([ident, P.encode(msg)])
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join()
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def router(tmp_path: Path, runtime_dir: Path) -> Any:
+    fake = ScriptedRouter(f"ipc://{tmp_path}/fake.sock")
+    yield fake
+    fake.close()
+
+
+def _eventually(cond: Callable[[], bool], timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def test_sync_client_generates_and_streams(router: ScriptedRouter) -> None:
+    from minisgl.client import Client
+
+    with Client("fake", router.address, auto_start=False, timeout=5) as c:
+        out = c.generate("a b c")
+        assert (out.text, out.token_ids, out.finish_reason, out.usage) == ("abc", [1, 1, 1], "stop", P.Usage(1, 2, 0))
+        chunks = list(c.stream("x yy"))
+        assert [ch.text for ch in chunks] == ["x", "yy"] and [ch.usage is None for ch in chunks] == [True, False]
+        with pytest.raises(PromptTooLongError, match="too long"):
+            c.generate("bad")
+
+
+def test_sync_client_is_safe_across_threads(router: ScriptedRouter) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from minisgl.client import Client
+
+    with Client("fake", router.address, auto_start=False, timeout=5) as c:
+        prompts = [" ".join(f"w{i}_{j}" for j in range(i % 4 + 1)) for i in range(16)]
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(lambda p: c.generate(p).text, prompts))
+        assert texts == [p.replace(" ", "") for p in prompts]
+
+
+def test_timeout_raises_and_aborts_the_request(router: ScriptedRouter) -> None:
+    from minisgl.client import Client
+
+    with Client("fake", router.address, auto_start=False, timeout=0.3) as c:
+        with pytest.raises(DaemonTimeoutError, match="aborted"):
+            c.generate("slow", rid="t1")
+        assert _eventually(lambda: router.aborted == ["t1"])
+
+
+def test_leaving_a_stream_early_aborts_the_request(router: ScriptedRouter) -> None:
+    from minisgl.client import Client
+
+    with Client("fake", router.address, auto_start=False, timeout=5) as c:
+        for chunk in c.stream("slow", rid="s1"):
+            assert chunk.text == "s"
+            break
+        assert _eventually(lambda: router.aborted == ["s1"])
+        for _ in c.stream("a b", rid="s2"):
+            pass  # ran to the end: nothing to abort
+        time.sleep(0.1)
+        assert router.aborted == ["s1"]
+
+
+def test_async_client_demultiplexes_concurrent_requests(router: ScriptedRouter) -> None:
+    from minisgl.client import AsyncClient
+
+    async def main() -> list[str]:
+        async with AsyncClient("fake", router.address, auto_start=False, timeout=5) as ac:
+            prompts = [" ".join(f"r{i}w{j}" for j in range(i % 5 + 1)) for i in range(20)]
+            outs = await asyncio.gather(*(ac.generate(p) for p in prompts))
+            assert [o.text for o in outs] == [p.replace(" ", "") for p in prompts]
+            deltas = [chunk.text async for chunk in ac.stream("p q r")]
+            assert deltas == ["p", "q", "r"]
+            with pytest.raises(PromptTooLongError):
+                await ac.generate("bad")
+            return [o.rid for o in outs]
+
+    assert len(set(asyncio.run(main()))) == 20
+
+
+def test_cancelling_an_async_request_aborts_it(router: ScriptedRouter) -> None:
+    from minisgl.client import AsyncClient
+
+    async def main() -> None:
+        async with AsyncClient("fake", router.address, auto_start=False, timeout=30) as ac:
+            task = asyncio.ensure_future(ac.generate("slow", rid="c1"))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            stream = ac.stream("slow", rid="c2")
+            assert (await stream.__anext__()).text == "s"
+            await stream.aclose()
+            with pytest.raises(DaemonTimeoutError):
+                await ac.generate("slow", rid="c3", timeout=0.2)
+
+    asyncio.run(main())
+    assert _eventually(lambda: sorted(router.aborted) == ["c1", "c2", "c3"])
+
+
+def test_a_daemon_that_goes_away_fails_waiting_requests_at_once(router: ScriptedRouter) -> None:
+    from minisgl.client import Client
+
+    with Client("fake", router.address, auto_start=False, timeout=30) as c:
+        stream = c.stream("slow")
+        next(stream)
+        threading.Timer(0.2, router.close).start()
+        t0 = time.monotonic()
+        with pytest.raises(DaemonNotRunningError, match="lost"):
+            next(stream)
+        assert time.monotonic() - t0 < 5
