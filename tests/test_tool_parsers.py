@@ -22,6 +22,7 @@ from minisgl.structured.parsers import (
     ParsedToolOutput,
     StreamingToolParser,
     get_tool_parser,
+    split_deltas,
 )
 from minisgl.structured.tools import (
     HERMES,
@@ -263,6 +264,15 @@ def test_streaming_holds_back_a_possible_tag_and_streams_arguments() -> None:
     assert "".join(d.content for d in rest if d.content) == " bye"
 
 
+def test_split_deltas_gives_chunk_text_and_openai_tool_calls() -> None:
+    parser = HermesToolParser()
+    text, calls = split_deltas(parser.feed('ok <tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}'))
+    assert text == "ok " and calls is not None
+    assert calls[0]["function"] == {"name": "get_time", "arguments": ""}
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"tz": "UTC"}'
+    assert split_deltas(parser.feed("</tool_call>") + parser.finish()) == ("", None)
+
+
 def test_streamed_call_id_matches_the_delta_openai_shape() -> None:
     deltas = stream(HermesToolParser, HERMES_SAMPLES[1], random.Random(0))
     first = next(d for d in deltas if d.tool_call is not None).to_openai()
@@ -352,9 +362,10 @@ def test_required_constraint_forces_schema_valid_calls(
 ) -> None:
     import jsonschema
 
-    ebnf = tool_call_constraint(TOOLS, "required", fmt, max_whitespace_cnt=2)
-    assert isinstance(ebnf, str)
-    backend.validate(SamplingParams(ebnf=ebnf))
+    constraint = tool_call_constraint(TOOLS, "required", fmt, max_whitespace_cnt=2)
+    assert constraint is not None and set(constraint) == {"ebnf"}
+    ebnf = constraint["ebnf"]
+    backend.validate(SamplingParams(**constraint))
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for seed in range(8):
         text = tokenizer.decode(walk(backend, ebnf, seed))
@@ -365,8 +376,10 @@ def test_required_constraint_forces_schema_valid_calls(
 
 
 def test_named_constraint_forces_exactly_that_tool(backend: GrammarBackend, tokenizer: Any) -> None:
-    ebnf = tool_call_constraint(TOOLS, {"type": "function", "function": {"name": "get_time"}}, max_whitespace_cnt=2)
-    assert isinstance(ebnf, str)
+    forced = {"type": "function", "function": {"name": "get_time"}}
+    constraint = tool_call_constraint(TOOLS, forced, max_whitespace_cnt=2)
+    assert constraint is not None
+    ebnf = constraint["ebnf"]
     for seed in range(5):
         parsed = HermesToolParser.parse(tokenizer.decode(walk(backend, ebnf, seed)))
         assert [c.name for c in parsed.tool_calls] == ["get_time"]
@@ -374,8 +387,9 @@ def test_named_constraint_forces_exactly_that_tool(backend: GrammarBackend, toke
 
 
 def test_single_call_constraint_without_parallel_calls(backend: GrammarBackend, tokenizer: Any) -> None:
-    ebnf = tool_call_constraint(TOOLS, "required", parallel_tool_calls=False, max_whitespace_cnt=2)
-    assert isinstance(ebnf, str)
+    constraint = tool_call_constraint(TOOLS, "required", parallel_tool_calls=False, max_whitespace_cnt=2)
+    assert constraint is not None
+    ebnf = constraint["ebnf"]
     for seed in range(5):
         assert len(HermesToolParser.parse(tokenizer.decode(walk(backend, ebnf, seed))).tool_calls) == 1
 

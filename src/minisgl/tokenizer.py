@@ -22,6 +22,7 @@ def apply_chat_template(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
+    tool_choice: Any = "auto",
 ) -> list[int]:
     """Render a conversation with the model's chat template and tokenize it."""
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -34,7 +35,9 @@ def apply_chat_template(
     if tools:
         from minisgl.structured.tools import render_tools_prompt
 
-        text = render_tools_prompt(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt)
+        text = render_tools_prompt(
+            tokenizer, messages, tools, add_generation_prompt=add_generation_prompt, tool_choice=tool_choice
+        )
     else:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=False)

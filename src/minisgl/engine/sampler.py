@@ -22,7 +22,8 @@ class SamplingInfo:
     min_p: torch.Tensor | None  # [B]
     greedy_rows: torch.Tensor | None  # [B] bool
     penalties: bool
-    logprobs_k: int  # max top-k alternatives requested in the batch; -1 when no row wants logprobs
+    logprobs_k: int
+    min_tokens: bool = False  # some row may not stop yet  # max top-k alternatives requested in the batch; -1 when no row wants logprobs
 
     @classmethod
     def from_reqs(cls, reqs: list["Req"], vocab_size: int, device: torch.device) -> "SamplingInfo":
@@ -30,8 +31,9 @@ class SamplingInfo:
         greedy_flags = [p.greedy for p in params]
         logprobs_k = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         penalties = any(p.has_penalties for p in params)
+        min_tokens = any(r.num_output < r.sampling_params.min_tokens for r in reqs)
         if all(greedy_flags):
-            return cls(True, torch.ones(0), None, None, None, None, penalties, logprobs_k)
+            return cls(True, torch.ones(0), None, None, None, None, penalties, logprobs_k, min_tokens)
         temps = [p.temperature if not g else 1.0 for p, g in zip(params, greedy_flags)]
         temperature = torch.tensor(temps, dtype=torch.float32).view(-1, 1).to(device, non_blocking=True)
         top_k = top_p = min_p = None
@@ -42,7 +44,7 @@ class SamplingInfo:
         if any(p.min_p > 0.0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device)
         greedy_rows = torch.tensor(greedy_flags).to(device) if any(greedy_flags) else None
-        return cls(False, temperature, top_k, top_p, min_p, greedy_rows, penalties, logprobs_k)
+        return cls(False, temperature, top_k, top_p, min_p, greedy_rows, penalties, logprobs_k, min_tokens)
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
@@ -66,6 +68,17 @@ def apply_penalties(logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
                 out = torch.tensor(r.output_ids, device=device)
                 counts[i].index_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def mask_stops_before_min_tokens(logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
+    """Rows that have not reached min_tokens cannot sample EOS or a stop token (a grammar, if any, decides instead)."""
+    for i, r in enumerate(reqs):
+        p = r.sampling_params
+        if r.num_output < p.min_tokens and r.grammar is None:
+            stops = [t for t in (*r.eos_token_ids, *p.stop_token_ids) if not p.ignore_eos or t not in r.eos_token_ids]
+            if stops:
+                logits[i, torch.tensor(stops, device=logits.device)] = float("-inf")
     return logits
 
 
@@ -129,6 +142,8 @@ class Sampler:
         logits = logits.float()
         if info.penalties:
             logits = apply_penalties(logits, reqs)
+        if info.min_tokens:
+            logits = mask_stops_before_min_tokens(logits, reqs)
         if bitmask_fn is not None:
             bitmask_fn(logits)
         if info.greedy:

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
 import torch
 
 from minisgl import plugins
@@ -26,6 +27,15 @@ logger = logging.getLogger("minisgl")
 STARVATION_LIMIT = 8
 # Beyond this many waiting requests, ranking by prefix match costs more than it saves.
 LPM_MAX_WAITING = 512
+# A request sharing at least this many uncached tokens with one admitted in the same batch
+# waits one step and reads that prefix from the cache instead of computing it again.
+IN_BATCH_SHARE_MIN = 16
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
 
 
 class Scheduler:
@@ -117,7 +127,7 @@ class Scheduler:
 
             req.stop_checker = IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens)
         if p.has_grammar:
-            req.grammar = self._grammar().new_state(p)
+            req.grammar = self._grammar().new_state(p, stop_token_ids=sorted(req.eos_token_ids))
 
     def _grammar(self) -> Any:
         if self.grammar_backend is None:
@@ -162,12 +172,16 @@ class Scheduler:
             else:
                 self.waiting.appendleft(req)  # keeps its row and pages; resumes when memory frees up
         admitted: list[Req] = []
+        share = self.config.cache == "radix"
+        batch_prompts: list[np.ndarray] = [np.asarray(r.input_ids) for r, _ in chosen] if share else []
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) + len(chosen) >= self.config.max_running_requests:
                 break
             if req.wait_for is not None and not self._prefilled(req.wait_for):
                 continue
             fresh = req.table_idx < 0
+            if fresh and share and self._shares_with_batch(req, batch_prompts):
+                continue
             if fresh and not self._admit(req):
                 break  # no free table row
             extend = min(req.seq_len - req.cached_len, budget)
@@ -179,6 +193,8 @@ class Scheduler:
             admitted.append(req)
             chosen.append((req, extend))
             budget -= extend
+            if share:
+                batch_prompts.append(np.asarray(req.input_ids))
         for req in self.waiting:
             if req not in admitted:
                 req.skipped += 1
@@ -187,6 +203,15 @@ class Scheduler:
         if not chosen:
             return None
         return self._make_batch(Phase.PREFILL, chosen)
+
+    def _shares_with_batch(self, req: Req, batch_prompts: list[np.ndarray]) -> bool:
+        """True when req should wait a step to reuse a prefix another request of this batch computes."""
+        if not batch_prompts:
+            return False
+        ids = np.asarray(req.input_ids)
+        shared = max(common_prefix_len(ids, other) for other in batch_prompts)
+        shared = min(shared, len(ids) - 1) // self.page_size * self.page_size
+        return shared - self.prefix_cache.match_len(req.input_ids[:-1]) >= max(IN_BATCH_SHARE_MIN, self.page_size)
 
     def _prefilled(self, req: Req) -> bool:
         return req.finished or req.cached_len >= req.prompt_len - 1
@@ -325,8 +350,10 @@ class Scheduler:
             self.running.append(req)
         p = req.sampling_params
         reason, matched = None, None
-        if req.grammar is not None:
-            req.grammar.accept_token(token)
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            self.running.remove(req)
+            self._finish(req, "abort", None, new_tokens=[token], error="the sampled token broke the grammar")
+            return
         if req.stop_checker is not None:
             req.stop_checker.add([token])
         min_ok = req.num_output >= p.min_tokens

@@ -20,6 +20,7 @@ from minisgl.structured.parsers import (
     ToolCall,
     ToolCallDelta,
     get_tool_parser,
+    split_deltas,
 )
 from minisgl.structured.tools import (
     HERMES,
@@ -47,6 +48,7 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "get_tool_parser",
+    "split_deltas",
     "HERMES",
     "LLAMA3_JSON",
     "ToolChoice",

@@ -111,6 +111,7 @@ class GrammarBackend:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minisgl-grammar")
+        self._bitmask: torch.Tensor | None = None  # apply()'s reusable buffer
 
     # ---- compile ---------------------------------------------------------------------------
 
@@ -194,6 +195,14 @@ class GrammarBackend:
         apply_bitmask's copy to the device is asynchronous. Allocate once, reuse every step."""
         bitmask = xgr.allocate_token_bitmask(batch_size, self.vocab_size)
         return bitmask.pin_memory() if torch.cuda.is_available() else bitmask
+
+    def apply(self, logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
+        """One decode step's masking: fill_bitmask + apply_bitmask on a buffer the backend keeps
+        (grown to the largest batch seen). logits row i belongs to states[i]."""
+        if self._bitmask is None or self._bitmask.shape[0] < len(states):
+            self._bitmask = self.allocate_bitmask(max(len(states), 8))
+        rows = fill_bitmask(states, self._bitmask)
+        apply_bitmask(logits, self._bitmask, rows)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

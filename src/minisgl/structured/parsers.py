@@ -72,6 +72,13 @@ class Delta(NamedTuple):
         return {"content": self.content}
 
 
+def split_deltas(deltas: list[Delta]) -> tuple[str, list[dict[str, Any]] | None]:
+    """A batch of deltas as one stream chunk: (content text, OpenAI tool_call deltas or None)."""
+    text = "".join(d.content for d in deltas if d.content is not None)
+    calls = [d.tool_call.to_openai() for d in deltas if d.tool_call is not None]
+    return text, calls or None
+
+
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 

@@ -2,8 +2,8 @@
 prompt, and build the grammar that forces a call when tool_choice demands one.
 
 A request with tools goes: normalize_tools -> resolve_tool_choice -> render_tools_prompt (the
-prompt) + tool_call_constraint (SamplingParams.ebnf, or None) -> generate -> a parser from
-minisgl.structured.parsers turns the text back into tool calls.
+prompt) + tool_call_constraint ({"ebnf": ...} to merge into SamplingParams, or None) -> generate ->
+a parser from minisgl.structured.parsers turns the text back into tool calls.
 """
 
 from __future__ import annotations
@@ -138,8 +138,8 @@ def tool_call_constraint(
     *,
     parallel_tool_calls: bool = True,
     max_whitespace_cnt: int | None = None,
-) -> str | None:
-    """The EBNF grammar (for SamplingParams.ebnf) that forces tool calls, or None when the model
+) -> dict[str, str] | None:
+    """The SamplingParams fields that force tool calls ({"ebnf": grammar}), or None when the model
     may answer freely ("auto"/"none").
 
     "required": one or more calls (one when parallel_tool_calls is False) of any tool; "named":
@@ -187,7 +187,7 @@ def tool_call_constraint(
         grammar = xgr.Grammar.from_structural_tag({"type": "structural_tag", "format": fmt})
     except Exception as e:
         raise GrammarError(f"cannot build the tool-call grammar: {e}") from e
-    return str(grammar)
+    return {"ebnf": str(grammar)}
 
 
 def template_supports_tools(tokenizer: Any, tools: Sequence[dict[str, Any]] | None = None) -> bool:
