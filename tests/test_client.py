@@ -225,6 +225,53 @@ def test_tokenizer_worker_validates_before_the_scheduler(tokenizer: Any) -> None
             prep.prepare(msg)
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_tools_are_rendered_and_forced_calls_constrained(tokenizer: Any) -> None:
+    from minisgl.runtime.tokenizer_worker import RequestPreparer
+
+    prep = RequestPreparer(tokenizer, {"context_length": 4096, "model_type": "llama"})
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    auto = prep.prepare(P.Generate("r", messages=messages, tools=[WEATHER_TOOL]))
+    assert "get_weather" in tokenizer.decode(auto.input_ids)
+    assert auto.params["ebnf"] is None and auto.detok["tool_parser"] == "hermes"
+    forced = prep.prepare(P.Generate("r", messages=messages, tools=[WEATHER_TOOL], tool_choice="required"))
+    assert "get_weather" in forced.params["ebnf"]
+    none = prep.prepare(P.Generate("r", messages=messages, tools=[WEATHER_TOOL], tool_choice="none"))
+    assert "get_weather" not in tokenizer.decode(none.input_ids) and none.detok["tool_parser"] is None
+    with pytest.raises(GrammarError):
+        prep.prepare(P.Generate("r", messages=messages, tools=[WEATHER_TOOL], tool_choice={"function": {"name": "nope"}}))
+    with pytest.raises(InvalidRequestError):
+        prep.prepare(P.Generate("r", prompt="plain", tools=[WEATHER_TOOL]))
+    with pytest.raises(InvalidRequestError):
+        prep.prepare(P.Generate("r", messages=messages, tools=[{"type": "function", "function": {"name": "bad name"}}]))
+
+
+def test_detokenizer_parses_tool_calls_out_of_the_text(tokenizer: Any) -> None:
+    from minisgl.client import merge_tool_calls
+    from minisgl.runtime.detokenizer_worker import Detokenizer
+
+    text = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = Detokenizer(tokenizer)
+    detok.add_request("r", {"n": 1, "tool_parser": "hermes"})
+    chunks, _ = detok.process(_outputs("r", 0, ids, "stop", 2))
+    assert "".join(c.text for c in chunks) == "Let me check."
+    calls: list[dict[str, Any]] = []
+    for c in chunks:
+        merge_tool_calls(calls, c.tool_calls or [])
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+    assert chunks[-1].finish_reason == "tool_calls"
+
+
 def test_response_format_becomes_a_json_schema() -> None:
     from minisgl.runtime.tokenizer_worker import apply_response_format
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import signal
 import stat
@@ -43,9 +44,9 @@ from minisgl.errors import (
 from minisgl.runtime import protocol as P
 from minisgl.runtime.registry import Registry, pid_alive
 
-GREEDY = SamplingParams(max_tokens=8, temperature=0)
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):", "My favourite colour is"]
-LONG = SamplingParams(max_tokens=400, temperature=0.8, seed=0)
+LONG = SamplingParams(max_tokens=400, temperature=0.8, seed=0, ignore_eos=True)  # in flight until aborted
 
 
 def _eventually(cond: Callable[[], bool], timeout: float = 30.0) -> bool:
@@ -138,22 +139,22 @@ def offline_token_ids(smollm2_daemon: DaemonHandle) -> list[list[int]]:
     return outs
 
 
-def test_concurrent_async_requests_equal_offline_generate(client: Any, offline_token_ids: list[list[int]]) -> None:
-    async def main() -> list[Any]:
+def test_concurrent_requests_from_asyncio_and_threads_equal_offline_generate(
+    client: Any, offline_token_ids: list[list[int]]
+) -> None:
+    async def with_asyncio() -> list[Any]:
         async with AsyncClient("smollm2", client.address, auto_start=False) as ac:
             return await asyncio.gather(*(ac.generate(p, GREEDY) for p in PROMPTS))
 
-    outs = asyncio.run(main())
-    assert [o.token_ids for o in outs] == offline_token_ids
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # the threads share one Client
+        threaded = pool.map(lambda p: client.generate(p, GREEDY), PROMPTS)
+        from_async = asyncio.run(with_asyncio())
+        from_threads = list(threaded)
+    for outs in (from_async, from_threads):
+        assert [o.token_ids for o in outs] == offline_token_ids
+        assert all(o.finish_reason in ("length", "stop") and o.usage.completion_tokens == len(o.token_ids) for o in outs)
     tokenizer = _tokenizer()
-    assert [o.text for o in outs] == [tokenizer.decode(ids, skip_special_tokens=True) for ids in offline_token_ids]
-
-
-def test_threads_sharing_one_client_equal_offline_generate(client: Any, offline_token_ids: list[list[int]]) -> None:
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        outs = list(pool.map(lambda p: client.generate(p, GREEDY), PROMPTS))
-    assert [o.token_ids for o in outs] == offline_token_ids
-    assert all(o.finish_reason in ("length", "stop") and o.usage.completion_tokens == len(o.token_ids) for o in outs)
+    assert [o.text for o in from_async] == [tokenizer.decode(ids, skip_special_tokens=True) for ids in offline_token_ids]
 
 
 def test_stream_deltas_concatenate_and_usage_comes_last(client: Any) -> None:
@@ -165,7 +166,7 @@ def test_stream_deltas_concatenate_and_usage_comes_last(client: Any) -> None:
     assert all(c.usage is None and not c.done for c in chunks[:-1])
     last = chunks[-1]
     assert last.done and last.finish_reason == "length"
-    assert last.usage.prompt_tokens == full.usage.prompt_tokens and last.usage.completion_tokens == 8
+    assert last.usage.prompt_tokens == full.usage.prompt_tokens and last.usage.completion_tokens == 6
     assert last.usage.cached_tokens == last.usage.prompt_tokens - 1  # the same prompt again: all but the last token
 
 
@@ -179,7 +180,7 @@ def test_chat_messages_use_the_chat_template(client: Any) -> None:
 
 
 def test_n_samples_come_back_as_outputs(client: Any) -> None:
-    out = client.generate("Roses are", SamplingParams(max_tokens=6, temperature=1.0, n=2, seed=3))
+    out = client.generate("Roses are", SamplingParams(max_tokens=4, temperature=1.0, n=2, seed=3))
     assert [o.index for o in out.outputs] == [0, 1]
     assert all(o.finish_reason in ("length", "stop") and o.token_ids for o in out.outputs)
     assert out.usage.completion_tokens == sum(len(o.token_ids) for o in out.outputs)
@@ -187,14 +188,13 @@ def test_n_samples_come_back_as_outputs(client: Any) -> None:
 
 def test_stop_strings_are_trimmed_from_the_text(client: Any) -> None:
     prompt = "The capital of France is"
-    base = client.generate(prompt, SamplingParams(max_tokens=12, temperature=0))
+    base = client.generate(prompt, SamplingParams(max_tokens=10, temperature=0))
     k = len(base.text) // 2
     stop = base.text[k : k + 3]
     expected = base.text[: base.text.find(stop)]
-    params = SamplingParams(max_tokens=12, temperature=0, stop=[stop])
-    out = client.generate(prompt, params)
-    assert (out.text, out.finish_reason, out.matched_stop) == (expected, "stop", stop)
-    assert "".join(c.text for c in client.stream(prompt, params)) == expected
+    chunks = list(client.stream(prompt, SamplingParams(max_tokens=10, temperature=0, stop=[stop])))
+    assert "".join(c.text for c in chunks) == expected
+    assert (chunks[-1].finish_reason, chunks[-1].matched_stop) == ("stop", stop)
 
 
 # ---------------------------------------------------------------------------- aborts free pages
@@ -224,7 +224,7 @@ def test_a_killed_client_process_has_its_request_aborted(smollm2_daemon: DaemonH
     script = (
         "from minisgl.client import Client\nfrom minisgl.core import SamplingParams\n"
         f"c = Client('smollm2', address={smollm2_daemon.address!r}, auto_start=False)\n"
-        "for chunk in c.stream('Write a long story about the sea.', SamplingParams(max_tokens=400)):\n"
+        "for chunk in c.stream('Write a long story about the sea.', SamplingParams(max_tokens=400, ignore_eos=True)):\n"
         "    print('chunk', flush=True)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -284,41 +284,48 @@ def _tokenizer() -> Any:
 
 
 class CurveDaemon:
-    def __init__(self, connect: str, keys: Path, client_secret: Path, stranger_secret: Path, proc: Any) -> None:
+    def __init__(self, connect: str, keys: Path, client_secret: Path, stranger_secret: Path, proc: Any,
+                 model_dir: Path, log_path: Path) -> None:
         self.connect = connect
         self.server_public = keys / "server.key"
         self.client_secret = client_secret
         self.stranger_secret = stranger_secret
         self.proc = proc
+        self.model_dir = model_dir
+        self.log_path = log_path
+
+    def client_keys(self) -> dict[str, str]:
+        return {"curve_client_key": str(self.client_secret), "curve_server_key": str(self.server_public)}
 
 
 @pytest.fixture(scope="module")
 def curve_daemon(daemon_runtime_dir: Path, tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CurveDaemon]:
     import zmq.auth
 
-    from minisgl.runtime.auth import ClientCurve, create_client_keys
+    from minisgl.runtime.auth import ClientCurve, create_client_keys, ensure_server_keys
     from minisgl.runtime.launcher import stop_daemon, wait_ready
 
     keys = tmp_path_factory.mktemp("curve")
+    ensure_server_keys(keys)
     _, alice = create_client_keys(keys, "alice")
     _, mallory = zmq.auth.create_certificates(str(tmp_path_factory.mktemp("stranger")), "mallory")
     port = free_port()
     log = daemon_runtime_dir / "curve.log"
     proc = start_serve(
         ["--model", str(tiny_model_dir("llama")), "--address", f"tcp://0.0.0.0:{port}", "--allow-remote",
-         "--curve-dir", str(keys), "--max-message-bytes", "65536", "--num-pages", "256"], log,
+         "--curve-dir", str(keys), "--max-message-bytes", "65536", "--num-pages", "2048"], log,
     )
     connect = f"tcp://127.0.0.1:{port}"
     curve = ClientCurve(alice, keys / "server.key")
     wait_ready(connect, 180, curve, proc=proc, log_path=log)
-    yield CurveDaemon(connect, keys, alice, Path(mallory), proc)
-    stop_daemon(connect, 30, curve)
+    yield CurveDaemon(connect, keys, alice, Path(mallory), proc, tiny_model_dir("llama"), log)
+    if proc.poll() is None:
+        stop_daemon(connect, 30, curve)
     proc.wait(30)
 
 
 def test_curve_client_with_authorized_keys_is_served(curve_daemon: CurveDaemon) -> None:
-    with Client("tiny", curve_daemon.connect, auto_start=False, curve_client_key=str(curve_daemon.client_secret),
-                curve_server_key=str(curve_daemon.server_public)) as c:
+    with Client("tiny", curve_daemon.connect, auto_start=False, **curve_daemon.client_keys()) as c:
         out = c.generate([1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         assert len(out.token_ids) == 4
 
@@ -335,15 +342,73 @@ def test_curve_daemon_refuses_clients_without_authorized_keys(curve_daemon: Curv
 
 
 def test_oversize_message_drops_only_that_connection(curve_daemon: CurveDaemon) -> None:
-    with Client("tiny", curve_daemon.connect, auto_start=False, timeout=30,
-                curve_client_key=str(curve_daemon.client_secret),
-                curve_server_key=str(curve_daemon.server_public)) as big, \
-         Client("tiny", curve_daemon.connect, auto_start=False, timeout=30,
-                curve_client_key=str(curve_daemon.client_secret),
-                curve_server_key=str(curve_daemon.server_public)) as other:
+    keys = curve_daemon.client_keys()
+    with Client("tiny", curve_daemon.connect, auto_start=False, timeout=30, **keys) as big, \
+         Client("tiny", curve_daemon.connect, auto_start=False, timeout=30, **keys) as other:
         with pytest.raises(DaemonError):
             big.generate(list(range(1, 30_000)), SamplingParams(max_tokens=2))
         assert len(other.generate([1, 2], SamplingParams(max_tokens=2, ignore_eos=True)).token_ids) == 2
+
+
+def test_a_forced_tool_call_comes_back_as_tool_calls(curve_daemon: CurveDaemon) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]},
+        },
+    }
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    with Client("tiny", curve_daemon.connect, auto_start=False, **curve_daemon.client_keys()) as c:
+        params = SamplingParams(max_tokens=60, temperature=0)
+        out = c.generate(messages, params, tools=[tool], tool_choice=choice)
+    assert out.finish_reason == "tool_calls" and len(out.tool_calls) == 1
+    call = out.tool_calls[0]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
+
+
+def test_64_concurrent_streaming_clients_finish_and_equal_offline(curve_daemon: CurveDaemon) -> None:
+    from minisgl.llm import LLM
+
+    prompts = [[(7 * i + j) % 1000 + 5 for j in range(3 + i % 5)] for i in range(64)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm = LLM(str(curve_daemon.model_dir), num_pages=2048)
+    expected = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    keys = curve_daemon.client_keys()
+
+    def collect(chunks: Any) -> list[int]:
+        return [t for c in chunks for t in c.token_ids]
+
+    async def streams(batch: list[list[int]]) -> list[list[int]]:
+        async with AsyncClient("tiny", curve_daemon.connect, auto_start=False, **keys) as ac:
+            async def one(p: list[int]) -> list[int]:
+                return collect([c async for c in ac.stream(p, params)])
+
+            return list(await asyncio.gather(*(one(p) for p in batch)))
+
+    with Client("tiny", curve_daemon.connect, auto_start=False, **keys) as shared, ThreadPoolExecutor(32) as pool:
+        threaded = pool.map(lambda p: collect(shared.stream(p, params)), prompts[32:])
+        from_async = asyncio.run(streams(prompts[:32]))
+        assert from_async + list(threaded) == expected
+        stats = shared.stats()
+    assert stats["free_pages"] + stats["cached_pages"] == stats["total_pages"] and stats["req_pages"] == 0
+
+
+def test_a_killed_scheduler_fails_waiting_requests_and_stops_the_daemon(curve_daemon: CurveDaemon) -> None:
+    with Client("tiny", curve_daemon.connect, auto_start=False, timeout=30, **curve_daemon.client_keys()) as c:
+        scheduler = c.stats()["workers"]["scheduler"]
+        stream = c.stream([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+        next(stream)
+        os.kill(scheduler, signal.SIGKILL)
+        with pytest.raises(DaemonError, match="scheduler process"):
+            for _ in stream:
+                pass
+    assert curve_daemon.proc.wait(30) == 1
+    assert f"scheduler process (pid {scheduler}) exited unexpectedly" in curve_daemon.log_path.read_text()
 
 
 # ---------------------------------------------------------------------------- shutdown (last: stops the daemon)

@@ -22,11 +22,10 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
+from daemon_fixtures import START_TIMEOUT_S, SMOLLM2_ENGINE, daemon_runtime_dir, free_port, start_serve  # noqa: F401
 from minisgl.core import SamplingParams
 from minisgl.errors import ConfigError, DaemonNotRunningError, PromptTooLongError
 from minisgl.server.app import create_app, run_http_server
-
-from daemon_fixtures import START_TIMEOUT_S, SMOLLM2_ENGINE, daemon_runtime_dir, free_port, start_serve  # noqa: F401
 
 # ---------------------------------------------------------------------------- HTTP layer
 
@@ -46,9 +45,11 @@ class StandInClient:
     async def model_info(self) -> dict[str, Any]:
         if isinstance(self.error, DaemonNotRunningError):
             raise self.error
-        return {"name": "stand-in", "max_seq_len": 2048}
+        return {"name": "stand-in", "context_length": 2048}
 
     async def stats(self) -> dict[str, Any]:
+        if isinstance(self.error, DaemonNotRunningError):
+            raise self.error
         return {"waiting": 0, "running": 1, "total_pages": 100, "free_pages": 90, "cached_pages": 6, "req_pages": 4}
 
     def _pieces(self, params: SamplingParams) -> list[str]:
@@ -165,6 +166,55 @@ def test_chat_stream_is_sse_with_role_first_then_deltas_usage_and_done():
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
     assert all(c["usage"] is None for c in chunks[:-1])
+
+
+class ToolCallingStandIn(StandInClient):
+    """Calls get_weather(city="Paris") the way the daemon reports it: name first, then argument fragments."""
+
+    DELTAS = [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}},
+        {"index": 0, "function": {"arguments": '{"city": '}},
+        {"index": 0, "function": {"arguments": '"Paris"}'}},
+    ]
+
+    async def stream(self, prompt: Any, sampling_params: SamplingParams, rid: str, **kw: Any) -> Any:
+        self.calls.append({"prompt": prompt, "params": sampling_params, "rid": rid, **kw})
+        for k, delta in enumerate(self.DELTAS):
+            last = k == len(self.DELTAS) - 1
+            usage = self._usage(sampling_params) if last else None
+            yield SimpleNamespace(index=0, text="", token_ids=[k], finish_reason="tool_calls" if last else None,
+                                  logprobs=None, tool_calls=[delta], usage=usage)
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, rid: str, **kw: Any) -> Any:
+        self.calls.append({"prompt": prompt, "params": sampling_params, "rid": rid, **kw})
+        function = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+        call = {"id": "call_1", "type": "function", "function": function}
+        out = SimpleNamespace(index=0, text="", finish_reason="tool_calls", logprobs=None, tool_calls=[call])
+        return SimpleNamespace(outputs=[out], usage=self._usage(sampling_params))
+
+
+def test_tool_calls_and_tool_messages_pass_through_in_openai_shape():
+    stand_in = ToolCallingStandIn()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    history = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [ToolCallingStandIn.DELTAS[0]]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21C"},
+    ]
+    with _app_client(stand_in) as http:
+        good = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        r = good.chat.completions.create(model="stand-in", messages=history, tools=tools, tool_choice="required")
+        chunks = list(good.chat.completions.create(model="stand-in", messages=history, tools=tools, stream=True))
+    assert stand_in.calls[0]["tools"] == tools and stand_in.calls[0]["tool_choice"] == "required"
+    assert stand_in.calls[0]["prompt"][1]["content"] == ""  # a tool-calling turn without text renders as ""
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and message.content is None
+    assert message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id == "call_1" and deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == '{"city": "Paris"}'
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_completions_batch_of_prompts_gets_one_choice_per_prompt_and_sample():
@@ -437,28 +487,37 @@ def test_response_format_json_schema_output_validates(oai):
             response_format=fmt, temperature=1.0, seed=seed, max_tokens=64,
         )
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
-    r = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Reply with JSON."}],
-                                    response_format={"type": "json_object"}, temperature=0, max_tokens=48)
+    ask = [{"role": "user", "content": "Give a JSON object with one key city whose value is Paris."}]
+    r = oai.chat.completions.create(model="smollm2", messages=ask, response_format={"type": "json_object"},
+                                    temperature=0, max_tokens=64)
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_tool_choice_required_returns_a_valid_call_and_streams_it_as_deltas(oai):
-
     ask = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
     r = oai.chat.completions.create(model="smollm2", messages=ask, tools=TOOLS, tool_choice="required",
                                     temperature=0, max_tokens=64)
     choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
-    call = choice.message.tool_calls[0]
+    # SmolLM2 may go on calling until max_tokens ("length"); every call it completes must be valid.
+    assert choice.finish_reason in ("tool_calls", "length") and choice.message.tool_calls
     schemas = {"get_weather": WEATHER, "get_time": CLOCK}
-    assert call.type == "function" and call.id and call.function.name in schemas
-    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id and call.function.name in schemas
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    call = choice.message.tool_calls[0]
     chunks = list(oai.chat.completions.create(model="smollm2", messages=ask, tools=TOOLS, tool_choice="required",
                                               temperature=0, max_tokens=64, stream=True))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert deltas and deltas[0].id and deltas[0].function.name == call.function.name
     assert "".join(d.function.arguments or "" for d in deltas if d.index == 0) == call.function.arguments
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        choice.finish_reason]
+
+    # The call and its result go back into the conversation, as an agent loop sends them.
+    followup = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                      {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21}'}]
+    r = oai.chat.completions.create(model="smollm2", messages=followup, tools=TOOLS, temperature=0, max_tokens=16)
+    assert r.choices[0].message.content or r.choices[0].message.tool_calls
 
 
 def test_bad_requests_are_openai_bad_request_errors(oai):

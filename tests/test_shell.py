@@ -58,6 +58,18 @@ def test_reset_clears_history_and_exit_stops_reading():
     assert "(history cleared)" in out
 
 
+def test_answers_are_written_chunk_by_chunk_as_they_arrive():
+    class Recorder(io.StringIO):
+        flushed: list[str] = []
+
+        def flush(self) -> None:
+            self.flushed.append(self.getvalue())
+
+    out = Recorder()
+    run_shell(EchoClient(), stdin=io.StringIO("a b\n"), stdout=out)
+    assert ["you", "you said:", "you said: a", "you said: a b", "you said: a b\n"] == out.flushed
+
+
 def test_help_unknown_command_and_errors_do_not_end_the_session():
     client = EchoClient(fail_on="boom")
     code, out = _run("/help\n/nope\nboom\nstill here\n", client)

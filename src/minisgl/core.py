@@ -154,6 +154,8 @@ class Req:
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     arrival: float = 0.0
+    first_token_time: float = 0.0
+    finish_time: float = 0.0
     wait_for: "Req | None" = None  # prefill after this one (n > 1 siblings share its prompt KV)
     skipped: int = 0  # times prefix-aware ordering passed it over (fairness bound)
     # Per-request state owned by other components (grammar matcher, stop-string decoder, generator).

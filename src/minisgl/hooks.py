@@ -41,15 +41,21 @@ def minisgl_register_attention_backends() -> dict[str, Callable[..., Any]]:
 
 @hookspec
 def minisgl_request_received(req: "Req") -> None:
-    """Called by the scheduler when a request is admitted to the waiting queue.
+    """Called by the scheduler for each new sequence, before it is queued.
 
-    Not called at all (no per-request cost) when no plugin implements it.
+    Raise a minisgl.errors.InvalidRequestError (or subclass) to reject the request: the
+    caller gets that error and nothing is queued. Not called at all (no per-request cost)
+    when no plugin implements it.
     """
 
 
 @hookspec
 def minisgl_request_finished(req: "Req") -> None:
-    """Called by the scheduler once a request finishes (stop, length or abort), after its pages are released."""
+    """Called by the scheduler once a sequence finishes (stop, length or abort), after its pages are released.
+
+    req.finish_reason, req.prompt_len, req.prefix_hit_len (cached tokens), req.num_output and the
+    timings req.arrival / req.first_token_time / req.finish_time (time.perf_counter) are set.
+    """
 
 
 @hookspec

@@ -24,6 +24,8 @@ from minisgl.errors import ConfigError
 
 logger = logging.getLogger("minisgl")
 
+ZAP_DOMAIN = "minisgl"
+
 
 def curve_dir() -> Path:
     if os.environ.get("MINISGL_CURVE_DIR"):
@@ -76,12 +78,12 @@ class ServerCurve:
         """Start the ZAP handler and make sock's next bind a CURVE server endpoint."""
         self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("minisgl.auth"))
         self._auth.start()
-        self._auth.configure_curve(domain="*", location=str(self.authorized))
+        self._auth.configure_curve(domain=ZAP_DOMAIN, location=str(self.authorized))
         public, secret = zmq.auth.load_certificate(str(self.secret_file))
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_server = True
-        sock.zap_domain = b"minisgl"
+        sock.zap_domain = ZAP_DOMAIN.encode()
 
     def stop(self) -> None:
         if self._auth is not None:

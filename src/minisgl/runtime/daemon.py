@@ -58,6 +58,7 @@ logger = logging.getLogger("minisgl")
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
 STOP_GRACE_S = 5.0  # after Shutdown is sent, how long workers get to exit before they are terminated
+FAILED_STOP_GRACE_S = 1.0  # the same after a worker failed (the Shutdown pipeline may be broken)
 WORKERS = ("tokenizer", "detokenizer")
 
 
@@ -272,7 +273,7 @@ class Daemon:
         self.tokenizer.send(encode(Shutdown("", reason)))
         if "http" in self.children:
             self.children["http"].terminate()
-        self.stop_deadline = time.monotonic() + STOP_GRACE_S
+        self.stop_deadline = time.monotonic() + (STOP_GRACE_S if exit_code == 0 else FAILED_STOP_GRACE_S)
 
     def _stopped(self) -> bool:
         alive = [p for p in self.children.values() if p.is_alive()]
@@ -380,7 +381,10 @@ class Daemon:
         elif isinstance(msg, StatsReply):
             ident = self.inflight.pop(msg.rid, None)
             if ident is not None:
-                stats = {**msg.stats, "inflight": len(self.inflight), "uptime_s": time.monotonic() - self.started}
+                stats = {
+                    **msg.stats, "inflight": len(self.inflight), "uptime_s": time.monotonic() - self.started,
+                    "workers": {name: proc.pid for name, proc in self.children.items()},
+                }
                 self._reply(ident, msg._replace(stats=stats))
         elif isinstance(msg, SchedulerReady):
             self.model_info = msg.model_info
@@ -431,6 +435,7 @@ class Daemon:
     def _on_child_exit(self, proc: multiprocessing.process.BaseProcess) -> None:
         proc.join(0)
         if self.state == "stopping":
+            logger.debug("%s (pid %s) exited with code %s", proc.name, proc.pid, proc.exitcode)
             return
         text = f"{proc.name} process (pid {proc.pid}) exited unexpectedly with code {proc.exitcode}"
         logger.error(text)

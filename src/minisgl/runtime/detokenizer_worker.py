@@ -37,7 +37,7 @@ class RequestState:
         self.n = int(meta.get("n", 1))
         self.stop = list(meta.get("stop") or [])
         self.skip_special_tokens = bool(meta.get("skip_special_tokens", True))
-        self.tools = meta.get("tools")
+        self.tool_parser_name = meta.get("tool_parser")  # set when the request has tools
         self.detoks: dict[int, IncrementalDetokenizer] = {}
         self.tool_parsers: dict[int, Any] = {}
         self.called: set[int] = set()  # indices that produced a tool call
@@ -50,12 +50,12 @@ class RequestState:
         return self.detoks[index]
 
     def tool_parser(self, index: int) -> Any:
-        if not self.tools:
+        if not self.tool_parser_name:
             return None
         if index not in self.tool_parsers:
-            from minisgl.structured.parsers import StreamingToolParser, get_tool_parser
+            from minisgl.structured.parsers import get_tool_parser
 
-            self.tool_parsers[index] = StreamingToolParser(get_tool_parser(self.tokenizer), self.tools)
+            self.tool_parsers[index] = get_tool_parser(self.tool_parser_name)()
         return self.tool_parsers[index]
 
 
@@ -90,11 +90,9 @@ class Detokenizer:
         tool_calls = None
         parser = state.tool_parser(out.index)
         if parser is not None:
-            text, tool_calls = parser.feed(text)
-            if out.finished:
-                tail_text, tail_calls = parser.finish()
-                text += tail_text
-                tool_calls = (tool_calls or []) + (tail_calls or []) or None
+            from minisgl.structured.parsers import split_deltas
+
+            text, tool_calls = split_deltas(parser.feed(text) + (parser.finish() if out.finished else []))
             if tool_calls:
                 state.called.add(out.index)
         finish_reason = out.finish_reason if out.finished else None

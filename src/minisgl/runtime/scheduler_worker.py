@@ -46,6 +46,7 @@ def model_info(sched: "Scheduler", config: EngineConfig) -> dict[str, Any]:
         "name": config.model,
         "path": str(engine.model_dir) if engine.model_dir is not None else None,
         "architecture": mc.architecture,
+        "model_type": getattr(mc.hf_config, "model_type", None),
         "context_length": engine.max_seq_len,
         "max_position_embeddings": mc.max_position_embeddings,
         "eos_token_ids": list(mc.eos_token_ids),

@@ -74,20 +74,26 @@ class RequestPreparer:
     def __init__(self, tokenizer: Any, model_info: dict[str, Any]) -> None:
         self.tokenizer = tokenizer
         self.context_length = int(model_info["context_length"])
+        self.model_type = str(model_info.get("model_type") or "")
+        self._tool_format: str | None = None
 
     def prepare(self, msg: Generate) -> AddRequest:
         params = _sampling_params(msg.params)
         given = [name for name in ("prompt", "input_ids", "messages") if getattr(msg, name) is not None]
         if len(given) != 1:
             raise InvalidRequestError(f"give exactly one of prompt, input_ids and messages (got {given or 'none'})")
-        tools = self._tools(msg)
+        params = apply_response_format(params, msg.response_format)
+        tools, forced = self._tools(msg)
         if tools and msg.messages is None:
             raise InvalidRequestError("tools need a chat request: send messages, not a plain prompt")
-        params = apply_response_format(params, msg.response_format)
-        if tools:
-            params = self._tool_constraint(params, tools, msg.tool_choice)
+        if forced:
+            if params.has_grammar:
+                raise InvalidRequestError("a forced tool call cannot be combined with response_format or a grammar")
+            params = SamplingParams.from_dict({**params.to_dict(), **forced})
         if msg.messages is not None:
-            input_ids = apply_chat_template(self.tokenizer, msg.messages, tools=tools or None)
+            input_ids = apply_chat_template(
+                self.tokenizer, msg.messages, tools=tools or None, tool_choice=msg.tool_choice or "auto"
+            )
         elif msg.prompt is not None:
             if not isinstance(msg.prompt, str):
                 raise InvalidRequestError(f"prompt must be a string, got {type(msg.prompt).__name__}")
@@ -105,33 +111,31 @@ class RequestPreparer:
             "n": params.n,
             "stop": params.stop,
             "skip_special_tokens": params.skip_special_tokens,
-            "logprobs": params.logprobs is not None,
-            "tools": tools or None,
+            "tool_parser": self.tool_format if tools else None,
         }
         return AddRequest(msg.rid, input_ids, params.to_dict(), detok)
 
-    @staticmethod
-    def _tools(msg: Generate) -> list[dict[str, Any]]:
-        if msg.tools is None:
-            if msg.tool_choice not in (None, "none", "auto"):
-                raise InvalidRequestError(f"tool_choice {msg.tool_choice!r} needs tools")
-            return []
-        if not isinstance(msg.tools, list) or not all(isinstance(t, dict) for t in msg.tools):
-            raise InvalidRequestError("tools must be a list of {'type': 'function', 'function': {...}} objects")
-        if msg.tool_choice == "none":
-            return []
-        return msg.tools
+    @property
+    def tool_format(self) -> str:
+        """The tool-call format this model writes (and the detokenizer parses): "hermes" or "llama3_json"."""
+        if self._tool_format is None:
+            from minisgl.structured.parsers import get_tool_parser
 
-    @staticmethod
-    def _tool_constraint(params: SamplingParams, tools: list[dict[str, Any]], tool_choice: Any) -> SamplingParams:
-        from minisgl.structured import tools as tool_support
+            template = getattr(self.tokenizer, "chat_template", None)
+            self._tool_format = get_tool_parser(None, self.model_type, template if isinstance(template, str) else None).name
+        return self._tool_format
 
-        grammar = tool_support.tool_call_constraint(tools, tool_choice)
-        if not grammar:
-            return params
-        if params.has_grammar:
-            raise InvalidRequestError("a forced tool call cannot be combined with response_format or a grammar")
-        return SamplingParams.from_dict({**params.to_dict(), **grammar})
+    def _tools(self, msg: Generate) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """(the tools the model may call, the grammar fields that force a call or None)."""
+        if msg.tools is None and msg.tool_choice in (None, "none", "auto"):
+            return [], None
+        from minisgl.structured.tools import normalize_tools, resolve_tool_choice, tool_call_constraint
+
+        tools = normalize_tools(msg.tools)
+        choice = resolve_tool_choice(msg.tool_choice, tools)
+        if choice.mode == "none":
+            return [], None
+        return tools, tool_call_constraint(tools, choice, self.tool_format)
 
 
 def run_tokenizer(endpoints: Endpoints, log_level: int) -> None:

@@ -102,21 +102,21 @@ class Scheduler:
         if any((rid, i) in self.reqs for i in range(params.n)):
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         now = time.perf_counter()
-        first: Req | None = None
+        new: list[Req] = []
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else None
             req = Req(
                 rid=rid, input_ids=list(input_ids), sampling_params=params, prompt_len=len(input_ids),
-                eos_token_ids=self.eos_token_ids, seed=seed, arrival=now,
+                eos_token_ids=self.eos_token_ids, index=i, seed=seed, arrival=now,
             )
-            req.index = i
-            req.wait_for = first if self.config.cache == "radix" else None
-            self._init_req_state(req)
-            first = first or req
-            self.reqs[(rid, i)] = req
-            self.waiting.append(req)
-            if self._hook_received:
+            req.wait_for = new[0] if new and self.config.cache == "radix" else None
+            if self._hook_received:  # may reject: raises before anything is queued
                 plugins.get_plugin_manager().hook.minisgl_request_received(req=req)
+            new.append(req)
+        for req in new:
+            self._init_req_state(req)
+            self.reqs[(rid, req.index)] = req
+            self.waiting.append(req)
 
     def _init_req_state(self, req: Req) -> None:
         p = req.sampling_params
@@ -342,6 +342,8 @@ class Scheduler:
         )
 
     def _append_token(self, req: Req, token: int, logprob: Any, from_prefill: bool) -> None:
+        if not req.output_ids:
+            req.first_token_time = time.perf_counter()
         req.output_ids.append(token)
         req.input_ids.append(token)
         if logprob is not None:
@@ -399,6 +401,7 @@ class Scheduler:
         if req.finished:
             return
         req.finished, req.finish_reason, req.matched_stop = True, reason, matched
+        req.finish_time = time.perf_counter()
         if req in self.running:
             self.running.remove(req)
         if self.chunked is req:

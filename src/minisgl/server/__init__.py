@@ -6,7 +6,11 @@ from typing import Any
 
 __all__ = ["create_app", "run_http_server", "run_shell"]
 
-_LAZY = {"create_app": "minisgl.server.app", "run_http_server": "minisgl.server.app", "run_shell": "minisgl.server.shell"}
+_LAZY = {
+    "create_app": "minisgl.server.app",
+    "run_http_server": "minisgl.server.app",
+    "run_shell": "minisgl.server.shell",
+}
 
 
 def __getattr__(name: str) -> Any:

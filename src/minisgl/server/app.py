@@ -110,65 +110,43 @@ def is_loopback(host: str) -> bool:
 
 
 def _usage(u: Any) -> Usage:
-    """A Usage from the client's usage (attributes or dict); zeros when absent."""
+    """The OpenAI usage of a client Usage (prompt/completion/cached tokens); zeros when absent."""
     if u is None:
         return Usage.of(0, 0, 0)
-    get = u.get if isinstance(u, dict) else lambda k, d=0: getattr(u, k, d)
-    return Usage.of(int(get("prompt_tokens", 0)), int(get("completion_tokens", 0)), int(get("cached_tokens", 0) or 0))
-
-
-def _field(x: Any, name: str, default: Any = None) -> Any:
-    return x.get(name, default) if isinstance(x, dict) else getattr(x, name, default)
-
-
-def _top(entry: Any) -> tuple[str, float]:
-    return str(_field(entry, "token", "")), float(_field(entry, "logprob"))
+    return Usage.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
 
 
 def _utf8(token: str) -> list[int]:
     return list(token.encode("utf-8", errors="replace"))
 
 
-def chat_logprobs(entries: Sequence[Any] | None) -> ChoiceLogprobs | None:
-    """Per-token logprobs ({token, logprob, top_logprobs: [{token, logprob}]}) in chat form."""
+def chat_logprobs(entries: Sequence[dict[str, Any]] | None) -> ChoiceLogprobs | None:
+    """The daemon's per-token logprobs ({token, logprob, top_logprobs: [{token, logprob}]}) in chat form."""
     if not entries:
         return None
-    content = []
-    for e in entries:
-        token, logprob = _top(e)
-        tops = [TopLogprob(token=t, logprob=lp, bytes=_utf8(t)) for t, lp in map(_top, _field(e, "top_logprobs") or [])]
-        content.append(TokenLogprob(token=token, logprob=logprob, bytes=_utf8(token), top_logprobs=tops))
+    content = [
+        TokenLogprob(
+            token=e["token"], logprob=e["logprob"], bytes=_utf8(e["token"]),
+            top_logprobs=[TopLogprob(token=t["token"], logprob=t["logprob"], bytes=_utf8(t["token"]))
+                          for t in e.get("top_logprobs") or []],
+        )
+        for e in entries
+    ]
     return ChoiceLogprobs(content=content)
 
 
-def completion_logprobs(entries: Sequence[Any] | None, text_offset: int) -> CompletionLogprobs | None:
+def completion_logprobs(entries: Sequence[dict[str, Any]] | None, text_offset: int) -> CompletionLogprobs | None:
+    """The daemon's per-token logprobs in the legacy completions form; offsets start at text_offset."""
     if not entries:
         return None
     out = CompletionLogprobs()
     for e in entries:
-        token, logprob = _top(e)
-        out.tokens.append(token)
-        out.token_logprobs.append(logprob)
-        out.top_logprobs.append(dict(map(_top, _field(e, "top_logprobs") or [])))
+        out.tokens.append(e["token"])
+        out.token_logprobs.append(e["logprob"])
+        out.top_logprobs.append({t["token"]: t["logprob"] for t in e.get("top_logprobs") or []})
         out.text_offset.append(text_offset)
-        text_offset += len(token)
+        text_offset += len(e["token"])
     return out
-
-
-def _tool_calls(calls: Sequence[Any] | None) -> list[ToolCall] | None:
-    """Complete tool calls (dicts or objects in OpenAI's shape) as ToolCall models."""
-    if not calls:
-        return None
-    return [ToolCall.model_validate(c if isinstance(c, dict) else _obj_to_dict(c)) for c in calls]
-
-
-def _obj_to_dict(c: Any) -> dict[str, Any]:
-    fn = _field(c, "function")
-    name = _field(fn, "name") if fn is not None else _field(c, "name")
-    args = _field(fn, "arguments") if fn is not None else _field(c, "arguments")
-    if not isinstance(args, str):
-        args = json.dumps(args)
-    return {"id": _field(c, "id"), "type": "function", "function": {"name": name, "arguments": args}}
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -190,19 +168,21 @@ def _chunk_json(chunk: ChatCompletionChunk | CompletionResponse, include_usage: 
 
 
 async def _first(stream: AsyncIterator[_T]) -> tuple[_T | None, bool]:
-    """The first item of a stream (None, True when it is empty); errors surface before any byte is sent."""
+    """The first item of a stream and whether the stream is already over, read before any byte is
+    sent so that a failing request gets an HTTP error status; on error the stream is closed."""
     try:
         return await stream.__anext__(), False
     except StopAsyncIteration:
         return None, True
+    except BaseException:
+        await _close(stream)
+        raise
 
 
 async def _close(stream: Any) -> None:
     """Close a client stream (which aborts its request), even while being cancelled."""
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        with anyio.CancelScope(shield=True):
-            await aclose()
+    with anyio.CancelScope(shield=True):
+        await stream.aclose()
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -300,18 +280,13 @@ class _Server:
         return self._info
 
     async def context_len(self) -> int:
-        info = await self.info()
-        for key in ("max_seq_len", "context_length", "max_model_len", "max_position_embeddings"):
-            if isinstance(info.get(key), int):
-                return info[key]
-        return 4096
+        return int((await self.info())["context_length"])
 
     async def check_model(self, requested: str | None) -> None:
         if not requested or requested == self.model_name:
             return
         info = await self.info()
-        aliases = {str(info.get(k)) for k in ("name", "model", "model_path", "path", "hf_id", "alias") if info.get(k)}
-        if requested not in aliases:
+        if requested not in (info.get("name"), info.get("path")):
             raise APIError(
                 404, f"the model {requested!r} does not exist: this server serves {self.model_name!r}",
                 "invalid_request_error", "model_not_found", "model",
@@ -355,7 +330,8 @@ def create_app(
         errs = e.errors()
         param = ".".join(str(p) for p in errs[0]["loc"][1:]) if errs and errs[0].get("loc") else None
         message = "; ".join(f"{'.'.join(str(p) for p in x['loc'][1:]) or 'body'}: {x['msg']}" for x in errs)
-        return APIError(400, f"invalid request: {message}", "invalid_request_error", "invalid_request", param).response()
+        error = APIError(400, f"invalid request: {message}", "invalid_request_error", "invalid_request", param)
+        return error.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -373,19 +349,18 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         try:
-            await asyncio.wait_for(server.info(), timeout=5.0)
+            await asyncio.wait_for(server.client.stats(), timeout=5.0)  # a round trip: is the daemon serving now?
         except (MiniSGLError, asyncio.TimeoutError) as e:
-            return APIError(503, f"the minisgl daemon is unavailable: {e}", "service_unavailable").response()
+            reason = str(e) or "no answer within 5s"
+            return APIError(503, f"the minisgl daemon is unavailable: {reason}", "service_unavailable").response()
         return JSONResponse({"status": "ok", "model": model_name})
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        stats = getattr(server.client, "stats", None)
-        if stats is not None:
-            try:
-                server.metrics.set_daemon_stats(await asyncio.wait_for(stats(), timeout=2.0))
-            except (MiniSGLError, asyncio.TimeoutError):
-                pass  # the server's own metrics are still worth scraping
+        try:
+            server.metrics.set_daemon_stats(await asyncio.wait_for(server.client.stats(), timeout=2.0))
+        except (MiniSGLError, asyncio.TimeoutError):
+            pass  # the server's own metrics are still worth scraping
         return Response(server.metrics.render(), media_type=server.metrics.content_type)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
@@ -414,7 +389,7 @@ def create_app(
             rid = new_id("chatcmpl")
             if body.stream:
                 stream = server.client.stream(messages, rid=rid, **kwargs)
-                first = await _first_or_close(stream)
+                first = await _first(stream)
                 return _sse_response(_chat_events(server, body, rid, first, stream, timer))
             out = await _unless_disconnected(request, server.client.generate(messages, rid=rid, **kwargs))
         except BaseException as e:
@@ -436,7 +411,7 @@ def create_app(
             if body.stream:
                 streams = [server.client.stream(p, rid=r, **kwargs) for p, r in zip(prompts, rids)]
                 merged = _merge(streams)
-                first = await _first_or_close(merged)
+                first = await _first(merged)
                 return _sse_response(_completion_events(body, rid, model_name, first, merged, timer))
             outs = await _unless_disconnected(
                 request, _gather([server.client.generate(p, rid=r, **kwargs) for p, r in zip(prompts, rids)])
@@ -470,14 +445,6 @@ def _fail(timer: RequestTimer, e: BaseException) -> Response:
     return err.response()
 
 
-async def _first_or_close(stream: AsyncIterator[Any]) -> tuple[Any, bool]:
-    try:
-        return await _first(stream)
-    except BaseException:
-        await _close(stream)
-        raise
-
-
 async def _gather(works: list[Awaitable[_T]]) -> list[_T]:
     """All results, in order; the first failure cancels the rest (whose requests the Client aborts)."""
     tasks = [asyncio.ensure_future(w) for w in works]
@@ -501,30 +468,25 @@ def _error_event(e: BaseException) -> str:
 
 
 def _chat_response(out: Any, rid: str, model: str) -> ChatCompletionResponse:
-    outputs = list(getattr(out, "outputs", None) or [out])
     choices = []
-    for i, o in enumerate(outputs):
-        calls = _tool_calls(getattr(o, "tool_calls", None) or (out.tool_calls if i == 0 else None))
-        text = o.text
-        finish = o.finish_reason
-        if calls and finish == "stop":
-            finish = "tool_calls"
-        message = ChatMessage(content=text if (text or not calls) else None, tool_calls=calls)
-        choices.append(ChatChoice(index=_field(o, "index", i), message=message,
-                                  logprobs=chat_logprobs(getattr(o, "logprobs", None)), finish_reason=finish))
-    return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage(getattr(out, "usage", None)))
+    for o in out.outputs:
+        calls = [ToolCall.model_validate(c) for c in o.tool_calls or []] or None
+        finish = "tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason
+        message = ChatMessage(content=o.text if (o.text or not calls) else None, tool_calls=calls)
+        choices.append(ChatChoice(index=o.index, message=message, logprobs=chat_logprobs(o.logprobs),
+                                  finish_reason=finish))
+    return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage(out.usage))
 
 
 def _completion_response(outs: list[Any], rid: str, model: str, n: int) -> CompletionResponse:
     choices = []
     usage = Usage.of(0, 0, 0)
     for p, out in enumerate(outs):
-        for i, o in enumerate(list(getattr(out, "outputs", None) or [out])):
-            choices.append(CompletionChoice(
-                index=p * n + _field(o, "index", i), text=o.text,
-                logprobs=completion_logprobs(getattr(o, "logprobs", None), 0), finish_reason=o.finish_reason,
-            ))
-        usage = usage + _usage(getattr(out, "usage", None))
+        for o in out.outputs:
+            logprobs = completion_logprobs(o.logprobs, 0)
+            choices.append(CompletionChoice(index=p * n + o.index, text=o.text, logprobs=logprobs,
+                                            finish_reason=o.finish_reason))
+        usage = usage + _usage(out.usage)
     return CompletionResponse(id=rid, model=model, choices=choices, usage=usage)
 
 
@@ -549,17 +511,17 @@ async def _chat_events(
             if index not in started:
                 started.add(index)
                 yield event(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
-            tool_deltas = getattr(chunk, "tool_calls", None)
+            tool_deltas = chunk.tool_calls
             if tool_deltas:
                 called.add(index)
             finish = chunk.finish_reason
             if finish == "stop" and index in called:
                 finish = "tool_calls"
-            logprobs = chat_logprobs(getattr(chunk, "logprobs", None)) if body.logprobs else None
+            logprobs = chat_logprobs(chunk.logprobs) if body.logprobs else None
             if chunk.text or tool_deltas or logprobs or finish:
                 delta = DeltaMessage(content=chunk.text or None, tool_calls=tool_deltas or None)
                 yield event(ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish))
-            if getattr(chunk, "usage", None) is not None:
+            if chunk.usage is not None:
                 usage = _usage(chunk.usage)
             try:
                 chunk = await stream.__anext__()
@@ -597,13 +559,13 @@ async def _completion_events(
             index = p * body.n + int(chunk.index)
             logprobs = None
             if body.logprobs is not None:
-                logprobs = completion_logprobs(getattr(chunk, "logprobs", None), offsets.get(index, 0))
+                logprobs = completion_logprobs(chunk.logprobs, offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + len(chunk.text)
             if chunk.text or logprobs or chunk.finish_reason:
                 choice = CompletionChoice(index=index, text=chunk.text, logprobs=logprobs,
                                           finish_reason=chunk.finish_reason)
                 yield _sse(_chunk_json(CompletionResponse(id=rid, model=model, choices=[choice]), include_usage))
-            if getattr(chunk, "usage", None) is not None:
+            if chunk.usage is not None:
                 usage = usage + _usage(chunk.usage)
             try:
                 item = await merged.__anext__()
