@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -149,13 +151,18 @@ def test_engine_flags_round_trip_through_the_cli() -> None:
 # ---------------------------------------------------------------------------- daemon refusals (no model load)
 
 
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "minisgl", "serve", "--model", "smollm2", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
 def test_non_loopback_bind_needs_allow_remote(runtime_dir: Path) -> None:
-    from minisgl.cli import main
     from minisgl.runtime.daemon import Daemon
 
     with pytest.raises(ConfigError, match="--allow-remote"):
         Daemon(EngineConfig.from_kwargs("smollm2"), "tcp://0.0.0.0:45123")
-    assert main(["serve", "--model", "smollm2", "--address", "tcp://0.0.0.0:45123"]) == 1
+    result = _serve("--address", "tcp://0.0.0.0:45123")
+    assert result.returncode == 1 and "--allow-remote" in result.stderr
 
 
 def test_remote_access_needs_an_authorized_client_key(tmp_path: Path) -> None:
@@ -164,6 +171,16 @@ def test_remote_access_needs_an_authorized_client_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="minisgl keys --client"):
         Daemon(EngineConfig.from_kwargs("smollm2"), "tcp://0.0.0.0:45123", allow_remote=True, curve_keys=tmp_path)
     assert (tmp_path / "server.key_secret").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_failed_start_up_names_its_error_for_the_spawning_client(runtime_dir: Path) -> None:
+    from minisgl.runtime.daemon import startup_failure
+
+    result = _serve("--address", "ipc://relative.sock")
+    assert result.returncode == 1
+    error_type, message = startup_failure("some log line\n" + result.stderr) or ("", "")
+    assert error_type == "ConfigError" and "absolute socket path" in message
+    assert startup_failure("no marker here") is None
 
 
 def test_no_daemon_and_no_auto_start_fails_fast(runtime_dir: Path) -> None:

@@ -40,6 +40,7 @@ from minisgl.errors import (
     InvalidRequestError,
     PromptTooLongError,
     RequestAbortedError,
+    UnknownModelError,
 )
 from minisgl.runtime import protocol as P
 from minisgl.runtime.registry import Registry, pid_alive
@@ -124,6 +125,14 @@ def test_a_second_daemon_on_the_same_address_is_refused(smollm2_daemon: DaemonHa
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "already serves" in result.stderr and str(smollm2_daemon.pid) in result.stderr
+
+
+def test_auto_starting_an_unknown_model_raises_its_typed_error(daemon_runtime_dir: Path) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(UnknownModelError, match="no-such-model-xyz"):
+        Client("no-such-model-xyz", timeout=120)
+    assert time.monotonic() - t0 < 90
+    assert not Registry().find("no-such-model-xyz")
 
 
 # ---------------------------------------------------------------------------- generation
@@ -429,7 +438,7 @@ def _children(pid: int) -> list[int]:
 def test_sigterm_fails_inflight_requests_and_cleans_up(smollm2_daemon: DaemonHandle) -> None:
     client = smollm2_daemon.client
     children = _children(smollm2_daemon.pid)
-    assert len(children) >= 3  # scheduler, tokenizer, detokenizer
+    assert len(children) >= 3  # scheduler, tokenizer, detokenizer (and multiprocessing's resource tracker)
     stream = client.stream("Write a long story about a mountain.", LONG)
     next(stream)
     os.kill(smollm2_daemon.pid, signal.SIGTERM)
@@ -437,7 +446,7 @@ def test_sigterm_fails_inflight_requests_and_cleans_up(smollm2_daemon: DaemonHan
         for _ in stream:
             pass
     assert _eventually(lambda: not pid_alive(smollm2_daemon.pid))
-    assert all(not pid_alive(c) for c in children)
+    assert _eventually(lambda: all(not pid_alive(c) for c in children), timeout=10)
     socket_path = Path(smollm2_daemon.address.removeprefix("ipc://"))
     assert not socket_path.exists() and not socket_path.with_name(socket_path.name + ".lock").exists()
     assert Registry().get(smollm2_daemon.address) is None

@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient
 
 from daemon_fixtures import START_TIMEOUT_S, SMOLLM2_ENGINE, daemon_runtime_dir, free_port, start_serve  # noqa: F401
 from minisgl.core import SamplingParams
-from minisgl.errors import ConfigError, DaemonNotRunningError, PromptTooLongError
+from minisgl.errors import ConfigError, DaemonNotRunningError, PromptTooLongError, RequestAbortedError
 from minisgl.server.app import create_app, run_http_server
 
 # ---------------------------------------------------------------------------- HTTP layer
@@ -248,6 +248,33 @@ def test_error_before_the_first_byte_of_a_stream_is_an_http_error_not_a_200():
                       json={"messages": [{"role": "user", "content": "x"}], "stream": True})
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+class FailingMidStream(StandInClient):
+    async def stream(self, prompt: Any, sampling_params: SamplingParams, rid: str, **kw: Any) -> Any:
+        yield SimpleNamespace(index=0, text="Par", token_ids=[1], finish_reason=None, logprobs=None, tool_calls=None,
+                              usage=None)
+        raise RequestAbortedError("the daemon is shutting down")
+
+
+def test_error_after_the_first_byte_ends_the_stream_with_an_error_event():
+    with _app_client(FailingMidStream()) as http:
+        r = http.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert r.status_code == 200
+    events = _sse_events(r.text)
+    assert json.loads(events[0])["choices"][0]["text"] == "Par"
+    assert json.loads(events[1])["error"]["message"] == "the request was aborted: the daemon is shutting down"
+    assert events[2:] == ["[DONE]"]
+
+
+def test_json_schema_response_format_without_a_schema_is_a_400():
+    with _app_client(StandInClient()) as http:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                    "response_format": {"type": "json_schema"}})
+        r2 = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                     "response_format": {"type": "yaml"}})
+    assert r.status_code == 400 and "json_schema.schema" in r.json()["error"]["message"]
+    assert r2.status_code == 400 and r2.json()["error"]["param"] == "response_format.type"
 
 
 def test_unreachable_daemon_is_503_and_unhealthy():
@@ -489,14 +516,14 @@ def test_response_format_json_schema_output_validates(oai):
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     ask = [{"role": "user", "content": "Give a JSON object with one key city whose value is Paris."}]
     r = oai.chat.completions.create(model="smollm2", messages=ask, response_format={"type": "json_object"},
-                                    temperature=0, max_tokens=64)
+                                    temperature=0, max_tokens=40)
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_tool_choice_required_returns_a_valid_call_and_streams_it_as_deltas(oai):
     ask = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
     r = oai.chat.completions.create(model="smollm2", messages=ask, tools=TOOLS, tool_choice="required",
-                                    temperature=0, max_tokens=64)
+                                    temperature=0, max_tokens=40)
     choice = r.choices[0]
     # SmolLM2 may go on calling until max_tokens ("length"); every call it completes must be valid.
     assert choice.finish_reason in ("tool_calls", "length") and choice.message.tool_calls
@@ -506,7 +533,7 @@ def test_tool_choice_required_returns_a_valid_call_and_streams_it_as_deltas(oai)
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     call = choice.message.tool_calls[0]
     chunks = list(oai.chat.completions.create(model="smollm2", messages=ask, tools=TOOLS, tool_choice="required",
-                                              temperature=0, max_tokens=64, stream=True))
+                                              temperature=0, max_tokens=40, stream=True))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert deltas and deltas[0].id and deltas[0].function.name == call.function.name
     assert "".join(d.function.arguments or "" for d in deltas if d.index == 0) == call.function.arguments

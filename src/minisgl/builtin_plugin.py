@@ -24,10 +24,29 @@ def _torch_backend(
     return TorchNativeBackend(model_config, kv_pool, page_table, device)
 
 
+def _flashinfer_backend(
+    model_config: "ModelConfig", kv_pool: "KVPool", page_table: "torch.Tensor", device: Any
+) -> "AttentionBackend":
+    from minisgl.attention.flashinfer import FlashInferBackend
+
+    return FlashInferBackend(model_config, kv_pool, page_table, device, prefill_backend="fa2")
+
+
+def _fa3_backend(
+    model_config: "ModelConfig", kv_pool: "KVPool", page_table: "torch.Tensor", device: Any
+) -> "AttentionBackend":
+    # FlashAttention-3 prefill (Hopper) through flashinfer; decode stays on flashinfer's tensor-core kernel.
+    from minisgl.attention.flashinfer import FlashInferBackend
+
+    return FlashInferBackend(model_config, kv_pool, page_table, device, prefill_backend="fa3")
+
+
 # name -> factory(model_config, kv_pool, page_table, device); factories import their backend lazily
 # so that listing backends never pulls in GPU-only packages.
 ATTENTION_BACKENDS: dict[str, Callable[..., "AttentionBackend"]] = {
     "torch": _torch_backend,
+    "flashinfer": _flashinfer_backend,
+    "fa3": _fa3_backend,
 }
 
 

@@ -70,19 +70,35 @@ class Engine:
         mc = self.model_config
         self.max_seq_len = min(config.max_seq_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.page_size = config.page_size
-        num_pages = self._num_pages()
+        backend_names = self._backend_names(plugins.attention_backends())
+        # On CUDA one extra page past num_pages is scratch: padded CUDA-graph rows write their KV there.
+        self.num_pages = self._num_pages()
+        scratch = 1 if self.device.type == "cuda" else 0
         self.kv_pool = KVPool(
-            mc.num_layers, num_pages, self.page_size, self._local_kv_heads(), mc.head_dim, self.dtype, self.device
+            mc.num_layers, self.num_pages + scratch, self.page_size, self._local_kv_heads(), mc.head_dim,
+            self.dtype, self.device,
         )
         self.table = TableManager(config.max_running_requests + 2, self.max_seq_len, self.device)
         logger.info(
-            "KV pool: %d pages x %d tokens (%.2f GiB)", num_pages, self.page_size,
+            "KV pool: %d pages x %d tokens (%.2f GiB)", self.num_pages, self.page_size,
             self.kv_pool.buffer.numel() * self.kv_pool.buffer.element_size() / 2**30,
         )
-        self.attn_backend = self._make_backend(plugins.attention_backends())
+        self.attn_backend = self._make_backend(plugins.attention_backends(), backend_names)
         ctx = get_context()
         ctx.attn_backend, ctx.kv_pool = self.attn_backend, self.kv_pool
-        self.sampler = Sampler(mc.vocab_size, self.device)
+        self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
+        self.graph_runner: Any = None
+        if (
+            self.device.type == "cuda" and not config.disable_cuda_graph and config.cuda_graph_max_bs > 0
+            and getattr(self.attn_backend, "supports_cuda_graph", False)
+        ):
+            from minisgl.engine.cuda_graph import CudaGraphRunner
+
+            self.graph_runner = CudaGraphRunner(
+                self.model, self.attn_backend, min(config.cuda_graph_max_bs, config.max_running_requests),
+                mc.vocab_size, self.max_seq_len, dummy_page=self.num_pages, page_size=self.page_size,
+                device=self.device,
+            )
 
     def _local_kv_heads(self) -> int:
         from minisgl.distributed import get_tp_info
@@ -104,22 +120,54 @@ class Engine:
         cap = (cfg.max_running_requests * self.max_seq_len) // self.page_size + 1
         return max(1, min(int(budget // per_page), cap))
 
-    def _make_backend(self, backends: dict[str, Any]) -> Any:
+    def _backend_names(self, backends: dict[str, Any]) -> tuple[str, str]:
+        """(prefill, decode) backend names from "auto", "NAME" or "PREFILL,DECODE"."""
         name = self.config.attention_backend
         if name == "auto":
-            name = "flashinfer" if self.device.type == "cuda" and "flashinfer" in backends else "torch"
-        if name not in backends:
-            raise ConfigError(f"unknown attention backend {name!r}: available {sorted(backends)}")
-        return backends[name](self.model_config, self.kv_pool, self.table.page_table, self.device)
+            gpu = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+            name = "flashinfer" if gpu and "flashinfer" in backends and _importable("flashinfer") else "torch"
+            if gpu and name == "torch":
+                logger.warning("flashinfer is not installed: torch-native attention (pip install minisgl[gpu])")
+        parts = [p.strip() for p in name.split(",")]
+        if len(parts) not in (1, 2) or not all(parts):
+            raise ConfigError(f"attention backend must be NAME or PREFILL,DECODE, got {name!r}")
+        for part in parts:
+            if part not in backends:
+                raise ConfigError(f"unknown attention backend {part!r}: available {sorted(backends)}")
+            if part != "torch" and self.device.type != "cuda":
+                raise ConfigError(f"attention backend {part!r} needs a CUDA GPU: use 'torch' on {self.device}")
+        return parts[0], parts[-1]
+
+    def _make_backend(self, backends: dict[str, Any], names: tuple[str, str]) -> Any:
+        prefill, decode = names
+        args = (self.model_config, self.kv_pool, self.table.page_table, self.device)
+        if prefill == decode:
+            return backends[prefill](*args)
+        from minisgl.attention.hybrid import HybridBackend
+
+        return HybridBackend(backends[prefill](*args), backends[decode](*args))
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         """Run the model on the batch; returns logits [num sampled rows, vocab] (float32)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.run(batch)
         self.attn_backend.prepare(batch)
         ctx = get_context()
         with ctx.forward_batch(batch):
             hidden = self.model(batch.input_ids, batch.positions)
-        last = torch.tensor(batch.extend_lens, device=self.device).cumsum(0) - 1
-        if not all(batch.sample_mask):
-            last = last[torch.tensor(batch.sample_mask, device=self.device)]
-        return self.model.compute_logits(hidden[last])
+        if batch.is_decode:  # one token per request, every one sampled
+            return self.model.compute_logits(hidden)
+        # Index of each sampled request's last token, built on the host: no device sync.
+        last, end = [], 0
+        for extend, sampled in zip(batch.extend_lens, batch.sample_mask or [True] * batch.size):
+            end += extend
+            if sampled:
+                last.append(end - 1)
+        return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.int64).to(self.device, non_blocking=True)])
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None

@@ -37,13 +37,14 @@ class SamplingInfo:
         temps = [p.temperature if not g else 1.0 for p, g in zip(params, greedy_flags)]
         temperature = torch.tensor(temps, dtype=torch.float32).view(-1, 1).to(device, non_blocking=True)
         top_k = top_p = min_p = None
+        # non_blocking: a blocking host-to-device copy would wait for the GPU (no overlap).
         if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params]).to(device)
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params]).to(device, non_blocking=True)
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device, non_blocking=True)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device)
-        greedy_rows = torch.tensor(greedy_flags).to(device) if any(greedy_flags) else None
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device, non_blocking=True)
+        greedy_rows = torch.tensor(greedy_flags).to(device, non_blocking=True) if any(greedy_flags) else None
         return cls(False, temperature, top_k, top_p, min_p, greedy_rows, penalties, logprobs_k, min_tokens)
 
 
@@ -51,21 +52,22 @@ def apply_penalties(logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
     """Repetition (HF: over prompt + output), presence and frequency (OpenAI: over output) penalties."""
     B, V = logits.shape
     device = logits.device
-    rep = torch.tensor([r.sampling_params.repetition_penalty for r in reqs], dtype=logits.dtype, device=device)
-    pres = torch.tensor([r.sampling_params.presence_penalty for r in reqs], dtype=logits.dtype, device=device)
-    freq = torch.tensor([r.sampling_params.frequency_penalty for r in reqs], dtype=logits.dtype, device=device)
-    if bool((rep != 1.0).any()):
+    params = [r.sampling_params for r in reqs]
+    rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype).to(device, non_blocking=True)
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype).to(device, non_blocking=True)
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype).to(device, non_blocking=True)
+    if any(p.repetition_penalty != 1.0 for p in params):
         seen = torch.zeros(B, V, dtype=torch.bool, device=device)
         for i, r in enumerate(reqs):
             if r.sampling_params.repetition_penalty != 1.0:
-                seen[i, torch.tensor(r.input_ids, device=device)] = True
+                seen[i, torch.tensor(r.input_ids).to(device, non_blocking=True)] = True
         penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
         logits = torch.where(seen, penalised, logits)
-    if bool((pres != 0).any() or (freq != 0).any()):
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
         counts = torch.zeros(B, V, dtype=logits.dtype, device=device)
         for i, r in enumerate(reqs):
             if r.output_ids:
-                out = torch.tensor(r.output_ids, device=device)
+                out = torch.tensor(r.output_ids).to(device, non_blocking=True)
                 counts[i].index_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
     return logits
@@ -78,7 +80,7 @@ def mask_stops_before_min_tokens(logits: torch.Tensor, reqs: list["Req"]) -> tor
         if r.num_output < p.min_tokens and r.grammar is None:
             stops = [t for t in (*r.eos_token_ids, *p.stop_token_ids) if not p.ignore_eos or t not in r.eos_token_ids]
             if stops:
-                logits[i, torch.tensor(stops, device=logits.device)] = float("-inf")
+                logits[i, torch.tensor(stops).to(logits.device, non_blocking=True)] = float("-inf")
     return logits
 
 
@@ -130,10 +132,38 @@ def compute_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, reqs: list["R
     return out
 
 
+def _flashinfer_sampling() -> Any:
+    try:
+        import flashinfer.sampling
+    except ImportError:
+        return None
+    return flashinfer.sampling
+
+
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
         self.vocab_size = vocab_size
-        self.device = device
+        self.device = torch.device(device)
+        # GPU fast path: flashinfer's fused sampling kernels for batches without seeded rows or
+        # min_p (same distribution as the torch path; seeded rows keep their per-request streams).
+        self._fused = _flashinfer_sampling() if self.device.type == "cuda" else None
+        self._generator: torch.Generator | None = None
+        if self._fused is not None:
+            self._generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    def _sample_fused(self, logits: torch.Tensor, reqs: list["Req"], info: SamplingInfo) -> torch.Tensor | None:
+        if self._fused is None or info.min_p is not None or any(r.generator is not None for r in reqs):
+            return None
+        scaled = logits / info.temperature
+        if info.top_k is None and info.top_p is None:
+            ids = self._fused.sampling_from_logits(scaled, generator=self._generator)
+        else:
+            top_k = info.top_k.to(torch.int32) if info.top_k is not None else self.vocab_size
+            top_p = info.top_p if info.top_p is not None else 1.0
+            ids = self._fused.top_k_top_p_sampling_from_logits(
+                scaled, top_k, top_p, filter_apply_order="joint", generator=self._generator
+            )
+        return ids.to(torch.int64)
 
     def sample(
         self, logits: torch.Tensor, reqs: list["Req"], info: SamplingInfo, bitmask_fn: Any = None
@@ -149,10 +179,12 @@ class Sampler:
         if info.greedy:
             next_ids = logits.argmax(dim=-1)
         else:
-            probs = torch.softmax(logits / info.temperature, dim=-1)
-            probs = _filter_probs(probs, info)
-            noise = _exponential_noise(reqs, tuple(probs.shape), probs.device)
-            next_ids = (probs / noise).argmax(dim=-1)
+            next_ids = self._sample_fused(logits, reqs, info)
+            if next_ids is None:
+                probs = torch.softmax(logits / info.temperature, dim=-1)
+                probs = _filter_probs(probs, info)
+                noise = _exponential_noise(reqs, tuple(probs.shape), probs.device)
+                next_ids = (probs / noise).argmax(dim=-1)
             if info.greedy_rows is not None:
                 next_ids = torch.where(info.greedy_rows, logits.argmax(dim=-1), next_ids)
         logprobs = compute_logprobs(logits, next_ids, reqs, info.logprobs_k) if info.logprobs_k >= 0 else None

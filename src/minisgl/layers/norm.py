@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl.layers.fused import fused_ops
 from minisgl.layers.linear import copy_checked
 
 
@@ -27,7 +28,17 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        """norm(x), or with a residual: (norm(x + residual), x + residual).
+
+        On CUDA (flashinfer) the residual form works in place: x becomes the norm, residual the sum.
+        x may also be [tokens, heads, head_dim] (per-head q/k norm).
+        """
+        fi = fused_ops(x)
+        if fi is not None:
+            if residual is None:
+                return fi.norm.rmsnorm(x, self.weight, self.eps)
+            fi.norm.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            return x, residual
         if residual is None:
             return self._norm(x)
         x = x + residual

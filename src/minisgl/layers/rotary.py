@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from minisgl.errors import ModelLoadError
+from minisgl.layers.fused import fused_ops
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -56,11 +57,21 @@ class RotaryEmbedding(nn.Module):
         # Non-persistent: derived from the config, never in a checkpoint.
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self._cos_sin: torch.Tensor | None = None  # [max_position, head_dim] float32, flashinfer's layout
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, heads, head_dim], k [T, kv_heads, head_dim] rotated at positions [T]."""
+        """q [T, heads, head_dim], k [T, kv_heads, head_dim] rotated at positions [T].
+
+        On CUDA (flashinfer) q and k are rotated in place in one kernel.
+        """
+        fi = fused_ops(q)
+        if fi is not None:
+            if self._cos_sin is None:
+                self._cos_sin = torch.cat([self.cos_cache, self.sin_cache], dim=-1).contiguous()
+            fi.rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, self.head_dim, self._cos_sin, is_neox=True)
+            return q, k
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

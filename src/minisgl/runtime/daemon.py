@@ -11,11 +11,13 @@ that client's requests, so the scheduler frees their pages.
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
 import signal
 import socket
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -57,6 +59,8 @@ from minisgl.runtime.transport import Endpoints, PrivateDir, pull, push
 logger = logging.getLogger("minisgl")
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
+# The last line a daemon that could not start writes to stderr; whoever spawned it re-raises the error.
+STARTUP_FAILED = "minisgl: start-up failed: "
 STOP_GRACE_S = 5.0  # after Shutdown is sent, how long workers get to exit before they are terminated
 FAILED_STOP_GRACE_S = 1.0  # the same after a worker failed (the Shutdown pipeline may be broken)
 WORKERS = ("tokenizer", "detokenizer")
@@ -99,7 +103,8 @@ class Daemon:
                 f"{self.address.url} can be reached from other machines: pass --allow-remote to bind it "
                 "(clients then need CURVE keys), or bind tcp://127.0.0.1:PORT"
             )
-        self.curve = ServerCurve(Path(curve_keys) if curve_keys else curve_dir()) if curve or not self.address.is_loopback else None
+        needs_curve = curve or not self.address.is_loopback
+        self.curve = ServerCurve(Path(curve_keys) if curve_keys else curve_dir()) if needs_curve else None
         self.http = http
         self.max_message_bytes = max_message_bytes
         self.log_level = log_level
@@ -107,6 +112,7 @@ class Daemon:
 
         self.state = "starting"  # -> "ready" -> "stopping"
         self.exit_code = 0
+        self.startup_error: tuple[str, str] | None = None  # (error type, message) of a failed start-up
         self.inflight: dict[str, bytes] = {}  # rid -> client identity
         self.pending: list[tuple[bytes, Message, bytes]] = []  # requests that arrived during start-up
         self.ready_workers: set[str] = set()
@@ -124,13 +130,24 @@ class Daemon:
     def run(self) -> int:
         """Serve until stopped; returns the process exit code (0: asked to stop, 1: a failure)."""
         self._claim_address()
+        wake_r, wake_w = socket.socketpair()  # a signal wakes the event loop through this pair
+        for sock in (wake_r, wake_w):
+            sock.setblocking(False)
+        old_wakeup = signal.set_wakeup_fd(wake_w.fileno())
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             self._bind()
-            self.registry.add(DaemonRecord(self.address.url, self.config.model, os.getpid(), self.config.to_dict(), time.time()))
+            record = DaemonRecord(self.address.url, self.config.model, os.getpid(), self.config.to_dict(), time.time())
+            self.registry.add(record)
             self._spawn_workers()
-            self._loop()
+            self._loop(wake_r)
         finally:
             self._cleanup()
+            signal.set_wakeup_fd(old_wakeup)
+            for s, handler in old_handlers.items():
+                signal.signal(s, handler)
+            wake_r.close()
+            wake_w.close()
         logger.info("stopped")
         return self.exit_code
 
@@ -200,51 +217,39 @@ class Daemon:
         proc.start()
         self.children[proc.name] = proc
 
-    def _loop(self) -> None:
-        wake_r, wake_w = socket.socketpair()
-        wake_r.setblocking(False)
-        wake_w.setblocking(False)
-        old_wakeup = signal.set_wakeup_fd(wake_w.fileno())
-        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    def _loop(self, wake_r: socket.socket) -> None:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(wake_r.fileno(), zmq.POLLIN)
-        watched = {proc.sentinel: proc for proc in self.children.values()}
-        for fd in watched:
-            poller.register(fd, zmq.POLLIN)
-        try:
-            while True:
-                events = dict(poller.poll(200))
-                if wake_r.fileno() in events:
-                    while True:
-                        try:
-                            wake_r.recv(64)
-                        except BlockingIOError:
-                            break
-                if self._signal:
-                    name = signal.Signals(self._signal).name
-                    self._signal = 0
-                    self.stop(f"received {name}", "RequestAbortedError", f"the daemon is shutting down ({name})")
-                if self.inbox in events:
-                    self._drain(self.inbox, self._on_internal)
-                if self.router in events:
-                    self._drain(self.router, self._on_client)
-                for fd in [fd for fd in watched if fd in events]:
-                    poller.unregister(fd)
-                    self._on_child_exit(watched.pop(fd))
-                for proc in self.children.values():  # the HTTP server starts after the loop does
-                    if proc.sentinel not in watched and proc.exitcode is None:
-                        watched[proc.sentinel] = proc
-                        poller.register(proc.sentinel, zmq.POLLIN)
-                if self.state == "stopping" and self._stopped():
-                    return
-        finally:
-            signal.set_wakeup_fd(old_wakeup)
-            for s, handler in old_handlers.items():
-                signal.signal(s, handler)
-            wake_r.close()
-            wake_w.close()
+        watched: dict[int, multiprocessing.process.BaseProcess] = {}  # sentinel fd -> child process
+        exited: set[int] = set()
+        while True:
+            for proc in self.children.values():  # the HTTP server joins once the daemon is ready
+                if proc.sentinel not in watched and proc.sentinel not in exited:
+                    watched[proc.sentinel] = proc
+                    poller.register(proc.sentinel, zmq.POLLIN)
+            events = dict(poller.poll(200))
+            if wake_r.fileno() in events:
+                while True:
+                    try:
+                        wake_r.recv(64)
+                    except BlockingIOError:
+                        break
+            if self._signal:
+                name = signal.Signals(self._signal).name
+                self._signal = 0
+                self.stop(f"received {name}", "RequestAbortedError", f"the daemon is shutting down ({name})")
+            if self.inbox in events:
+                self._drain(self.inbox, self._on_internal)
+            if self.router in events:
+                self._drain(self.router, self._on_client)
+            for fd in [fd for fd in watched if fd in events]:
+                poller.unregister(fd)
+                self._on_child_exit(watched.pop(fd))
+                exited.add(fd)
+            if self.state == "stopping" and self._stopped():
+                return
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signal = signum
@@ -401,6 +406,8 @@ class Daemon:
         elif isinstance(msg, WorkerFailed):
             text = f"{msg.worker} failed: {msg.error_type}: {msg.message}"
             logger.error(text)
+            if self.state == "starting":
+                self.startup_error = (msg.error_type, msg.message)
             self.stop(text, "DaemonError", f"the daemon stopped because its {text}", exit_code=1)
 
     def _route_chunks(self, chunks: list[Chunk]) -> None:
@@ -433,7 +440,7 @@ class Daemon:
             self._dispatch(ident, msg, raw)
 
     def _on_child_exit(self, proc: multiprocessing.process.BaseProcess) -> None:
-        proc.join(0)
+        proc.join(1)  # its sentinel fires as it exits; the exit code follows a moment later
         if self.state == "stopping":
             logger.debug("%s (pid %s) exited with code %s", proc.name, proc.pid, proc.exitcode)
             return
@@ -443,9 +450,30 @@ class Daemon:
 
 
 def serve(config: EngineConfig, address: str | None = None, **options: Any) -> int:
-    """Run a daemon in this process (what `minisgl serve` does); returns the exit code."""
+    """Run a daemon in this process (what `minisgl serve` does); returns the exit code.
+
+    A daemon that cannot start ends its output with a STARTUP_FAILED line (the error's type and
+    message as JSON), so a client that auto-started it raises the same typed error.
+    """
     try:
-        return Daemon(config, address, **options).run()
+        daemon = Daemon(config, address, **options)
+        code = daemon.run()
+        failure = daemon.startup_error
     except MiniSGLError as e:
         logger.error("%s", e)
-        return 1
+        code, failure = 1, (type(e).__name__, str(e))
+    if failure is not None:
+        print(STARTUP_FAILED + json.dumps({"error_type": failure[0], "message": failure[1]}), file=sys.stderr, flush=True)
+    return code
+
+
+def startup_failure(log: str) -> tuple[str, str] | None:
+    """The (error type, message) a failed daemon reported in its output, if any."""
+    for line in reversed(log.splitlines()):
+        if line.startswith(STARTUP_FAILED):
+            try:
+                d = json.loads(line[len(STARTUP_FAILED) :])
+                return str(d["error_type"]), str(d["message"])
+            except (ValueError, KeyError, TypeError):
+                return None
+    return None

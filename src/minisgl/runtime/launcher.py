@@ -88,8 +88,7 @@ def wait_ready(address: str, timeout: float, curve: ClientCurve | None = None, p
             pong = ping(address, PING_TIMEOUT_S, curve)  # it may have lost a race to a daemon that now serves
             if pong is not None and pong.state != "stopping":
                 return wait_ready(address, max(0.0, deadline - time.monotonic()), curve)
-            where = f"; its log: {log_path}\n{log_tail(log_path)}" if log_path is not None else ""
-            raise DaemonNotRunningError(f"the minisgl daemon for {address} failed to start (exit code {proc.returncode}){where}")
+            raise _start_failure(address, proc.returncode, log_path)
         if proc is None and (pong is None or pong.state == "stopping"):
             raise DaemonNotRunningError(f"the minisgl daemon at {address} stopped while starting")
         if time.monotonic() >= deadline:
@@ -99,6 +98,22 @@ def wait_ready(address: str, timeout: float, curve: ClientCurve | None = None, p
                 f"retry with a larger timeout, or stop it with `minisgl stop --address {address}`{where}"
             )
         time.sleep(0.2)
+
+
+def _start_failure(address: str, exit_code: int | None, log_path: Path | None) -> Exception:
+    """The daemon's own typed error when it reported one (e.g. UnknownModelError), else DaemonNotRunningError."""
+    from minisgl.runtime.daemon import startup_failure
+    from minisgl.runtime.protocol import error_class
+
+    if log_path is None:
+        return DaemonNotRunningError(f"the minisgl daemon for {address} failed to start (exit code {exit_code})")
+    failure = startup_failure(log_tail(log_path, 200))
+    if failure is not None and error_class(failure[0]) is not DaemonNotRunningError:
+        return error_class(failure[0])(f"{failure[1]} (the daemon could not start; its log: {log_path})")
+    return DaemonNotRunningError(
+        f"the minisgl daemon for {address} failed to start (exit code {exit_code}); its log: {log_path}\n"
+        f"{log_tail(log_path)}"
+    )
 
 
 def start_daemon(config: EngineConfig, address: str, timeout: float) -> Pong:

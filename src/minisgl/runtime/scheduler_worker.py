@@ -7,6 +7,7 @@ broadcasts each step's requests to them, behind the same Scheduler API.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import sys
 import time
@@ -84,17 +85,21 @@ def run_scheduler(config: EngineConfig, endpoints: Endpoints, log_level: int) ->
     detokenizer.send(encode(WorkerInit(info, tokenizer)))
     frontend.send(encode(SchedulerReady(info, tokenizer, sched.stats())))
     logger.info("scheduler ready in %.1fs", time.perf_counter() - t0)
+    exit_code = 0
     try:
         SchedulerLoop(sched, inbox, detokenizer, frontend).run()
     except Exception as e:  # noqa: BLE001 - an engine failure ends the daemon; clients get an error
         logger.exception("scheduler failed")
         frontend.send(encode(WorkerFailed("scheduler", type(e).__name__, str(e))))
-        sys.exit(1)
+        exit_code = 1
     finally:
         sched.shutdown()
         for sock in (inbox, detokenizer, frontend):
             sock.close()
         ctx.term()
+    # Everything is released; tearing down a loaded engine's interpreter takes seconds for nothing.
+    logging.shutdown()
+    os._exit(exit_code)
 
 
 class SchedulerLoop:

@@ -25,7 +25,6 @@ def configure_logging(level: int | str = logging.INFO) -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(LOG_FORMAT, "%H:%M:%S"))
         logger.addHandler(handler)
-        logger.propagate = False
     logger.setLevel(level)
 
 

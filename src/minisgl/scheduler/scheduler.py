@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -38,6 +38,17 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+class LaunchedStep(NamedTuple):
+    """A forward + sampling already queued on the device; its tokens are read by _process."""
+
+    batch: Batch
+    sampled: list[Req]  # requests that get a token from this step, in row order
+    tokens: torch.Tensor | None  # [len(sampled)] int64 on the host (pinned on CUDA), valid once `ready` fires
+    logprobs: list[Any] | None
+    ready: Any  # torch.cuda.Event recorded after the device-to-host copy, or None
+    sampled_ids: frozenset[int]  # id() of the sampled requests: their last token is not on the host yet
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, model_source: Any = None) -> None:
         from minisgl.engine.engine import Engine
@@ -53,7 +64,7 @@ class Scheduler:
         self.page_table = self.table.page_table
         prefix_cache = make_prefix_cache(config.cache, self.page_size, self.device)
         self.prefix_cache = prefix_cache
-        self.cache = CacheManager(self.engine.kv_pool.num_pages, self.page_size, prefix_cache, self.device)
+        self.cache = CacheManager(self.engine.num_pages, self.page_size, prefix_cache, self.device)
         self.max_seq_len = self.engine.max_seq_len
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
 
@@ -67,13 +78,19 @@ class Scheduler:
         self._hook_received = plugins.has_impl("minisgl_request_received")
         self._hook_finished = plugins.has_impl("minisgl_request_finished")
         self._hook_step = plugins.has_impl("minisgl_batch_step")
+        # Overlap scheduling: the host schedules step k+1 and post-processes step k while the GPU
+        # runs; "overlap_on_cpu" in config.extra runs the same (then pointless) pipeline on CPU for tests.
+        self.overlap = not config.disable_overlap and (self.device.type == "cuda" or bool(config.extra.get("overlap_on_cpu")))
+        self._inflight: LaunchedStep | None = None
+        # Each row's last sampled token, on the device: the next decode step's input without a host round trip.
+        self._last_tokens = torch.zeros(self.table.max_rows, dtype=torch.int64, device=self.device)
         logger.info("scheduler ready: cache=%s page_size=%d pages=%d", config.cache, self.page_size, self.cache.num_pages)
 
     # ------------------------------------------------------------------ requests in
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.pending_outputs)
+        return bool(self.waiting or self.running or self.chunked or self.pending_outputs or self._inflight)
 
     def validate(self, input_ids: list[int], params: SamplingParams) -> None:
         """Raise a typed error for a request that can never be served; changes nothing."""
@@ -144,12 +161,40 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[TokenOutput]:
-        """Run one forward (prefill if anything can be admitted, else decode); report what changed."""
+        """Run one forward (prefill if anything can be admitted, else decode); report what changed.
+
+        With overlap the forward is only launched here and its tokens are read in the next step,
+        after that step's forward is queued: the GPU never waits for the host. Finish checks
+        then land one step late; a request's extra token from that step is dropped.
+        """
+        if self._inflight is not None and self._needs_host_state(self._inflight):
+            # Grammar masks, penalties and min_tokens need the previous token on the host first.
+            previous, self._inflight = self._inflight, None
+            self._process(previous)
         batch = self._schedule_prefill() or self._schedule_decode()
-        if batch is not None:
-            self._run(batch)
+        launched = self._launch(batch) if batch is not None else None
+        if self.overlap:
+            previous, self._inflight = self._inflight, launched
+            if previous is not None:
+                self._process(previous)
+        elif launched is not None:
+            self._process(launched)
         outputs, self.pending_outputs = self.pending_outputs, []
         return outputs
+
+    def _needs_host_state(self, step: LaunchedStep) -> bool:
+        return any(
+            not r.finished
+            and (r.grammar is not None or r.sampling_params.has_penalties or r.num_output < r.sampling_params.min_tokens)
+            for r in step.sampled
+        )
+
+    def _last_token_in_flight_is_final(self, req: Req) -> bool:
+        """True when req's token from the in-flight step certainly ends it by length: decode no more."""
+        step = self._inflight
+        if step is None or id(req) not in step.sampled_ids:
+            return False
+        return req.num_output + 1 >= req.sampling_params.max_tokens or req.seq_len + 1 >= self.max_seq_len
 
     def _ordered_waiting(self) -> list[Req]:
         if self.config.schedule_policy != "lpm" or self.config.cache != "radix" or len(self.waiting) > LPM_MAX_WAITING:
@@ -257,6 +302,8 @@ class Scheduler:
             self._retract(self.running.pop())
         chosen = []
         for req in list(self.running):
+            if self._last_token_in_flight_is_final(req):
+                continue
             if not self._reserve(req, 1):
                 # Only possible with a single request larger than the pool.
                 self.running.remove(req)
@@ -278,9 +325,11 @@ class Scheduler:
         input_ids: list[int] = []
         positions: list[int] = []
         rows, prefix_lens, extend_lens = [], [], []
+        decode = phase is Phase.DECODE
         for req, extend in chosen:
             start = req.cached_len
-            input_ids.extend(req.input_ids[start : start + extend])
+            if not decode:
+                input_ids.extend(req.input_ids[start : start + extend])
             positions.extend(range(start, start + extend))
             rows.append(req.table_idx)
             prefix_lens.append(start)
@@ -289,21 +338,29 @@ class Scheduler:
         rows_t = torch.tensor(rows, dtype=torch.int64)
         pos_t = torch.tensor(positions, dtype=torch.int64)
         token_rows = torch.repeat_interleave(rows_t, torch.tensor(extend_lens))
-        out_loc = self.page_table[token_rows.to(dev), pos_t.to(dev)]
+        # non_blocking everywhere: a blocking host-to-device copy waits for the GPU to drain.
+        pos_d = pos_t.to(dev, non_blocking=True)
+        rows_d = rows_t.to(dev, non_blocking=True)
+        out_loc = self.page_table[token_rows.to(dev, non_blocking=True), pos_d]
+        if decode:  # the last sampled tokens, read on the device: they may not be on the host yet
+            ids_d = self._last_tokens.index_select(0, rows_d)
+        else:
+            ids_d = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         return Batch(
             reqs=reqs,
             phase=phase,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=pos_t.to(dev, non_blocking=True),
+            input_ids=ids_d,
+            positions=pos_d,
             out_loc=out_loc,
-            table_rows=rows_t.to(dev, non_blocking=True),
+            table_rows=rows_d,
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
             seq_lens=[p + e for p, e in zip(prefix_lens, extend_lens)],
-            sample_mask=[p + e == r.seq_len for r, p, e in zip(reqs, prefix_lens, extend_lens)],
+            sample_mask=[True] * len(reqs) if decode else [p + e == r.seq_len for r, p, e in zip(reqs, prefix_lens, extend_lens)],
         )
 
-    def _run(self, batch: Batch) -> None:
+    def _launch(self, batch: Batch) -> LaunchedStep:
+        """Queue the forward and the sampling; update everything that does not need the new tokens."""
         from minisgl.engine.sampler import SamplingInfo
 
         logits = self.engine.forward(batch)
@@ -317,15 +374,35 @@ class Scheduler:
                     self._cache_prefix(req)
                 if req.cached_len < req.seq_len:
                     self.chunked = req
+            self.running.extend(sampled)  # decodes from the next step on, its first token read from the device
+        tokens = logprobs = ready = None
         if sampled:
             info = SamplingInfo.from_reqs(sampled, self.model_config.vocab_size, self.device)
             bitmask_fn = self._bitmask_fn(sampled)
             next_ids, logprobs = self.engine.sampler.sample(logits, sampled, info, bitmask_fn)
-            next_list = next_ids.tolist()
-            for i, req in enumerate(sampled):
-                self._append_token(req, next_list[i], logprobs[i] if logprobs else None, batch.is_prefill)
+            rows = torch.tensor([r.table_idx for r in sampled], dtype=torch.int64).to(self.device, non_blocking=True)
+            self._last_tokens.index_copy_(0, rows, next_ids)
+            if next_ids.is_cuda:
+                tokens = torch.empty(next_ids.shape, dtype=torch.int64, pin_memory=True)
+                tokens.copy_(next_ids, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            else:
+                tokens = next_ids
+        return LaunchedStep(batch, sampled, tokens, logprobs, ready, frozenset(map(id, sampled)))
+
+    def _process(self, step: LaunchedStep) -> None:
+        """Read a launched step's tokens on the host: append them, check stops, report."""
+        if step.tokens is not None:
+            if step.ready is not None:
+                step.ready.synchronize()
+            next_list = step.tokens.tolist()
+            for i, req in enumerate(step.sampled):
+                if req.finished:  # finished (stop, abort) while this step was in flight: drop its token
+                    continue
+                self._append_token(req, next_list[i], step.logprobs[i] if step.logprobs else None)
         if self._hook_step:
-            plugins.get_plugin_manager().hook.minisgl_batch_step(batch=batch)
+            plugins.get_plugin_manager().hook.minisgl_batch_step(batch=step.batch)
 
     def _bitmask_fn(self, reqs: list[Req]) -> Any:
         if not any(r.grammar is not None for r in reqs):
@@ -341,19 +418,16 @@ class Scheduler:
             req.input_ids, row, req.cached_len, req.matched_len, req.cache_handle
         )
 
-    def _append_token(self, req: Req, token: int, logprob: Any, from_prefill: bool) -> None:
+    def _append_token(self, req: Req, token: int, logprob: Any) -> None:
         if not req.output_ids:
             req.first_token_time = time.perf_counter()
         req.output_ids.append(token)
         req.input_ids.append(token)
         if logprob is not None:
             req.output_logprobs.append(logprob)
-        if from_prefill:
-            self.running.append(req)
         p = req.sampling_params
         reason, matched = None, None
         if req.grammar is not None and not req.grammar.accept_token(token):
-            self.running.remove(req)
             self._finish(req, "abort", None, new_tokens=[token], error="the sampled token broke the grammar")
             return
         if req.stop_checker is not None:
@@ -373,7 +447,6 @@ class Scheduler:
         if reason is None:
             self.pending_outputs.append(self._output(req, [token], new_logprobs, False))
         else:
-            self.running.remove(req)
             self._finish(req, reason, matched, new_tokens=[token], new_logprobs=new_logprobs)
 
     # ------------------------------------------------------------------ requests out

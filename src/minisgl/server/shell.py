@@ -86,9 +86,8 @@ def run_shell(
             history.pop()
             continue
         finally:
-            close = getattr(stream, "close", None) if stream is not None else None
-            if close is not None:
-                close()  # leaving the stream early aborts the request in the daemon
+            if stream is not None:
+                stream.close()  # leaving the stream early aborts the request in the daemon
         say()
         history.append({"role": "assistant", "content": "".join(answer)})
 

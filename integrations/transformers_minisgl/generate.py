@@ -1,0 +1,312 @@
+"""transformers' `generate` semantics on the minisgl scheduler.
+
+prepare() resolves a call exactly as transformers does, with transformers' own helpers
+(call kwargs > generation_config argument > model.generation_config > defaults; special
+tokens, the inferred attention mask, num_return_sequences, max_length vs max_new_tokens,
+the logits processors and stopping criteria). The processors it built are then read back
+into SamplingParams; anything that has no exact minisgl equivalent raises
+UnsupportedGenerationError, and the caller falls back to transformers.
+
+run() feeds each prompt's real tokens (left padding stripped) to the scheduler and rebuilds
+HF's [batch * num_return_sequences, prompt_len + new] matrix one column at a time: a column
+is complete when every live row has its token. Each column goes through transformers' own
+StoppingCriteriaList, exactly as in HF's decoding loop, so eos (int or list), max_length,
+stop_strings, max_time and custom criteria stop rows at the same step; finished rows get
+pad_token_id; the streamer gets the prompt, then one column per step, then end().
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minisgl.core import SamplingParams
+from minisgl.errors import InvalidRequestError, MiniSGLError
+
+
+class UnsupportedGenerationError(InvalidRequestError):
+    """A generate() option minisgl cannot run exactly like transformers (raised when fallback=False)."""
+
+
+# Model inputs that change how transformers computes, never what it returns.
+_HARMLESS_MODEL_KWARGS = ("attention_mask", "use_cache")
+# Per-step tensors only transformers' own forward produces.
+_OUTPUT_FLAGS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+_call_ids = itertools.count()
+
+
+@dataclass
+class GenerateRequest:
+    """One generate() call, resolved: what the scheduler runs and how to rebuild HF's output."""
+
+    input_ids: torch.Tensor  # [batch * n, prompt_len] on the CPU: HF's expanded input, left padding kept
+    prompts: list[list[int]]  # each prompt's real tokens (padding stripped), one per input row
+    n: int  # num_return_sequences
+    params: SamplingParams
+    criteria: Any  # transformers StoppingCriteriaList
+    pad_token_id: int | None
+    pads_finished_rows: bool  # HF writes pad after a row finished only when a criterion knows eos
+    return_dict: bool
+    device: torch.device
+
+
+def prepare(
+    model: Any,
+    inputs: torch.Tensor | None,
+    generation_config: Any,
+    logits_processor: Any,
+    stopping_criteria: Any,
+    kwargs: dict[str, Any],
+    max_seq_len: int,
+    model_eos: frozenset[int],
+) -> GenerateRequest:
+    """Resolve a generate() call like transformers; raise UnsupportedGenerationError for what minisgl cannot run."""
+    from transformers.generation.configuration_utils import GenerationMode
+    from transformers.generation.logits_process import LogitsProcessorList
+    from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+    logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
+    stopping_criteria = stopping_criteria if stopping_criteria is not None else StoppingCriteriaList()
+    kwargs = dict(kwargs)
+    kwargs.pop("trust_remote_code", None)
+    tokenizer = kwargs.pop("tokenizer", None)
+    if kwargs.pop("assistant_tokenizer", None) is not None:
+        raise UnsupportedGenerationError("assistant_tokenizer (assisted decoding)")
+    if kwargs.get("cache_implementation") == "paged":
+        raise UnsupportedGenerationError("cache_implementation='paged' (transformers' own continuous batching)")
+
+    # Read before the config is resolved, as transformers does (# 6 of its generate).
+    has_default_max_length = (
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and model.generation_config.max_length is None
+    )
+    has_default_min_length = (
+        kwargs.get("min_length") is None
+        and (generation_config is None or generation_config.min_length is None)
+        and model.generation_config.min_length is None
+    )
+    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    mode = config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise UnsupportedGenerationError(f"generation mode {mode.value!r} (only greedy search and sampling run on minisgl)")
+    if config.return_dict_in_generate:
+        for flag in _OUTPUT_FLAGS:
+            if getattr(config, flag, False):
+                raise UnsupportedGenerationError(f"{flag} (per-step tensors of transformers' own forward)")
+    if getattr(config, "token_healing", False):
+        raise UnsupportedGenerationError("token_healing")
+    model._validate_model_kwargs(model_kwargs.copy())
+
+    inputs_tensor, input_name, model_kwargs = model._prepare_model_inputs(inputs, config.bos_token_id, model_kwargs)
+    if input_name != "input_ids" or inputs_tensor.dim() != 2:
+        raise UnsupportedGenerationError(f"{input_name} as the input (give input_ids)")
+    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _HARMLESS_MODEL_KWARGS)
+    if extra:
+        raise UnsupportedGenerationError(f"model inputs {extra}")
+
+    device = inputs_tensor.device
+    mask = model_kwargs.get("attention_mask")
+    model._prepare_special_tokens(config, mask is not None, device=device, batch_size=inputs_tensor.shape[0])
+    if mask is None:
+        mask = model._prepare_attention_mask_for_generation(inputs_tensor, config, model_kwargs)
+    prompts = strip_left_padding(inputs_tensor, mask)
+
+    n = config.num_return_sequences or 1
+    input_ids = inputs_tensor.repeat_interleave(n, dim=0).cpu()
+    mask = (mask != 0).repeat_interleave(n, dim=0).cpu()
+    prompt_len = input_ids.shape[1]
+    config = model._prepare_generated_length(
+        generation_config=config, has_default_max_length=has_default_max_length,
+        has_default_min_length=has_default_min_length, model_input_name=input_name,
+        input_ids_length=prompt_len, inputs_tensor=inputs_tensor,
+    )
+    model._validate_generated_length(config, prompt_len, has_default_max_length)
+    # As transformers does, an all-ones mask is dropped before the processors see it.
+    processors = model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=prompt_len, encoder_input_ids=inputs_tensor,
+        logits_processor=logits_processor, device=device,
+        model_kwargs={"attention_mask": None if bool(mask.all()) else mask.long()},
+    )
+    criteria = model._get_stopping_criteria(
+        generation_config=config, stopping_criteria=stopping_criteria, tokenizer=tokenizer
+    )
+
+    max_new = max(1, config.max_length - prompt_len)
+    longest = max(len(p) for p in prompts)
+    if longest + max_new > max_seq_len:
+        raise UnsupportedGenerationError(
+            f"{longest} prompt tokens + {max_new} new tokens (more than the engine's context of {max_seq_len})"
+        )
+    pad_lengths = prompt_len - mask.sum(dim=1)
+    params = sampling_params(processors, config, prompt_len, max_new, pad_lengths, model_eos)
+    pads_finished_rows = any(hasattr(c, "eos_token_id") for c in criteria)
+    pad = config._pad_token_tensor
+    if pads_finished_rows and pad is None:
+        raise UnsupportedGenerationError("a stopping criterion with eos_token_id but no pad_token_id or eos_token_id")
+    return GenerateRequest(
+        input_ids=input_ids, prompts=prompts, n=n, params=params, criteria=criteria,
+        pad_token_id=None if pad is None else int(pad), pads_finished_rows=pads_finished_rows,
+        return_dict=bool(config.return_dict_in_generate), device=device,
+    )
+
+
+def strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """Each row's real tokens; only left padding (0...0 1...1) keeps HF's positions and attention."""
+    mask = (attention_mask != 0).cpu()
+    if mask.shape != input_ids.shape:
+        raise UnsupportedGenerationError(f"an attention_mask of shape {tuple(mask.shape)} for input_ids {tuple(input_ids.shape)}")
+    lengths = mask.sum(dim=1)
+    if bool((lengths == 0).any()) or bool((mask[:, 1:].int() < mask[:, :-1].int()).any()):
+        raise UnsupportedGenerationError("an attention_mask that is not left padding (right padding, holes or empty rows)")
+    ids = input_ids.cpu()
+    return [row[row.shape[0] - length :].tolist() for row, length in zip(ids, lengths.tolist())]
+
+
+def _token_set(ids: Any) -> set[int]:
+    if ids is None:
+        return set()
+    if isinstance(ids, torch.Tensor):
+        return set(ids.flatten().tolist())
+    return {int(ids)} if isinstance(ids, int) else {int(i) for i in ids}
+
+
+def sampling_params(
+    processors: Any, config: Any, prompt_len: int, max_new: int, pad_lengths: torch.Tensor, model_eos: frozenset[int]
+) -> SamplingParams:
+    """Read transformers' logits processors back into SamplingParams; raise for those with no exact equivalent."""
+    from transformers.generation import logits_process as lp
+
+    eos = _token_set(config._eos_token_tensor)
+    fields: dict[str, Any] = dict(temperature=1.0 if config.do_sample else 0.0, top_k=-1, top_p=1.0, min_p=0.0)
+    min_tokens = 0
+    for proc in processors:
+        kind = type(proc)
+        if getattr(proc, "filter_value", -float("inf")) != -float("inf"):
+            raise UnsupportedGenerationError(f"{kind.__name__} with filter_value={proc.filter_value}")
+        if getattr(proc, "min_tokens_to_keep", 1) > 1:
+            raise UnsupportedGenerationError(f"{kind.__name__} with min_tokens_to_keep={proc.min_tokens_to_keep}")
+        if kind is lp.TemperatureLogitsWarper:
+            fields["temperature"] = float(proc.temperature)
+        elif kind is lp.TopKLogitsWarper:
+            fields["top_k"] = int(proc.top_k)
+        elif kind is lp.TopPLogitsWarper:
+            fields["top_p"] = float(proc.top_p)
+        elif kind is lp.MinPLogitsWarper:
+            fields["min_p"] = float(proc.min_p)
+        elif kind is lp.RepetitionPenaltyLogitsProcessor:
+            _check_penalty_window(proc.prompt_ignore_length, pad_lengths)
+            fields["repetition_penalty"] = float(proc.penalty)
+        elif kind is lp.MinLengthLogitsProcessor or kind is lp.MinNewTokensLengthLogitsProcessor:
+            if _token_set(proc.eos_token_id) != eos:
+                raise UnsupportedGenerationError(f"{kind.__name__} with tokens other than eos_token_id")
+            if kind is lp.MinLengthLogitsProcessor:
+                min_tokens = max(min_tokens, proc.min_length - prompt_len)
+            else:
+                min_tokens = max(min_tokens, proc.prompt_length_to_skip + proc.min_new_tokens - prompt_len)
+        elif kind is lp.InfNanRemoveLogitsProcessor or kind is lp.LogitNormalization:
+            pass  # neither changes which token is picked
+        else:
+            raise UnsupportedGenerationError(f"logits processor {kind.__name__}")
+    # The engine stops on (and masks before min_tokens) its own eos unless ignore_eos; it may
+    # only do so when the model's eos ids are among this call's.
+    use_model_eos = bool(model_eos) and model_eos <= eos
+    if min_tokens > 0 and not use_model_eos and eos & model_eos:
+        raise UnsupportedGenerationError(
+            "min_new_tokens/min_length with an eos_token_id list that holds only some of the model's eos ids"
+        )
+    try:
+        return SamplingParams(
+            **fields, max_tokens=max_new, min_tokens=min(max(min_tokens, 0), max_new),
+            stop_token_ids=sorted(eos), ignore_eos=not use_model_eos,
+        )
+    except InvalidRequestError as e:
+        raise UnsupportedGenerationError(str(e)) from None
+
+
+def _check_penalty_window(ignore: Any, pad_lengths: torch.Tensor) -> None:
+    """minisgl penalises each prompt's real tokens: transformers must skip exactly the padding."""
+    if ignore is None or isinstance(ignore, int):
+        skipped = torch.full_like(pad_lengths, ignore or 0)
+    else:
+        skipped = ignore.cpu()
+    if not torch.equal(skipped.to(pad_lengths.dtype), pad_lengths):
+        raise UnsupportedGenerationError("repetition_penalty over a window other than each prompt's real tokens")
+
+
+def run(scheduler: Any, request: GenerateRequest, streamer: Any = None) -> torch.Tensor:
+    """Generate on the scheduler; returns HF's sequences [batch * n, prompt_len + new] on the CPU."""
+    n, params = request.n, request.params
+    rows, prompt_len = request.input_ids.shape
+    max_new = params.max_tokens
+    sequences = torch.empty(rows, prompt_len + max_new, dtype=torch.long)
+    sequences[:, :prompt_len] = request.input_ids
+    call = next(_call_ids)
+    rids = [f"hf-generate-{call}-{i}" for i in range(len(request.prompts))]
+    first_row = {rid: i * n for i, rid in enumerate(rids)}
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    engine_done = [False] * rows
+    errors: list[str | None] = [None] * rows
+    alive = [True] * rows
+    unfinished = torch.ones(rows, dtype=torch.bool)
+    in_engine = set(rids)
+    pad, pads = request.pad_token_id, request.pads_finished_rows
+    col = 0
+    try:
+        for rid, prompt in zip(rids, request.prompts):
+            scheduler.add_request(rid, prompt, params)
+        while col < max_new and _any_alive(alive):
+            with torch.inference_mode():
+                outputs = scheduler.step()
+            for out in outputs:
+                row = first_row[out.rid] + out.index
+                tokens[row].extend(out.new_token_ids)
+                if out.finished:
+                    engine_done[row], errors[row] = True, out.error
+            while col < max_new and _any_alive(alive) and _column_ready(col, tokens, engine_done, alive, pads, errors):
+                column = torch.tensor(
+                    [tokens[r][col] if alive[r] or not pads else pad for r in range(rows)], dtype=torch.long
+                )
+                sequences[:, prompt_len + col] = column
+                col += 1
+                unfinished &= ~request.criteria(sequences[:, : prompt_len + col], None)
+                alive = unfinished.tolist()
+                if streamer is not None:
+                    streamer.put(column)
+            # Requests whose every row is done (and padded from now on) stop running in the engine.
+            for rid in [r for r in in_engine if pads and not any(alive[first_row[r] : first_row[r] + n])]:
+                scheduler.abort(rid)
+                in_engine.discard(rid)
+            in_engine = {r for r in in_engine if not all(engine_done[first_row[r] : first_row[r] + n])}
+            if _any_alive(alive) and col < max_new and not scheduler.has_work:
+                raise MiniSGLError("the minisgl scheduler went idle before generate() finished; this is a bug")
+    finally:
+        for rid in in_engine:
+            scheduler.abort(rid)
+        with torch.inference_mode():
+            scheduler.step()  # flush the aborts' outputs
+    if streamer is not None:
+        streamer.end()
+    return sequences[:, : prompt_len + col]
+
+
+def _any_alive(alive: list[bool]) -> bool:
+    return True in alive
+
+
+def _column_ready(
+    col: int, tokens: list[list[int]], engine_done: list[bool], alive: list[bool], pads: bool, errors: list[str | None]
+) -> bool:
+    for r, row_tokens in enumerate(tokens):
+        if (alive[r] or not pads) and len(row_tokens) <= col:
+            if engine_done[r]:
+                raise MiniSGLError(
+                    f"minisgl ended sequence {r} after {len(row_tokens)} tokens while transformers would go on"
+                    + (f": {errors[r]}" if errors[r] else "")
+                )
+            return False
+    return True

@@ -1,0 +1,179 @@
+"""FlashInfer attention: paged prefill/extend (FA2, or FA3 on Hopper) and tensor-core paged decode.
+
+The page table holds token slots; FlashInfer wants page ids, so a request's pages are
+page_table[row, 0:seq_len:page_size] // page_size, gathered for the whole batch on the GPU
+(no host sync). plan() runs once per batch in prepare(); the layers' forward only stores
+K/V and runs the planned kernel. Decode batches replayed from CUDA graphs use one
+graph-mode wrapper per captured batch size over shared fixed-size index buffers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from minisgl.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from minisgl.core import Batch
+    from minisgl.kvcache.pool import KVPool
+    from minisgl.models.config import ModelConfig
+
+WORKSPACE_BYTES = 128 * 2**20
+
+
+class FlashInferMetadata(NamedTuple):
+    wrapper: Any  # a planned BatchPrefill/BatchDecodeWithPagedKVCacheWrapper
+
+
+class FlashInferBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(
+        self,
+        model_config: "ModelConfig",
+        kv_pool: "KVPool",
+        page_table: torch.Tensor,
+        device: torch.device | str,
+        prefill_backend: str = "fa2",
+    ) -> None:
+        from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
+
+        from minisgl.distributed import get_tp_info
+
+        self.kv_pool = kv_pool
+        self.page_table = page_table  # [rows, max_seq_len] int64 token slots, owned by the scheduler
+        self.device = torch.device(device)
+        self.page_size = kv_pool.page_size
+        self.num_qo_heads = model_config.num_heads // get_tp_info().size
+        self.num_kv_heads = kv_pool.num_kv_heads
+        self.head_dim = model_config.head_dim
+        self.scale = model_config.head_dim**-0.5
+        self.dtype = kv_pool.dtype
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=prefill_backend)
+        self.decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
+        # plan() fills a pinned host buffer and queues its copy to the GPU without waiting. With
+        # overlap scheduling the next batch is planned before the GPU has run that copy, so
+        # consecutive plans alternate between two pinned buffers.
+        nbytes = self.decode_wrapper._pin_memory_int_workspace_buffer.numel()
+        self._pinned = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self._flip = 0
+        self._iota = torch.arange(1 << 16, dtype=torch.int64, device=self.device)
+        # CUDA graphs (init_cuda_graph)
+        self._graph_wrappers: dict[int, Any] = {}
+        self._graph_indptr: torch.Tensor | None = None
+        self._graph_indices: torch.Tensor | None = None
+        self._graph_last_page_len: torch.Tensor | None = None
+        self._dummy_page = 0
+
+    # ------------------------------------------------------------------ metadata
+
+    def _page_ids(self, rows: list[int], num_pages: list[int]) -> torch.Tensor:
+        """int32 page ids of every request, concatenated: one gather from the page table on the GPU."""
+        ps, stride = self.page_size, self.page_table.stride(0)
+        total = sum(num_pages)
+        if total > len(self._iota):
+            self._iota = torch.arange(1 << total.bit_length(), dtype=torch.int64, device=self.device)
+        starts, acc = [], 0
+        for n in num_pages:
+            starts.append(acc)
+            acc += n
+        # flat slot index of page j of request i: row_i * stride + (j_global - start_i) * ps
+        base = torch.tensor([r * stride - s * ps for r, s in zip(rows, starts)], dtype=torch.int64)
+        counts = torch.tensor(num_pages, dtype=torch.int64)
+        base = base.to(self.device, non_blocking=True)
+        counts = counts.to(self.device, non_blocking=True)
+        flat = torch.repeat_interleave(base, counts, output_size=total) + self._iota[:total] * ps
+        slots = self.page_table.view(-1).index_select(0, flat)
+        return (slots // ps if ps > 1 else slots).to(torch.int32)
+
+    def _paging(self, seq_lens: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        ps = self.page_size
+        num_pages = [-(-s // ps) for s in seq_lens]
+        indptr = [0]
+        for n in num_pages:
+            indptr.append(indptr[-1] + n)
+        last = [s - (n - 1) * ps for s, n in zip(seq_lens, num_pages)]
+        return num_pages, torch.tensor(indptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32)
+
+    def _next_pinned(self, wrapper: Any) -> None:
+        wrapper._pin_memory_int_workspace_buffer = self._pinned[self._flip]
+        self._flip ^= 1
+
+    def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
+        self._next_pinned(wrapper)
+        wrapper.plan(
+            indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+            sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+        )
+
+    def prepare(self, batch: "Batch") -> None:
+        rows = [r.table_idx for r in batch.reqs]
+        num_pages, indptr, last = self._paging(batch.seq_lens)
+        indices = self._page_ids(rows, num_pages)
+        if batch.is_decode:
+            self._plan_decode(self.decode_wrapper, indptr, indices, last)
+            batch.attn_metadata = FlashInferMetadata(self.decode_wrapper)
+            return
+        qo_indptr = [0]
+        for e in batch.extend_lens:
+            qo_indptr.append(qo_indptr[-1] + e)
+        self._next_pinned(self.prefill_wrapper)
+        self.prefill_wrapper.plan(
+            torch.tensor(qo_indptr, dtype=torch.int32), indptr, indices, last,
+            self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+            causal=True, sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+        )
+        batch.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: "Batch"
+    ) -> torch.Tensor:
+        self.kv_pool.store(layer_id, batch.out_loc, k, v)
+        buf = self.kv_pool.buffer  # the whole buffer: it may hold a scratch page past num_pages
+        shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
+        kv = (buf[0, layer_id].view(shape), buf[1, layer_id].view(shape))
+        out = batch.attn_metadata.wrapper.run(q.contiguous(), kv)
+        return out.view(out.shape[0], -1)
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def init_cuda_graph(self, max_bs: int, max_seq_len: int, dummy_page: int) -> None:
+        """Fixed-size index buffers shared by every captured batch size; padded rows read dummy_page."""
+        dev = self.device
+        self._graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
+        self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self._graph_indices = torch.zeros(max_bs * -(-max_seq_len // self.page_size), dtype=torch.int32, device=dev)
+        self._dummy_page = dummy_page
+
+    def capture_metadata(self, bs: int) -> FlashInferMetadata:
+        """A graph-mode decode wrapper for batch size bs, planned on bs one-token rows of the dummy page."""
+        from flashinfer import BatchDecodeWithPagedKVCacheWrapper
+
+        assert self._graph_indptr is not None and self._graph_indices is not None
+        assert self._graph_last_page_len is not None
+        wrapper = BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=self._graph_indptr[: bs + 1],
+            paged_kv_indices_buffer=self._graph_indices,
+            paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],
+        )
+        self._graph_wrappers[bs] = wrapper
+        indices = torch.full((bs,), self._dummy_page, dtype=torch.int32, device=self.device)
+        self._plan_decode(wrapper, torch.arange(bs + 1, dtype=torch.int32), indices, torch.ones(bs, dtype=torch.int32))
+        return FlashInferMetadata(wrapper)
+
+    def prepare_replay(self, batch: "Batch", padded_bs: int) -> None:
+        """Plan the graph wrapper of padded_bs for batch; rows past batch.size read the dummy page."""
+        pad = padded_bs - batch.size
+        num_pages, indptr, last = self._paging(list(batch.seq_lens) + [1] * pad)
+        indices = self._page_ids([r.table_idx for r in batch.reqs], num_pages[: batch.size])
+        if pad:
+            indices = torch.cat([indices, indices.new_full((pad,), self._dummy_page)])
+        wrapper = self._graph_wrappers[padded_bs]
+        self._plan_decode(wrapper, indptr, indices, last)
+        batch.attn_metadata = FlashInferMetadata(wrapper)

@@ -1,0 +1,113 @@
+"""CUDA graphs for decode: one graph per batch size of a ladder, replayed on static input buffers.
+
+A decode batch of size bs runs the graph of the smallest captured size >= bs. The padded rows
+read token 0 at position 0 and write their KV into a scratch page past the pool's usable pages,
+so they never touch a request's KV. Graphs share one memory pool (captured largest first).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from minisgl.core import Batch, Phase, get_context
+
+if TYPE_CHECKING:
+    from torch import nn
+
+logger = logging.getLogger("minisgl")
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_bs (and max_bs itself)."""
+    sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs + 1, 8))
+    if not sizes or sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: "nn.Module",
+        attn_backend: Any,
+        max_bs: int,
+        vocab_size: int,
+        max_seq_len: int,
+        dummy_page: int,
+        page_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.attn_backend = attn_backend
+        self.sizes = graph_batch_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        self.device = device
+        self.dummy_slot = dummy_page * page_size
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        self.out_loc = torch.full((self.max_bs,), self.dummy_slot, dtype=torch.int64, device=device)
+        self.logits = torch.empty(self.max_bs, vocab_size, dtype=torch.float32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        attn_backend.init_cuda_graph(self.max_bs, max_seq_len, dummy_page)
+        self._capture()
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        t0 = time.perf_counter()
+        pool = None
+        ctx = get_context()
+        for bs in reversed(self.sizes):
+            batch = self._batch(bs)
+            batch.attn_metadata = self.attn_backend.capture_metadata(bs)
+            with ctx.forward_batch(batch):
+                self._forward(bs)  # warm-up: JIT builds, lazily made buffers, allocator state
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(bs)
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info(
+            "CUDA graphs: %d decode batch sizes up to %d captured in %.1fs, %.2f GiB",
+            len(self.sizes), self.max_bs, time.perf_counter() - t0, used / 2**30,
+        )
+
+    def _batch(self, bs: int) -> Batch:
+        return Batch(
+            reqs=[], phase=Phase.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            out_loc=self.out_loc[:bs], table_rows=self.input_ids[:bs], prefix_lens=[0] * bs,
+            extend_lens=[1] * bs, seq_lens=[1] * bs, sample_mask=[True] * bs, padded_size=bs,
+        )
+
+    def _forward(self, bs: int) -> None:
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+        self.logits[:bs] = self.model.compute_logits(hidden)
+
+    def can_run(self, batch: Batch) -> bool:
+        return batch.is_decode and batch.size <= self.max_bs
+
+    def padded_size(self, bs: int) -> int:
+        return next(s for s in self.sizes if s >= bs)
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        """Logits [batch.size, vocab] of a decode batch (a view of a static buffer: read before the next run)."""
+        bs = batch.size
+        padded = self.padded_size(bs)
+        batch.padded_size = padded
+        self.input_ids[:bs].copy_(batch.input_ids)
+        self.positions[:bs].copy_(batch.positions)
+        self.out_loc[:bs].copy_(batch.out_loc)
+        if padded > bs:
+            self.out_loc[bs:padded].fill_(self.dummy_slot)
+        self.attn_backend.prepare_replay(batch, padded)
+        self.graphs[padded].replay()
+        return self.logits[:bs]

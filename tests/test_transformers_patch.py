@@ -1,0 +1,271 @@
+"""transformers_minisgl: a patched model.generate returns what transformers' own generate returns.
+
+The reference is always the unpatched transformers generate on the same model object
+(type(model).generate), fp32 on the CPU, greedy.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
+
+from transformers_minisgl import (  # noqa: E402
+    UnsupportedGenerationError,
+    minisgl_generate,
+    patch_generate,
+    sync_weights,
+    unpatch_generate,
+)
+from transformers_minisgl.generate import prepare  # noqa: E402
+
+ENGINE = dict(kv_cache_gb=0.1, max_running_requests=16)  # small: several engines live in one process
+TEXTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea, there lived",
+    "def add(a, b):",
+    "Water boils at a temperature of",
+]
+NEW = 12
+
+
+def load(model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "smollm2"])
+def patched(request, tiny_model_dir, smollm2_dir):
+    model_dir = smollm2_dir if request.param == "smollm2" else tiny_model_dir(request.param)
+    model, tokenizer = load(model_dir)
+    patch_generate(model, **ENGINE)
+    yield model, tokenizer
+    unpatch_generate(model)
+
+
+def hf_generate(model, *args, **kwargs):
+    """transformers' own generate, whatever the instance's generate is."""
+    return type(model).generate(model, *args, **kwargs)
+
+
+def batch(tokenizer, texts=TEXTS):
+    enc = tokenizer(texts, return_tensors="pt", padding=True)
+    assert (enc.attention_mask == 0).any(), "the batch must be left-padded"
+    return dict(input_ids=enc.input_ids, attention_mask=enc.attention_mask)
+
+
+def assert_same(model, **kwargs):
+    ref = hf_generate(model, **kwargs)
+    out = model.generate(**kwargs)
+    assert out.dtype == torch.long and out.device == ref.device
+    assert out.shape == ref.shape, f"{tuple(out.shape)} != {tuple(ref.shape)}"
+    assert torch.equal(out, ref), f"\nminisgl:\n{out}\ntransformers:\n{ref}"
+    return ref
+
+
+def early_stop_tokens(ref: torch.Tensor, prompt_len: int, count: int) -> list[int]:
+    """Tokens that end some rows mid-way but not every row: first new tokens (after the first) of different rows."""
+    new = ref[:, prompt_len:].tolist()
+    picked: list[int] = []
+    for row in new:
+        for tok in row[2:-2]:
+            if tok not in picked and not all(tok in other for other in new):
+                picked.append(tok)
+                break
+        if len(picked) == count:
+            return picked
+    pytest.skip("no token ends some rows early and not others")
+
+
+def test_greedy_left_padded_batch_matches_transformers(patched):
+    model, tokenizer = patched
+    assert_same(model, **batch(tokenizer), max_new_tokens=NEW, do_sample=False)
+    # Again: the prompts now come from the prefix cache.
+    assert_same(model, **batch(tokenizer), max_new_tokens=NEW, do_sample=False)
+
+
+def test_early_eos_pads_finished_rows_and_stops_when_all_are_done(patched):
+    model, tokenizer = patched
+    inputs = batch(tokenizer)
+    prompt_len = inputs["input_ids"].shape[1]
+    free = hf_generate(model, **inputs, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    eos = early_stop_tokens(free, prompt_len, 1)[0]
+    ref = assert_same(model, **inputs, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=1)
+    assert (ref[:, prompt_len:] == eos).any(dim=1).any() and (ref[:, -1] == 1).any(), "no row finished early"
+    # min_new_tokens masks eos until enough tokens exist.
+    assert_same(model, **inputs, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=1, min_new_tokens=6)
+
+
+def test_eos_token_id_list_and_pad_falls_back_to_eos(patched):
+    model, tokenizer = patched
+    inputs = batch(tokenizer)
+    prompt_len = inputs["input_ids"].shape[1]
+    free = hf_generate(model, **inputs, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    eos = early_stop_tokens(free, prompt_len, 2)
+    model.generation_config.pad_token_id, saved = None, model.generation_config.pad_token_id
+    try:
+        assert_same(model, **inputs, max_new_tokens=NEW, eos_token_id=eos)  # pad = eos[0], as transformers does
+    finally:
+        model.generation_config.pad_token_id = saved
+
+
+def test_num_return_sequences_and_max_length(patched):
+    model, tokenizer = patched
+    inputs = batch(tokenizer)
+    ref = assert_same(model, **inputs, max_new_tokens=6, num_return_sequences=3)
+    assert ref.shape[0] == 3 * len(TEXTS)
+    ref = assert_same(model, **inputs, max_length=inputs["input_ids"].shape[1] + 5)
+    assert ref.shape[1] == inputs["input_ids"].shape[1] + 5
+
+
+def test_stop_strings_stop_rows_like_transformers(patched):
+    model, tokenizer = patched
+    inputs = batch(tokenizer)
+    prompt_len = inputs["input_ids"].shape[1]
+    free = hf_generate(model, **inputs, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    words = [tokenizer.decode([t]).strip() for t in free[0, prompt_len + 3 :].tolist()]
+    word = next((w for w in words if len(w) >= 2 and w.isalpha()), None)
+    if word is None:
+        pytest.skip("no word-like token in the first row")
+    assert_same(model, **inputs, max_new_tokens=NEW, stop_strings=[word], tokenizer=tokenizer)
+
+
+def test_return_dict_in_generate_has_transformers_structure(patched):
+    model, tokenizer = patched
+    inputs = batch(tokenizer)
+    ref = hf_generate(model, **inputs, max_new_tokens=5, return_dict_in_generate=True)
+    out = model.generate(**inputs, max_new_tokens=5, return_dict_in_generate=True)
+    assert type(out) is type(ref)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.scores is None and ref.scores is None
+    assert set(out.keys()) <= set(ref.keys())  # past_key_values stays None: the KV lives in minisgl's pool
+
+
+def test_text_iterator_streamer_yields_the_same_text(patched):
+    model, tokenizer = patched
+    inputs = tokenizer(["Once upon a time"], return_tensors="pt")
+    texts = []
+    for generate in (lambda **kw: hf_generate(model, **kw), model.generate):
+        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+        generate(**inputs, max_new_tokens=NEW, streamer=streamer)
+        texts.append("".join(streamer))
+    assert texts[0] and texts[0] == texts[1]
+
+
+class RecordingStreamer(BaseStreamer):
+    def __init__(self):
+        self.calls = []
+
+    def put(self, value):
+        self.calls.append(value.tolist())
+
+    def end(self):
+        self.calls.append("end")
+
+
+def test_streamer_gets_the_prompt_then_one_column_per_step_then_end(tiny_model_dir):
+    model, tokenizer = load(tiny_model_dir("llama"))
+    inputs = batch(tokenizer, TEXTS[:2])
+    prompt_len = inputs["input_ids"].shape[1]
+    free = hf_generate(model, **inputs, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    eos = early_stop_tokens(free, prompt_len, 1)[0]
+    records = []
+    with minisgl_generate(model, **ENGINE):
+        for generate in (lambda **kw: hf_generate(model, **kw), model.generate):
+            streamer = RecordingStreamer()
+            generate(**inputs, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=1, streamer=streamer)
+            records.append(streamer.calls)
+    assert records[0] == records[1]
+
+
+def test_generation_follows_weights_changed_in_memory(tiny_model_dir):
+    model, tokenizer = load(tiny_model_dir("llama"))
+    inputs = batch(tokenizer)
+    kwargs = dict(**inputs, max_new_tokens=8, do_sample=False)
+    with minisgl_generate(model, **ENGINE):
+        before = assert_same(model, **kwargs)
+        with torch.no_grad():  # changes the prompts' KV too: the prefix cache must not serve the old one
+            model.model.layers[0].self_attn.v_proj.weight.mul_(3.0)
+            model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
+        after = assert_same(model, **kwargs)
+        assert not torch.equal(before, after)
+        # A write PyTorch does not count (through .data) is picked up by sync_weights.
+        model.lm_head.weight.data.mul_(-1.0)
+        sync_weights(model)
+        assert_same(model, **kwargs)
+
+
+def test_unpatch_restores_transformers_generate(tiny_model_dir):
+    model, tokenizer = load(tiny_model_dir("qwen3"))
+    original = model.generate
+    patch_generate(model, **ENGINE)
+    assert model.generate.__func__ is not original.__func__
+    unpatch_generate(model)
+    assert "generate" not in vars(model) and model.generate.__func__ is original.__func__
+    assert not hasattr(model, "_minisgl_generate")
+    with minisgl_generate(model, **ENGINE):
+        assert hasattr(model, "_minisgl_generate")
+    assert "generate" not in vars(model)
+
+
+def test_unsupported_options_fall_back_with_one_warning(tiny_model_dir):
+    model, tokenizer = load(tiny_model_dir("llama"))
+    inputs = batch(tokenizer, TEXTS[:2])
+    ref = hf_generate(model, **inputs, max_new_tokens=4, num_beams=2)
+    with minisgl_generate(model, **ENGINE):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = model.generate(**inputs, max_new_tokens=4, num_beams=2)
+            second = model.generate(**inputs, max_new_tokens=4, num_beams=2)
+        ours = [w for w in caught if "minisgl cannot run" in str(w.message)]
+        assert len(ours) == 1 and "beam_search" in str(ours[0].message)
+        assert torch.equal(first, ref) and torch.equal(second, ref)
+        # output_scores needs transformers' per-step logits: it falls back too, scores included.
+        out = model.generate(**inputs, max_new_tokens=3, return_dict_in_generate=True, output_scores=True)
+        assert len(out.scores) == 3
+
+
+def test_fallback_false_raises_a_typed_error(tiny_model_dir):
+    model, tokenizer = load(tiny_model_dir("llama"))
+    inputs = batch(tokenizer, TEXTS[:2])
+    with minisgl_generate(model, fallback=False, **ENGINE):
+        with pytest.raises(UnsupportedGenerationError, match="no_repeat_ngram|NoRepeatNGram"):
+            model.generate(**inputs, max_new_tokens=4, no_repeat_ngram_size=2)
+        model.generate(**inputs, max_new_tokens=4)  # supported calls still run
+
+
+def test_parameters_resolve_like_transformers(tiny_model_dir):
+    model, tokenizer = load(tiny_model_dir("llama"))
+    inputs = batch(tokenizer, TEXTS[:2])
+
+    def params(**kwargs):
+        kwargs = {**inputs, **kwargs}
+        return prepare(model, None, kwargs.pop("generation_config", None), None, None, kwargs, 512, frozenset()).params
+
+    sampled = params(do_sample=True, max_new_tokens=5)
+    assert sampled.top_k == 50 and sampled.temperature == 1.0 and sampled.max_tokens == 5  # transformers' defaults
+    assert params(max_new_tokens=5, temperature=0.3, top_k=7).greedy  # do_sample=False: greedy whatever else
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=9)
+    p = params(generation_config=config)
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.7, -1, 0.9, 9)
+    p = params(generation_config=config, temperature=0.5, repetition_penalty=1.3)  # call kwargs win
+    assert (p.temperature, p.repetition_penalty) == (0.5, 1.3)
+
+
+def test_repetition_penalty_and_sampling_on_a_padded_batch(tiny_model_dir):
+    model, tokenizer = load(tiny_model_dir("llama"))
+    inputs = batch(tokenizer)
+    with minisgl_generate(model, **ENGINE):
+        assert_same(model, **inputs, max_new_tokens=NEW, repetition_penalty=1.3)
+        out = model.generate(**inputs, max_new_tokens=6, do_sample=True, top_p=0.9, num_return_sequences=2)
+    assert out.shape[0] == 2 * len(TEXTS)
+    assert torch.equal(out[:, : inputs["input_ids"].shape[1]], inputs["input_ids"].repeat_interleave(2, dim=0))
