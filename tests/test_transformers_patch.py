@@ -41,10 +41,9 @@ def load(model_dir):
     return model, tokenizer
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "smollm2"])
-def patched(request, tiny_model_dir, smollm2_dir):
-    model_dir = smollm2_dir if request.param == "smollm2" else tiny_model_dir(request.param)
-    model, tokenizer = load(model_dir)
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def patched(request, tiny_model_dir):
+    model, tokenizer = load(tiny_model_dir(request.param))
     patch_generate(model, **ENGINE)
     yield model, tokenizer
     unpatch_generate(model)
@@ -119,10 +118,22 @@ def test_eos_token_id_list_and_pad_falls_back_to_eos(patched):
 def test_num_return_sequences_and_max_length(patched):
     model, tokenizer = patched
     inputs = batch(tokenizer)
-    ref = assert_same(model, **inputs, max_new_tokens=6, num_return_sequences=3)
+    # transformers refuses greedy with num_return_sequences > 1; top_k=1 sampling is greedy and allowed.
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        model.generate(**inputs, max_new_tokens=6, num_return_sequences=3)
+    ref = assert_same(model, **inputs, max_new_tokens=6, do_sample=True, top_k=1, num_return_sequences=3)
     assert ref.shape[0] == 3 * len(TEXTS)
     ref = assert_same(model, **inputs, max_length=inputs["input_ids"].shape[1] + 5)
     assert ref.shape[1] == inputs["input_ids"].shape[1] + 5
+
+
+def stop_word(tokenizer, ref: torch.Tensor, prompt_len: int) -> str:
+    """A word the first row generates after a few tokens."""
+    words = [tokenizer.decode([t]).strip() for t in ref[0, prompt_len + 3 :].tolist()]
+    word = next((w for w in words if len(w) >= 2 and w.isalpha()), None)
+    if word is None:
+        pytest.skip("no word-like token in the first row")
+    return word
 
 
 def test_stop_strings_stop_rows_like_transformers(patched):
@@ -130,11 +141,23 @@ def test_stop_strings_stop_rows_like_transformers(patched):
     inputs = batch(tokenizer)
     prompt_len = inputs["input_ids"].shape[1]
     free = hf_generate(model, **inputs, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
-    words = [tokenizer.decode([t]).strip() for t in free[0, prompt_len + 3 :].tolist()]
-    word = next((w for w in words if len(w) >= 2 and w.isalpha()), None)
-    if word is None:
-        pytest.skip("no word-like token in the first row")
+    word = stop_word(tokenizer, free, prompt_len)
     assert_same(model, **inputs, max_new_tokens=NEW, stop_strings=[word], tokenizer=tokenizer)
+
+
+def test_smollm2_matches_transformers_with_every_option_at_once(smollm2_dir):
+    model, tokenizer = load(smollm2_dir)
+    inputs = batch(tokenizer)
+    prompt_len = inputs["input_ids"].shape[1]
+    with minisgl_generate(model, **ENGINE):
+        free = assert_same(model, **inputs, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
+        eos = early_stop_tokens(free, prompt_len, 2)
+        ref = assert_same(
+            model, **inputs, max_length=prompt_len + 10, eos_token_id=eos, do_sample=True, top_k=1,
+            num_return_sequences=2, stop_strings=[stop_word(tokenizer, free, prompt_len)], tokenizer=tokenizer,
+        )
+    assert ref.shape[0] == 2 * len(TEXTS)
+    assert any(set(row) & set(eos) for row in ref[:, prompt_len:].tolist()), "no row finished early"
 
 
 def test_return_dict_in_generate_has_transformers_structure(patched):

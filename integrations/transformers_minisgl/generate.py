@@ -143,7 +143,7 @@ def prepare(
             f"{longest} prompt tokens + {max_new} new tokens (more than the engine's context of {max_seq_len})"
         )
     pad_lengths = prompt_len - mask.sum(dim=1)
-    params = sampling_params(processors, config, prompt_len, max_new, pad_lengths, model_eos)
+    params = sampling_params(processors, config, prompt_len, max_new, pad_lengths, model_eos, n)
     pads_finished_rows = any(hasattr(c, "eos_token_id") for c in criteria)
     pad = config._pad_token_tensor
     if pads_finished_rows and pad is None:
@@ -176,7 +176,8 @@ def _token_set(ids: Any) -> set[int]:
 
 
 def sampling_params(
-    processors: Any, config: Any, prompt_len: int, max_new: int, pad_lengths: torch.Tensor, model_eos: frozenset[int]
+    processors: Any, config: Any, prompt_len: int, max_new: int, pad_lengths: torch.Tensor, model_eos: frozenset[int],
+    n: int = 1,
 ) -> SamplingParams:
     """Read transformers' logits processors back into SamplingParams; raise for those with no exact equivalent."""
     from transformers.generation import logits_process as lp
@@ -221,7 +222,7 @@ def sampling_params(
         )
     try:
         return SamplingParams(
-            **fields, max_tokens=max_new, min_tokens=min(max(min_tokens, 0), max_new),
+            **fields, n=n, max_tokens=max_new, min_tokens=min(max(min_tokens, 0), max_new),
             stop_token_ids=sorted(eos), ignore_eos=not use_model_eos,
         )
     except InvalidRequestError as e:

@@ -64,13 +64,16 @@ class _Inboxes:
         self.boxes: dict[str, Any] = {}
 
     def route(self, msg: Message) -> list[tuple[Any, Reply]]:
+        # .get: a stream may be forgotten from another thread (garbage collection) meanwhile.
         if isinstance(msg, Chunks):
-            return [(self.boxes[c.rid], c) for c in msg.items if c.rid in self.boxes]
+            pairs = [(self.boxes.get(c.rid), c) for c in msg.items]
+            return [(box, c) for box, c in pairs if box is not None]
         rid = getattr(msg, "rid", "")
-        if rid in self.boxes:
-            return [(self.boxes[rid], msg)]
+        box = self.boxes.get(rid)
+        if box is not None:
+            return [(box, msg)]
         if isinstance(msg, Error) and not rid:  # about the connection itself: everyone waiting hears it
-            return [(box, msg) for box in self.boxes.values()]
+            return [(box, msg) for box in list(self.boxes.values())]
         return []
 
 

@@ -1,0 +1,189 @@
+"""GPU paths against HF transformers and against each other (skipped without CUDA + flashinfer).
+
+Run on the device by scripts/gpu_check.sh. The model is a Qwen3-shaped checkpoint with HF's own
+random init (8 layers, hidden 1024, 16 q / 8 kv heads of 128, tied embeddings), saved once per
+session; both engines load the same bf16 weights. MINISGL_GPU_REPORT, when set, names a JSON
+file the tests add their measured figures to (the script prints them in its table).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer (minisgl[gpu])"),
+]
+
+VOCAB = 49152  # SmolLM2's tokenizer; prompts are token ids
+MAX_NEW = 32
+ENGINE = dict(dtype="bfloat16", num_pages=40000, cuda_graph_max_bs=32, max_prefill_tokens=8192)
+
+
+def report(key: str, value: Any) -> None:
+    path = os.environ.get("MINISGL_GPU_REPORT")
+    if not path:
+        return
+    data = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+    data[key] = value
+    Path(path).write_text(json.dumps(data, indent=2))
+
+
+def tokenizer_dir() -> Path:
+    env = os.environ.get("MINISGL_TOKENIZER_DIR")
+    if env:
+        return Path(env)
+    from minisgl.models.loader import resolve_model
+
+    return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    out = tmp_path_factory.mktemp("qwen3-gpu")
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir())
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    GenerationConfig(eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id).save_pretrained(out)
+    return out
+
+
+def make_prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
+    """n prompts of 20..200 ids; the second half shares a 96-token prefix (radix hits, extend over a prefix)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(10, VOCAB) for _ in range(96)]
+    prompts = [[rng.randrange(10, VOCAB) for _ in range(rng.randrange(20, 200))] for _ in range(n // 2)]
+    prompts += [shared + [rng.randrange(10, VOCAB) for _ in range(rng.randrange(1, 100))] for _ in range(n - n // 2)]
+    return prompts
+
+
+def free(llm: Any) -> None:
+    """Drop an engine and give its KV pool and graphs back before the next one sizes itself."""
+    from minisgl.core import get_context
+
+    ctx = get_context()
+    ctx.attn_backend = ctx.kv_pool = None
+    del llm
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def generate(model_dir: Path, prompts: list[list[int]], params: Any, **kwargs: Any) -> tuple[list[list[int]], Any]:
+    """Outputs of a fresh engine; a second pass (every prompt then extends a radix-cached prefix) must mostly agree."""
+    from minisgl import LLM
+
+    llm = LLM(str(model_dir), **{**ENGINE, **kwargs})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    again = llm.generate(prompts, params, use_tqdm=False)
+    llm.check_integrity()
+    engine = llm.scheduler.engine
+    tokens = [o.token_ids for o in outs]
+    info = dict(
+        backend=type(engine.attn_backend).__name__, graphs=engine.graph_runner is not None,
+        overlap=llm.scheduler.overlap, cached_rerun_equal=sum(o.token_ids == t for o, t in zip(again, tokens)),
+    )
+    assert info["cached_rerun_equal"] >= 0.75 * len(tokens), "extend over a cached prefix disagrees"
+    free(llm)
+    return tokens, info
+
+
+def test_bf16_greedy_parity_with_hf_transformers(qwen3_dir):
+    from transformers import AutoModelForCausalLM
+
+    from minisgl import SamplingParams
+
+    prompts = make_prompts()
+    ours, info = generate(qwen3_dir, prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    assert info["backend"] == "FlashInferBackend" and info["graphs"] and info["overlap"]
+    hf = AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    agree = total = same_prefix = 0
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, ours):
+            # Teacher forcing on our trajectory: HF's argmax after each prefix vs the token we chose.
+            seq = torch.tensor([prompt + out], device="cuda")
+            logits = hf(seq).logits[0, len(prompt) - 1 : -1]
+            agree += int((logits.argmax(-1).cpu() == torch.tensor(out)).sum())
+            total += len(out)
+            ids = torch.tensor([prompt], device="cuda")
+            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
+                              min_new_tokens=MAX_NEW, pad_token_id=0)
+            same_prefix += gen[0, len(prompt):].tolist() == out
+    free(hf)
+    report("parity_teacher_forced_top1", round(agree / total, 4))
+    report("parity_greedy_equal_prompts", f"{same_prefix}/{len(prompts)}")
+    assert agree / total >= 0.99
+    assert same_prefix >= 0.75 * len(prompts)
+
+
+def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir):
+    from minisgl import SamplingParams
+
+    prompts = make_prompts(24, seed=1)
+    # Greedy and seeded sampling; equal lengths keep the decode batch at 24, a captured size.
+    params = [
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True) if i % 2 else
+        SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=MAX_NEW, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    results = {}
+    for graphs in (True, False):
+        for overlap in (True, False):
+            tokens, info = generate(qwen3_dir, prompts, params, disable_cuda_graph=not graphs, disable_overlap=not overlap)
+            assert info["graphs"] == graphs and info["overlap"] == overlap
+            results[(graphs, overlap)] = tokens
+    ref = results[(False, False)]
+    same = {f"graphs={g},overlap={o}": sum(a == b for a, b in zip(t, ref)) for (g, o), t in results.items()}
+    report("identical_prompts_vs_eager_no_overlap", {k: f"{v}/{len(ref)}" for k, v in same.items()})
+    assert results[(True, True)] == results[(True, False)], "overlap changed the outputs (CUDA graphs on)"
+    assert results[(False, True)] == ref, "overlap changed the outputs (eager)"
+    assert results[(True, False)] == ref, "CUDA graphs changed the outputs"
+
+
+@pytest.mark.parametrize("backend,page_size", [("flashinfer", 16), ("fa3,flashinfer", 1), ("torch,flashinfer", 4)])
+def test_backends_and_page_sizes_agree(qwen3_dir, backend, page_size):
+    from minisgl import SamplingParams
+
+    prompts = make_prompts(seed=2)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    ref, _ = generate(qwen3_dir, prompts, params)
+    got, _ = generate(qwen3_dir, prompts, params, attention_backend=backend, page_size=page_size)
+    same = sum(a == b for a, b in zip(got, ref))
+    report(f"agree_{backend}_page{page_size}", f"{same}/{len(ref)}")
+    assert same >= 0.75 * len(ref)
+
+
+def test_fused_top_k_top_p_sampling_stays_in_the_allowed_set():
+    from minisgl.core import Req, SamplingParams
+    from minisgl.engine.sampler import Sampler, SamplingInfo
+
+    vocab = 1000
+    sampler = Sampler(vocab, torch.device("cuda"), seed=0)
+    assert sampler._fused is not None
+    reqs = [Req(f"r{i}", [1], SamplingParams(temperature=1.0, top_k=5, top_p=0.9), 1) for i in range(64)]
+    logits = torch.randn(64, vocab, device="cuda") * 3
+    info = SamplingInfo.from_reqs(reqs, vocab, torch.device("cuda"))
+    draws = torch.stack([sampler.sample(logits, reqs, info)[0] for _ in range(20)])
+    top5 = logits.topk(5, dim=-1).indices
+    assert bool((draws[..., None] == top5[None]).any(-1).all())
+    assert len(set(draws[:, 0].tolist())) > 1  # it does sample
