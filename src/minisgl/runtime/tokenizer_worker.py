@@ -135,7 +135,8 @@ class RequestPreparer:
         choice = resolve_tool_choice(msg.tool_choice, tools)
         if choice.mode == "none":
             return [], None
-        return tools, tool_call_constraint(tools, choice, self.tool_format)
+        # A forced call is one call: weak models otherwise repeat it until max_tokens.
+        return tools, tool_call_constraint(tools, choice, self.tool_format, parallel_tool_calls=False)
 
 
 def run_tokenizer(endpoints: Endpoints, log_level: int) -> None:
