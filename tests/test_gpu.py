@@ -77,13 +77,12 @@ def make_prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def free(llm: Any) -> None:
-    """Drop an engine and give its KV pool and graphs back before the next one sizes itself."""
+def release_gpu() -> None:
+    """Give a dropped engine's KV pool and graphs back (the forward context still points at them)."""
     from minisgl.core import get_context
 
     ctx = get_context()
     ctx.attn_backend = ctx.kv_pool = None
-    del llm
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -103,8 +102,9 @@ def generate(model_dir: Path, prompts: list[list[int]], params: Any, **kwargs: A
         backend=type(engine.attn_backend).__name__, graphs=engine.graph_runner is not None,
         overlap=llm.scheduler.overlap, cached_rerun_equal=sum(o.token_ids == t for o, t in zip(again, tokens)),
     )
+    del llm, engine, outs, again
+    release_gpu()
     assert info["cached_rerun_equal"] >= 0.75 * len(tokens), "extend over a cached prefix disagrees"
-    free(llm)
     return tokens, info
 
 
@@ -129,7 +129,8 @@ def test_bf16_greedy_parity_with_hf_transformers(qwen3_dir):
             gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
                               min_new_tokens=MAX_NEW, pad_token_id=0)
             same_prefix += gen[0, len(prompt):].tolist() == out
-    free(hf)
+    del hf, logits
+    release_gpu()
     report("parity_teacher_forced_top1", round(agree / total, 4))
     report("parity_greedy_equal_prompts", f"{same_prefix}/{len(prompts)}")
     assert agree / total >= 0.99

@@ -101,9 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace) -> int:
     from minisgl.runtime.daemon import DEFAULT_MAX_MESSAGE_BYTES, HttpOptions, serve
 
+    config = engine_config(args)
+    if config.node_rank > 0:  # multi-node TP: this node only runs its ranks; node 0 serves
+        from minisgl.distributed.launch import run_node
+
+        return run_node(config)
     http = HttpOptions(args.host, args.http_port, args.api_key) if args.http_port else None
     return serve(
-        engine_config(args), args.address, allow_remote=args.allow_remote, curve=args.curve, curve_keys=args.curve_dir,
+        config, args.address, allow_remote=args.allow_remote, curve=args.curve, curve_keys=args.curve_dir,
         http=http, max_message_bytes=args.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES,
         log_level=logger.level,
     )

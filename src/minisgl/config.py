@@ -25,6 +25,10 @@ class EngineConfig:
     max_running_requests: int = 256
     max_seq_len: int | None = None  # None: the model's max_position_embeddings
     tp: int = 1
+    nnodes: int = 1  # TP across machines: ranks are split evenly over the nodes
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of node 0's rendezvous (default: a free loopback port)
+    dist_timeout: float = 120.0  # seconds before a silent rank is declared dead
     attention_backend: str = "auto"  # "torch", "flashinfer", "fa3", or "PREFILL,DECODE"
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
@@ -45,6 +49,12 @@ class EngineConfig:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests!r}")
         if self.tp < 1:
             raise ConfigError(f"tp must be >= 1, got {self.tp!r}")
+        if self.nnodes < 1 or self.tp % self.nnodes:
+            raise ConfigError(f"tp ({self.tp}) must be a multiple of nnodes ({self.nnodes})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be in [0, nnodes), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ConfigError("multi-node TP needs dist_init_addr=HOST:PORT (node 0's address), the same on every node")
         if self.num_pages is not None and self.num_pages < 1:
             raise ConfigError(f"num_pages must be >= 1, got {self.num_pages!r}")
         if self.schedule_policy not in ("lpm", "fcfs"):

@@ -191,6 +191,16 @@ class LLM:
             error=last.error,
         )
 
+    def shutdown(self) -> None:
+        """Abort what is in flight and stop the engine (and its TP ranks)."""
+        self.scheduler.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
     def check_integrity(self) -> None:
         """Assert that no KV page leaked: free + cached + owned by requests == total."""
         self.scheduler.check_integrity()

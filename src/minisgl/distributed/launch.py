@@ -7,11 +7,14 @@ CPU). Requests cross ranks as a pickled op list on a gloo group, once per step.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
 import logging
-import multiprocessing as mp
 import os
 import socket
+import subprocess
+import sys
 from typing import Any
 
 import torch
@@ -41,7 +44,7 @@ def init_distributed(config: EngineConfig, rank: int, init_addr: str) -> None:
     import torch.distributed as dist
 
     global _OBJECT_GROUP
-    timeout = datetime.timedelta(seconds=float(config.extra.get("dist_timeout", 120)))
+    timeout = datetime.timedelta(seconds=config.dist_timeout)
     use_cuda = config.device != "cpu" and torch.cuda.is_available()
     if use_cuda:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -72,11 +75,17 @@ def _apply(sched: Any, ops: list[Any]) -> None:
             sched.abort(op[1])
 
 
+def spawn_worker(config: EngineConfig, rank: int, init_addr: str) -> subprocess.Popen:
+    """Start rank `rank` as `python -m minisgl.distributed.launch` (no re-import of the caller's __main__)."""
+    payload = json.dumps(dataclasses.asdict(config))
+    return subprocess.Popen([sys.executable, "-m", "minisgl.distributed.launch", payload, str(rank), init_addr])
+
+
 def worker_main(config: EngineConfig, rank: int, init_addr: str) -> None:
     """Ranks > 0: mirror rank 0's scheduler step by step until told to exit."""
     from minisgl.scheduler.scheduler import Scheduler
 
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format=f"[minisgl tp{rank}] %(levelname)s %(message)s")
     init_distributed(config, rank, init_addr)
     sched = Scheduler(config)
     try:
@@ -98,16 +107,9 @@ class TPScheduler:
     def __init__(self, config: EngineConfig) -> None:
         from minisgl.scheduler.scheduler import Scheduler
 
-        nnodes = int(config.extra.get("nnodes", 1))
-        init_addr = config.extra.get("dist_init_addr") or f"127.0.0.1:{free_port()}"
-        local = config.tp // nnodes
-        ctx = mp.get_context("spawn")
-        self.workers = [
-            ctx.Process(target=worker_main, args=(config, rank, init_addr), daemon=True, name=f"minisgl-tp{rank}")
-            for rank in range(1, local)
-        ]
-        for w in self.workers:
-            w.start()
+        init_addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"
+        local = config.tp // config.nnodes
+        self.workers = [spawn_worker(config, rank, init_addr) for rank in range(1, local)]
         init_distributed(config, 0, init_addr)
         self.sched = Scheduler(config)
         self.tokenizer = self.sched.tokenizer
@@ -132,9 +134,12 @@ class TPScheduler:
         self._ops.append(("abort", rid))
 
     def _check_workers(self) -> None:
-        dead = [w.name for w in self.workers if not w.is_alive()]
+        dead = [(rank, w.returncode) for rank, w in enumerate(self.workers, 1) if w.poll() is not None]
         if dead:
-            raise RankFailedError(f"tensor-parallel rank process(es) {dead} died: the engine stops; see their logs")
+            raise RankFailedError(
+                f"tensor-parallel rank(s) {[r for r, _ in dead]} exited (codes {[c for _, c in dead]}): "
+                "the engine stops; see the ranks' log lines above"
+            )
 
     def step(self) -> list[TokenOutput]:
         self._check_workers()
@@ -161,16 +166,30 @@ class TPScheduler:
         except RuntimeError:
             pass
         for w in self.workers:
-            w.join(timeout=10)
-            if w.is_alive():
+            try:
+                w.wait(timeout=10)
+            except subprocess.TimeoutExpired:
                 w.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
+        set_tp_info(0, 1)
 
     def __del__(self) -> None:
         for w in getattr(self, "workers", []):
-            if w.is_alive():
+            if w.poll() is None:
                 w.kill()
+
+
+def run_node(config: EngineConfig) -> int:
+    """A node other than 0 (multi-node TP): run this node's ranks until they exit; returns an exit code."""
+    local = config.tp // config.nnodes
+    first = config.node_rank * local
+    assert config.dist_init_addr, "EngineConfig validation guarantees it"
+    workers = [spawn_worker(config, rank, config.dist_init_addr) for rank in range(first, first + local)]
+    logger.info("node %d: ranks %d..%d started, following node 0 at %s", config.node_rank, first, first + local - 1,
+                config.dist_init_addr)
+    codes = [w.wait() for w in workers]
+    return max(codes, key=abs)
 
 
 def make_scheduler(config: EngineConfig) -> Any:
@@ -180,3 +199,12 @@ def make_scheduler(config: EngineConfig) -> Any:
     from minisgl.scheduler.scheduler import Scheduler
 
     return Scheduler(config)
+
+
+def _worker_entry(argv: list[str]) -> None:
+    fields = json.loads(argv[0])
+    worker_main(EngineConfig(**fields), int(argv[1]), argv[2])
+
+
+if __name__ == "__main__":
+    _worker_entry(sys.argv[1:])

@@ -1,0 +1,556 @@
+"""ChatMiniSGL: a langchain-core chat model over minisgl's Client / AsyncClient.
+
+One module that translates in and out: LangChain messages become OpenAI-style chat dicts, tools
+become OpenAI function tools, structured output becomes response_format or a forced tool call;
+the daemon's chunks come back as AIMessageChunks (text deltas, tool_call_chunks, usage and
+response metadata on the last one). The daemon batches concurrent requests itself, so
+batch/abatch are LangChain's own (threads / asyncio.gather over invoke / ainvoke).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import threading
+from operator import itemgetter
+from typing import Any, AsyncIterator, Callable, Iterator, Literal, NamedTuple, Sequence
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import LanguageModelInput
+from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams, generate_from_stream
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.output_parsers import (
+    JsonOutputKeyToolsParser,
+    JsonOutputParser,
+    PydanticOutputParser,
+    PydanticToolsParser,
+)
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils import from_env
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
+
+from minisgl.client import DEFAULT_TIMEOUT_S, AsyncClient, Client
+from minisgl.core import SamplingParams
+from minisgl.errors import DaemonNotRunningError, InvalidRequestError
+from minisgl.runtime.protocol import Chunk, Usage
+
+PROVIDER = "minisgl"
+
+# SamplingParams fields a call may set through kwargs (stop comes as its own argument; one
+# completion per call, so no n; LangChain messages have no place for per-token logprobs).
+_CALL_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"stop", "n", "logprobs"}
+# The ones that are also constructor fields.
+_MODEL_PARAMS = (
+    "temperature", "max_tokens", "top_p", "top_k", "min_p", "seed",
+    "presence_penalty", "frequency_penalty", "repetition_penalty",
+)
+# Content blocks that only repeat what tool_calls already say, or the model's own reasoning:
+# dropped when an assistant turn is sent back.
+_AI_ONLY_BLOCKS = frozenset({"tool_use", "tool_call", "tool_call_chunk", "thinking", "redacted_thinking", "reasoning"})
+
+
+class _Request(NamedTuple):
+    """One call, translated: what the Client gets (max_tokens None: up to the context window)."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    params: dict[str, Any]
+    tools: list[dict[str, Any]] | None
+    tool_choice: Any
+    response_format: dict[str, Any] | None
+
+    def sampling_params(self, context_length: int | None) -> SamplingParams:
+        params = dict(self.params)
+        if params.get("max_tokens") is None:
+            params["max_tokens"] = context_length
+        return SamplingParams(**params)
+
+
+class ChatMiniSGL(BaseChatModel):
+    """A chat model served by the local minisgl daemon (found, or started, for `model`).
+
+        llm = ChatMiniSGL(model="smollm2", temperature=0, max_tokens=128)
+        llm.invoke([("system", "Be brief."), ("human", "Hi!")])
+        for chunk in llm.stream("Tell me a story"): print(chunk.content, end="")
+        await llm.ainvoke("Hello")                      # zmq.asyncio, no thread pool
+        llm.bind_tools([add], tool_choice="any").invoke("What is 2 + 3?").tool_calls
+        llm.with_structured_output(Joke).invoke("A joke about cats")
+        llm.invoke("Hi", model="qwen2.5-0.5b")          # per-call model: that model's daemon
+
+    usage_metadata carries input/output/total tokens and input_token_details.cache_read (prompt
+    tokens served from the prefix cache); response_metadata carries model_name, finish_reason
+    and model_provider="minisgl". When streaming, usage and finish_reason are on the last chunk.
+    Errors are minisgl's typed exceptions (InvalidRequestError, PromptTooLongError, ...).
+    """
+
+    model: str = "smollm2"
+    """A model name/path as `minisgl serve --model` takes it (an alias, a directory, a .gguf, a hub id)."""
+    address: str | None = Field(default_factory=from_env("MINISGL_ADDRESS", default=None))
+    """The daemon serving `model` (ipc:///path or tcp://host:port; default $MINISGL_ADDRESS). None: the
+    daemon registered for the model, started when none runs. A per-call `model=` other than
+    `model` is always located this way."""
+    auto_start: bool = True
+    """Start a daemon when none serves the model."""
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Engine options (num_pages, dtype, ...) for a daemon started here; a found daemon must match them."""
+
+    temperature: float | None = None
+    max_tokens: int | None = None
+    """Tokens to generate at most; None: until the end of the answer or of the context window."""
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    """Stop strings for every call; a call's own `stop` adds to them."""
+
+    timeout: float | None = DEFAULT_TIMEOUT_S
+    """Seconds to wait for each reply of the daemon (and for a daemon to start); None: no limit."""
+    max_retries: int = 2
+    """Times a request is sent again when the daemon went away before answering it (the daemon is
+    located again, and restarted with auto_start)."""
+    api_key: SecretStr | None = None
+    """Accepted like every LangChain chat model's; the local daemon needs none (a remote one is
+    protected with CURVE keys: $MINISGL_CURVE_CLIENT_KEY / $MINISGL_CURVE_SERVER_KEY)."""
+    streaming: bool = False
+    """Stream internally on invoke (callbacks get every token)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    _clients: dict[tuple[str, str | None], Client] = PrivateAttr(default_factory=dict)
+    _async_clients: dict[Any, dict[tuple[str, str | None], AsyncClient]] = PrivateAttr(default_factory=dict)
+    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    # ------------------------------------------------------------------ LangChain's hooks
+
+    @property
+    def _llm_type(self) -> str:
+        return "minisgl-chat"
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return True
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"api_key": "MINISGL_API_KEY"}
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        params = {"model": self.model, "address": self.address, "stop": self.stop}
+        params.update({name: getattr(self, name) for name in _MODEL_PARAMS if getattr(self, name) is not None})
+        return params
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider=PROVIDER, ls_model_name=kwargs.get("model") or self.model, ls_model_type="chat"
+        )
+        temperature = kwargs.get("temperature", self.temperature)
+        if temperature is not None:
+            params["ls_temperature"] = temperature
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if max_tokens is not None:
+            params["ls_max_tokens"] = max_tokens
+        stops = _merge_stops(self.stop, stop)
+        if stops:
+            params["ls_stop"] = stops
+        return params
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        # The daemon always streams; callbacks get the tokens as they come.
+        return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        chunks = [chunk async for chunk in self._astream(messages, stop, run_manager, **kwargs)]
+        return generate_from_stream(iter(chunks))
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        request = self._request(messages, stop, kwargs)
+        message_chunks = _MessageChunks(request.model)
+        for chunk in self._client_chunks(request):
+            generation = message_chunks.convert(chunk)
+            if generation is None:
+                continue
+            if run_manager is not None:
+                run_manager.on_llm_new_token(generation.text, chunk=generation)
+            yield generation
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        request = self._request(messages, stop, kwargs)
+        message_chunks = _MessageChunks(request.model)
+        async for chunk in self._aclient_chunks(request):
+            generation = message_chunks.convert(chunk)
+            if generation is None:
+                continue
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(generation.text, chunk=generation)
+            yield generation
+
+    # ------------------------------------------------------------------ tools, structured output
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: str | bool | dict[str, Any] | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Offer tools to the model; the answer's AIMessage.tool_calls holds its calls.
+
+        tools: LangChain tools, functions, pydantic models, TypedDicts or OpenAI/Anthropic tool dicts.
+        tool_choice: "auto" (default: the model decides), "none", "required" or "any" (at least one
+        call; here exactly one), a tool name or {"type": "function", "function": {"name": ...}}
+        (that tool), True (the only tool, or any tool when several). Forced calls are
+        grammar-constrained, so their arguments always match the tool's schema.
+        """
+        formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
+        choice = _tool_choice(tool_choice, formatted)
+        if choice is not None:
+            kwargs["tool_choice"] = choice
+        return super().bind(tools=formatted, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | Any]:
+        """Answers parsed into `schema` (a pydantic class → instances; a TypedDict or JSON schema → dicts).
+
+        method "json_schema" (default): the reply is constrained to the schema's JSON by a grammar;
+        "function_calling": a forced call of a tool built from the schema; "json_mode": the reply
+        is any JSON object (say in the prompt which keys to use). include_raw: return
+        {"raw": AIMessage, "parsed": ..., "parsing_error": ...} instead of raising on bad output.
+        """
+        if kwargs:
+            raise ValueError(f"unsupported arguments {sorted(kwargs)}")
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        trace = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
+        output_parser: Runnable
+        if method == "json_schema":
+            name, json_schema = _json_schema(schema, strict)
+            response_format = {"type": "json_schema", "json_schema": {"name": name, "schema": json_schema}}
+            if strict is not None:
+                response_format["json_schema"]["strict"] = strict
+            llm = self.bind(response_format=response_format, ls_structured_output_format=trace)
+            output_parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+        elif method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, strict=strict, ls_structured_output_format=trace)
+            if is_pydantic:
+                output_parser = PydanticToolsParser(tools=[schema], first_tool_only=True)
+            else:
+                output_parser = JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+        elif method == "json_mode":
+            trace["kwargs"] = {"method": method}
+            llm = self.bind(response_format={"type": "json_object"}, ls_structured_output_format=trace)
+            output_parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+        else:
+            raise ValueError(f"unknown method {method!r}: use 'json_schema', 'function_calling' or 'json_mode'")
+        if not include_raw:
+            return llm | output_parser
+        parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | output_parser, parsing_error=lambda _: None)
+        keep_error = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parse.with_fallbacks([keep_error], exception_key="parsing_error")
+
+    # ------------------------------------------------------------------ clients
+
+    def close(self) -> None:
+        """Close the sync clients (the async ones of a running loop: `await aclose()`)."""
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+    async def aclose(self) -> None:
+        """Close the clients of this event loop and the sync clients."""
+        clients = self._async_clients.pop(asyncio.get_running_loop(), {})
+        for client in clients.values():
+            await client.close()
+        self.close()
+
+    def _address_for(self, model: str) -> str | None:
+        return self.address if model == self.model else None
+
+    def _client(self, model: str) -> Client:
+        key = (model, self._address_for(model))
+        with self._lock:  # one Client per daemon, also when a batch starts in many threads at once
+            client = self._clients.get(key)
+            if client is None:
+                client = Client(model, key[1], self.auto_start, self.timeout, **self.engine_kwargs)
+                self._clients[key] = client
+        return client
+
+    def _forget_client(self, model: str) -> None:
+        with self._lock:
+            client = self._clients.pop((model, self._address_for(model)), None)
+        if client is not None:
+            client.close()
+
+    def _async_client(self, model: str) -> AsyncClient:
+        # An AsyncClient belongs to the loop it connected in: one set per loop. Clients of loops
+        # that are closed can no longer be closed; drop them.
+        loop = asyncio.get_running_loop()
+        for stale in [other for other in self._async_clients if other is not loop and other.is_closed()]:
+            del self._async_clients[stale]
+        clients = self._async_clients.setdefault(loop, {})
+        key = (model, self._address_for(model))
+        client = clients.get(key)
+        if client is None:
+            client = clients[key] = AsyncClient(model, key[1], self.auto_start, self.timeout, **self.engine_kwargs)
+        return client
+
+    def _client_chunks(self, request: _Request) -> Iterator[Chunk]:
+        for attempt in range(self.max_retries + 1):
+            client = self._client(request.model)
+            answered = False
+            try:
+                context_length = None if request.params.get("max_tokens") else client.model_info()["context_length"]
+                stream = client.stream(
+                    request.messages, request.sampling_params(context_length), tools=request.tools,
+                    tool_choice=request.tool_choice, response_format=request.response_format,
+                )
+                with stream:
+                    for chunk in stream:
+                        answered = True
+                        yield chunk
+                return
+            except DaemonNotRunningError:
+                if answered or attempt == self.max_retries:
+                    raise
+                self._forget_client(request.model)
+
+    async def _aclient_chunks(self, request: _Request) -> AsyncIterator[Chunk]:
+        for attempt in range(self.max_retries + 1):
+            client = await self._async_client(request.model).connect()
+            answered = False
+            try:
+                context_length = None
+                if not request.params.get("max_tokens"):
+                    context_length = (await client.model_info())["context_length"]
+                stream = client.stream(
+                    request.messages, request.sampling_params(context_length), tools=request.tools,
+                    tool_choice=request.tool_choice, response_format=request.response_format,
+                )
+                async with stream:
+                    async for chunk in stream:
+                        answered = True
+                        yield chunk
+                return
+            except DaemonNotRunningError:
+                if answered or attempt == self.max_retries:
+                    raise
+                clients = self._async_clients.get(asyncio.get_running_loop(), {})
+                clients.pop((request.model, self._address_for(request.model)), None)
+                await client.close()
+
+    # ------------------------------------------------------------------ LangChain → minisgl
+
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Request:
+        kwargs = dict(kwargs)
+        kwargs.pop("stream", None)  # stream=True reaches here from invoke(); we always stream
+        model = kwargs.pop("model", None) or self.model
+        tools = kwargs.pop("tools", None) or None
+        tool_choice = kwargs.pop("tool_choice", None)
+        response_format = kwargs.pop("response_format", None)
+        unknown = set(kwargs) - _CALL_PARAMS
+        if unknown:
+            raise InvalidRequestError(
+                f"ChatMiniSGL does not take {sorted(unknown)}: a call takes model, stop, tools, tool_choice, "
+                f"response_format and the sampling parameters {sorted(_CALL_PARAMS)}"
+            )
+        params = {name: getattr(self, name) for name in _MODEL_PARAMS if getattr(self, name) is not None}
+        params.update(kwargs)
+        params["stop"] = _merge_stops(self.stop, stop)
+        return _Request(model, _to_chat_messages(messages), params, tools, tool_choice, response_format)
+
+
+# ---------------------------------------------------------------------- minisgl → LangChain
+
+
+class _MessageChunks:
+    """Turns one request's Chunks into ChatGenerationChunks; the last carries usage and finish_reason."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.called = False
+
+    def convert(self, chunk: Chunk) -> ChatGenerationChunk | None:
+        calls = [
+            tool_call_chunk(
+                name=(delta.get("function") or {}).get("name"),
+                args=(delta.get("function") or {}).get("arguments"),
+                id=delta.get("id"),
+                index=delta.get("index"),
+            )
+            for delta in chunk.tool_calls or []
+        ]
+        self.called = self.called or bool(calls)
+        if not (chunk.text or calls or chunk.done):
+            return None
+        metadata: dict[str, Any] = {"model_provider": PROVIDER}
+        usage = None
+        if chunk.done:
+            finish = chunk.finish_reason
+            metadata["model_name"] = self.model
+            metadata["finish_reason"] = "tool_calls" if self.called and finish == "stop" else finish
+            usage = _usage_metadata(chunk.usage)
+        message = AIMessageChunk(
+            content=chunk.text,
+            tool_call_chunks=calls,
+            usage_metadata=usage,
+            response_metadata=metadata,
+            chunk_position="last" if chunk.done else None,
+        )
+        return ChatGenerationChunk(message=message)
+
+
+def _usage_metadata(usage: Usage | None) -> UsageMetadata:
+    prompt, completion, cached = (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if usage else (0, 0, 0)
+    return UsageMetadata(
+        input_tokens=prompt,
+        output_tokens=completion,
+        total_tokens=prompt + completion,
+        input_token_details=InputTokenDetails(cache_read=cached),
+    )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _merge_stops(*groups: Sequence[str] | None) -> list[str]:
+    out: list[str] = []
+    for group in groups:
+        for s in group or []:
+            if s not in out:
+                out.append(s)
+    return out
+
+
+def _to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages as the OpenAI-style dicts minisgl's chat templates take."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if isinstance(m, SystemMessage):
+            d: dict[str, Any] = {"role": "system", "content": _text(m.content, i)}
+        elif isinstance(m, HumanMessage):
+            d = {"role": "user", "content": _text(m.content, i)}
+        elif isinstance(m, AIMessage):
+            d = {"role": "assistant", "content": _text(m.content, i, skip=_AI_ONLY_BLOCKS)}
+            calls = [
+                {"id": c["id"], "type": "function",
+                 "function": {"name": c["name"], "arguments": json.dumps(c["args"], ensure_ascii=False)}}
+                for c in m.tool_calls
+            ] + [
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["args"] or ""}}
+                for c in m.invalid_tool_calls
+                if c.get("name")
+            ]
+            if calls:
+                d["tool_calls"] = calls
+        elif isinstance(m, ToolMessage):
+            d = {"role": "tool", "content": _text(m.content, i), "tool_call_id": m.tool_call_id}
+        elif isinstance(m, ChatMessage):
+            d = {"role": m.role, "content": _text(m.content, i)}
+        else:
+            raise InvalidRequestError(f"messages[{i}]: {type(m).__name__} is not supported by ChatMiniSGL")
+        if m.name:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def _text(content: str | list[Any], i: int, skip: frozenset[str] = frozenset()) -> str:
+    """Message content as text; minisgl serves text models, so other media are an error."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content:
+        if isinstance(block, str):
+            parts.append(block)
+            continue
+        kind = block.get("type")
+        if kind == "text":
+            parts.append(block.get("text", ""))
+        elif kind not in skip:
+            raise InvalidRequestError(
+                f"messages[{i}]: content blocks of type {kind!r} are not supported: minisgl models take text only"
+            )
+    return "".join(parts)
+
+
+def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> str | dict[str, Any] | None:
+    """LangChain's tool_choice in OpenAI's terms ("any" → "required", a name → that function)."""
+    names = [t["function"]["name"] for t in tools]
+    if choice is None or isinstance(choice, dict):
+        return choice
+    if choice is True:
+        return {"type": "function", "function": {"name": names[0]}} if len(names) == 1 else "required"
+    if choice is False:
+        return "none"
+    if choice == "any":
+        return "required"
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, str) and choice in names:
+        return {"type": "function", "function": {"name": choice}}
+    raise InvalidRequestError(
+        f"tool_choice must be 'auto', 'none', 'required', 'any', True, a bound tool's name {names} "
+        f"or an OpenAI tool_choice dict; got {choice!r}"
+    )
+
+
+def _json_schema(schema: dict[str, Any] | type, strict: bool | None) -> tuple[str, dict[str, Any]]:
+    """(name, JSON schema) of a structured-output schema; a plain JSON schema dict is used as is."""
+    if isinstance(schema, dict) and "function" not in schema and (
+        "properties" in schema or schema.get("type") == "object"
+    ):
+        return str(schema.get("title") or "response"), schema
+    function = convert_to_openai_tool(schema, strict=strict)["function"]
+    return function["name"], function["parameters"]

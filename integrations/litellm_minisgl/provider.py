@@ -1,0 +1,237 @@
+"""MiniSGLLLM: the LiteLLM CustomLLM that serves "minisgl/<model>" from a minisgl daemon.
+
+`api_base` is the daemon's address (ipc:///path or tcp://host:port); without it the client finds
+the daemon serving <model> or starts one. Every request first pings its daemon (well under a
+millisecond when it is up), so a daemon that is gone fails the request as a connection error
+within seconds instead of leaving it queued on a dead socket until the request timeout.
+
+Streams are validated and connected before their first chunk is handed to LiteLLM: a bad
+request or an unreachable daemon raises from the call (sync) or from the first step of the
+iterator (async, before any byte reaches a proxy client), never in the middle of a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import weakref
+from typing import Any, AsyncIterator, Callable, Iterator
+
+import httpx
+import openai
+from litellm import CustomLLM
+from litellm.types.utils import GenericStreamingChunk, ModelResponse
+
+from minisgl.client import AsyncClient, Client
+from minisgl.errors import DaemonNotRunningError, InvalidRequestError
+from minisgl.runtime.auth import ClientCurve
+from minisgl.runtime.launcher import PING_TIMEOUT_S, ping
+
+from litellm_minisgl.translate import Request, build_request, litellm_error, model_response, stream_chunks
+
+START_TIMEOUT_S = 600.0  # finding or starting a daemon (an auto-started one loads its model first)
+
+
+def _seconds(timeout: float | httpx.Timeout | None) -> float | None:
+    """LiteLLM's timeout (seconds or an httpx.Timeout) as the client's per-reply timeout."""
+    if isinstance(timeout, httpx.Timeout):
+        parts = [t for t in (timeout.read, timeout.connect, timeout.write, timeout.pool) if t is not None]
+        return max(parts) if parts else None
+    return float(timeout) if timeout is not None else None
+
+
+def _unreachable(address: str) -> DaemonNotRunningError:
+    return DaemonNotRunningError(
+        f"no minisgl daemon answers at {address}: start one with `minisgl serve --address {address}` "
+        "(or leave api_base unset to find or start the daemon for the model)"
+    )
+
+
+class Daemons:
+    """The clients of the daemons this process talks to, keyed by (model, address).
+
+    One sync Client per key (it is thread-safe) and one AsyncClient per key and event loop (an
+    AsyncClient belongs to the loop it connected in). A client whose daemon stopped answering is
+    dropped, so the next request finds (or, without an address, starts) a daemon again.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sync: dict[tuple[str, str | None], Client] = {}
+        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str | None], AsyncClient]]
+        self._async = weakref.WeakKeyDictionary()
+
+    def client(self, model: str, address: str | None, timeout: float | None) -> Client:
+        key = (model, address)
+        with self._lock:
+            c = self._sync.get(key)
+        if c is not None:
+            if self._alive(c.address, timeout):
+                return c
+            self.forget(key, c)
+            if address is not None:
+                raise _unreachable(address)
+            # Without an address: find or start the model's daemon again.
+        c = Client(model=model, address=address, auto_start=address is None, timeout=START_TIMEOUT_S)
+        with self._lock:
+            return self._sync.setdefault(key, c)
+
+    async def aclient(self, model: str, address: str | None, timeout: float | None) -> AsyncClient:
+        clients = self._async.setdefault(asyncio.get_running_loop(), {})
+        key = (model, address)
+        c = clients.get(key)
+        if c is not None:
+            await c.connect()
+            if await asyncio.to_thread(self._alive, c.address, timeout):
+                return c
+            if clients.get(key) is c:  # left open: requests sharing it may still be reading its failures
+                del clients[key]
+            if address is not None:
+                raise _unreachable(address)
+        c = clients[key] = AsyncClient(model=model, address=address, auto_start=address is None,
+                                       timeout=START_TIMEOUT_S)
+        try:
+            await c.connect()  # finds (pinging it) or starts the daemon
+        except BaseException:
+            if clients.get(key) is c:
+                del clients[key]
+            await c.close()
+            raise
+        return c
+
+    def _alive(self, address: str | None, timeout: float | None) -> bool:
+        wait = PING_TIMEOUT_S if timeout is None else max(0.1, min(PING_TIMEOUT_S, timeout))
+        pong = ping(address, wait, ClientCurve.resolve(None, None)) if address else None
+        return pong is not None and pong.state != "stopping"
+
+    def forget(self, key: tuple[str, str | None], c: Client) -> None:
+        # Not closed here: other threads may still be reading a failure from it; its sockets go with it.
+        with self._lock:
+            if self._sync.get(key) is c:
+                del self._sync[key]
+
+    def close(self) -> None:
+        """Close the sync clients (async ones go with their event loop)."""
+        with self._lock:
+            clients, self._sync = list(self._sync.values()), {}
+        for c in clients:
+            c.close()
+
+
+class MiniSGLLLM(CustomLLM):
+    """LiteLLM provider "minisgl": chat completions (plain and streamed, sync and async) from minisgl daemons."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.daemons = Daemons()
+
+    # ------------------------------------------------------------------ sync
+
+    def completion(self, model: str, messages: list, api_base: str | None, custom_prompt_dict: dict,
+                   model_response: ModelResponse, print_verbose: Callable, encoding: Any, api_key: Any,
+                   logging_obj: Any, optional_params: dict, acompletion: Any = None, litellm_params: Any = None,
+                   logger_fn: Any = None, headers: dict | None = None, timeout: Any = None, client: Any = None,
+                   ) -> ModelResponse:
+        try:
+            request = build_request(messages, optional_params)
+            c = self.daemons.client(model, api_base or None, _seconds(timeout))
+            params = request.sampling_params(int(c.model_info()["context_length"]))
+            result = c.generate(request.messages, params, timeout=_seconds(timeout), **request.generate_kwargs())
+        except openai.OpenAIError:  # LiteLLM's exceptions derive from OpenAI's: already mapped
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure leaves as a LiteLLM exception
+            raise litellm_error(e, model) from e
+        return _fill(model_response, result, model)
+
+    def streaming(self, model: str, messages: list, api_base: str | None, custom_prompt_dict: dict,
+                  model_response: ModelResponse, print_verbose: Callable, encoding: Any, api_key: Any,
+                  logging_obj: Any, optional_params: dict, acompletion: Any = None, litellm_params: Any = None,
+                  logger_fn: Any = None, headers: dict | None = None, timeout: Any = None, client: Any = None,
+                  ) -> Iterator[GenericStreamingChunk]:
+        # Not a generator itself: the request is validated, sent and its first chunk awaited here.
+        try:
+            request = _streamable(build_request(messages, optional_params))
+            c = self.daemons.client(model, api_base or None, _seconds(timeout))
+            params = request.sampling_params(int(c.model_info()["context_length"]))
+            stream = c.stream(request.messages, params, timeout=_seconds(timeout), **request.generate_kwargs())
+            first = next(stream)
+        except openai.OpenAIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise litellm_error(e, model) from e
+        return self._chunks(itertools.chain([first], stream), stream, model)
+
+    @staticmethod
+    def _chunks(chunks: Iterator[Any], stream: Any, model: str) -> Iterator[GenericStreamingChunk]:
+        called: set[int] = set()
+        try:
+            for chunk in chunks:
+                yield from stream_chunks(chunk, called)
+        except openai.OpenAIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise litellm_error(e, model) from e
+        finally:
+            stream.close()  # aborts the request in the daemon if the caller stopped early
+
+    # ------------------------------------------------------------------ async
+
+    async def acompletion(self, model: str, messages: list, api_base: str | None, custom_prompt_dict: dict,
+                          model_response: ModelResponse, print_verbose: Callable, encoding: Any, api_key: Any,
+                          logging_obj: Any, optional_params: dict, acompletion: Any = None,
+                          litellm_params: Any = None, logger_fn: Any = None, headers: dict | None = None,
+                          timeout: Any = None, client: Any = None) -> ModelResponse:
+        try:
+            request = build_request(messages, optional_params)
+            c = await self.daemons.aclient(model, api_base or None, _seconds(timeout))
+            params = request.sampling_params(int((await c.model_info())["context_length"]))
+            result = await c.generate(request.messages, params, timeout=_seconds(timeout),
+                                      **request.generate_kwargs())
+        except openai.OpenAIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise litellm_error(e, model) from e
+        return _fill(model_response, result, model)
+
+    async def astreaming(self, model: str, messages: list, api_base: str | None, custom_prompt_dict: dict,
+                         model_response: ModelResponse, print_verbose: Callable, encoding: Any, api_key: Any,
+                         logging_obj: Any, optional_params: dict, acompletion: Any = None,
+                         litellm_params: Any = None, logger_fn: Any = None, headers: dict | None = None,
+                         timeout: Any = None, client: Any = None) -> AsyncIterator[GenericStreamingChunk]:
+        # Everything that can fail on the request's account happens before the first yield.
+        try:
+            request = _streamable(build_request(messages, optional_params))
+            c = await self.daemons.aclient(model, api_base or None, _seconds(timeout))
+            params = request.sampling_params(int((await c.model_info())["context_length"]))
+            stream = c.stream(request.messages, params, timeout=_seconds(timeout), **request.generate_kwargs())
+            first = await stream.__anext__()
+        except openai.OpenAIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise litellm_error(e, model) from e
+        called: set[int] = set()
+        try:
+            for generic in stream_chunks(first, called):
+                yield generic
+            async for chunk in stream:
+                for generic in stream_chunks(chunk, called):
+                    yield generic
+        except openai.OpenAIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise litellm_error(e, model) from e
+        finally:
+            await stream.aclose()
+
+
+def _streamable(request: Request) -> Request:
+    if request.params.get("n", 1) != 1:
+        raise InvalidRequestError("n > 1 cannot be streamed through LiteLLM's provider interface: use stream=False")
+    if request.logprobs:
+        raise InvalidRequestError("logprobs are returned only with stream=False")
+    return request
+
+
+def _fill(response: ModelResponse, result: Any, model: str) -> ModelResponse:
+    return model_response(result, response, model)

@@ -1,0 +1,230 @@
+"""LiteLLM <-> minisgl: request parameters in, responses, stream chunks and errors out.
+
+Mirrors the OpenAI server (minisgl.server): the same sampling defaults, message flattening,
+"stop" -> "tool_calls" finish reason and usage with prompt_tokens_details.cached_tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Mapping
+
+import litellm
+from litellm.types.utils import ChoiceLogprobs, Choices, GenericStreamingChunk, Message, ModelResponse, Usage
+
+from minisgl.core import SamplingParams
+from minisgl.errors import (
+    ConfigError,
+    DaemonError,
+    DaemonNotRunningError,
+    DaemonTimeoutError,
+    InvalidRequestError,
+    MiniSGLError,
+    OutOfMemoryError,
+    PromptTooLongError,
+    RequestAbortedError,
+    UnknownModelError,
+)
+
+PROVIDER = "minisgl"
+
+# OpenAI parameters that map one-to-one onto SamplingParams fields.
+_DIRECT = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+# Engine extras a caller may pass as kwargs or in extra_body (as vLLM/SGLang accept them).
+_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens")
+
+
+class Request:
+    """One chat completion as the minisgl client takes it: messages plus generate() keyword arguments."""
+
+    def __init__(self, messages: list[dict[str, Any]], params: dict[str, Any], optional_params: Mapping[str, Any]):
+        self.messages = messages
+        self.params = params  # SamplingParams fields, except max_tokens when the caller left it unset
+        self.tools = optional_params.get("tools") or None
+        self.tool_choice = optional_params.get("tool_choice")
+        self.response_format = _response_format(optional_params.get("response_format"))
+        self.logprobs = params.get("logprobs") is not None
+
+    def sampling_params(self, context_length: int) -> SamplingParams:
+        """The request's SamplingParams; without max_tokens it may run to the end of the context (as OpenAI)."""
+        return SamplingParams(**{"max_tokens": context_length, **self.params})
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        return {"tools": self.tools, "tool_choice": self.tool_choice, "response_format": self.response_format}
+
+
+def build_request(messages: Any, optional_params: Mapping[str, Any]) -> Request:
+    """Validate LiteLLM's messages and optional_params; bad values raise minisgl InvalidRequestError."""
+    given = dict(optional_params or {})
+    extra_body = given.get("extra_body") or {}
+    if not isinstance(extra_body, Mapping):
+        raise InvalidRequestError("extra_body must be an object")
+    given = {**extra_body, **{k: v for k, v in given.items() if k != "extra_body"}}
+    params: dict[str, Any] = {k: given[k] for k in (*_DIRECT, *_EXTRAS) if given.get(k) is not None}
+    max_tokens = given.get("max_completion_tokens", given.get("max_tokens"))
+    if max_tokens is not None:
+        params["max_tokens"] = max_tokens
+    stop = given.get("stop")
+    if stop:
+        params["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    if given.get("n") is not None:
+        params["n"] = given["n"]
+    if given.get("top_logprobs") is not None and not given.get("logprobs"):
+        raise InvalidRequestError("top_logprobs needs logprobs=true")
+    if given.get("logprobs"):
+        params["logprobs"] = int(given.get("top_logprobs") or 0)
+    SamplingParams(**{"max_tokens": 1, **params})  # validate now, with the message SamplingParams gives
+    return Request(chat_messages(messages), params, given)
+
+
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """Plain-dict messages with OpenAI content parts flattened to text, as chat templates expect."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list")
+    return [_flatten(_plain(m), i) for i, m in enumerate(messages)]
+
+
+def _plain(obj: Any) -> Any:
+    """LiteLLM/OpenAI message objects (an agent loop appends response messages as they are) as plain data."""
+    if hasattr(obj, "model_dump"):
+        obj = obj.model_dump(exclude_none=True)
+    if isinstance(obj, Mapping):
+        return {k: _plain(v) for k, v in obj.items() if v is not None or k == "content"}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _flatten(message: Any, i: int) -> dict[str, Any]:
+    if not isinstance(message, dict) or "role" not in message:
+        raise InvalidRequestError(f"messages[{i}] must be an object with a 'role'")
+    message = {k: v for k, v in message.items() if k != "provider_specific_fields"}
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidRequestError(f"messages[{i}]: content part of type {kind!r} is not supported (text only)")
+            texts.append(str(part.get("text", "")))
+        message["content"] = "".join(texts)
+    elif content is None:
+        message["content"] = ""  # assistant turns that only call tools
+    return message
+
+
+def _response_format(fmt: Any) -> dict[str, Any] | None:
+    fmt = _plain(fmt)
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or "type" not in fmt:
+        raise InvalidRequestError("response_format must be an object with a 'type'")
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_schema" and not (fmt.get("json_schema") or {}).get("schema"):
+        raise InvalidRequestError("response_format json_schema needs json_schema.schema (a JSON schema object)")
+    return fmt
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def usage_dict(usage: Any) -> dict[str, Any]:
+    """OpenAI usage of a minisgl Usage: prompt/completion/total tokens and prompt_tokens_details.cached_tokens."""
+    prompt, completion, cached = (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if usage else (0, 0, 0)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _finish_reason(reason: str | None, called: bool) -> str:
+    # A sequence that called tools and then stopped finished "because of" the calls (OpenAI's convention).
+    if reason == "stop" and called:
+        return "tool_calls"
+    return reason or "stop"
+
+
+def _logprobs(entries: list[dict[str, Any]] | None) -> ChoiceLogprobs | None:
+    if not entries:
+        return None
+    content = [
+        {
+            "token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode("utf-8", "replace")),
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode("utf-8", "replace"))}
+                             for t in e.get("top_logprobs") or []],
+        }
+        for e in entries
+    ]
+    return ChoiceLogprobs(content=content)
+
+
+def model_response(result: Any, model_response: ModelResponse, model: str) -> ModelResponse:
+    """Fill LiteLLM's ModelResponse from a minisgl GenerateResult (one choice per sampled sequence)."""
+    choices = []
+    for out in result.outputs:
+        calls = out.tool_calls or None
+        message = Message(role="assistant", content=out.text if (out.text or not calls) else None, tool_calls=calls)
+        choice = Choices(index=out.index, message=message, finish_reason=_finish_reason(out.finish_reason, bool(calls)))
+        logprobs = _logprobs(out.logprobs)
+        if logprobs is not None:
+            choice.logprobs = logprobs
+        choices.append(choice)
+    model_response.id = f"chatcmpl-{result.rid}"
+    model_response.choices = choices
+    model_response.created = int(time.time())
+    model_response.model = model
+    setattr(model_response, "usage", Usage(**usage_dict(result.usage)))
+    return model_response
+
+
+def stream_chunks(chunk: Any, called: set[int]) -> Iterator[GenericStreamingChunk]:
+    """The GenericStreamingChunks of one daemon Chunk: its text, one per tool-call delta, then the finish.
+
+    `called` collects the sequence indexes that emitted tool calls (their "stop" becomes "tool_calls").
+    """
+    index = int(chunk.index)
+    text = chunk.text
+    for delta in chunk.tool_calls or []:
+        called.add(index)
+        fn = delta.get("function") or {}
+        tool_use = {
+            "id": delta.get("id"), "type": "function", "index": int(delta.get("index", 0)),
+            "function": {"name": fn.get("name"), "arguments": fn.get("arguments") or ""},
+        }
+        yield GenericStreamingChunk(text=text, tool_use=tool_use, is_finished=False, finish_reason="", usage=None,
+                                    index=index)
+        text = ""
+    if chunk.finish_reason is not None or chunk.usage is not None:
+        usage = usage_dict(chunk.usage) if chunk.usage is not None else None
+        yield GenericStreamingChunk(text=text, tool_use=None, is_finished=True,
+                                    finish_reason=_finish_reason(chunk.finish_reason, index in called), usage=usage,
+                                    index=index)
+    elif text:
+        yield GenericStreamingChunk(text=text, tool_use=None, is_finished=False, finish_reason="", usage=None,
+                                    index=index)
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def litellm_error(e: BaseException, model: str) -> Exception:
+    """The LiteLLM exception for a minisgl error: 4xx for bad requests, connection/503 for the daemon."""
+    args = {"message": f"minisgl: {e}", "model": model, "llm_provider": PROVIDER}
+    if isinstance(e, PromptTooLongError):
+        return litellm.ContextWindowExceededError(**args)
+    if isinstance(e, (InvalidRequestError, OutOfMemoryError, ConfigError)):
+        return litellm.BadRequestError(**args)
+    if isinstance(e, UnknownModelError):
+        return litellm.NotFoundError(**args)
+    if isinstance(e, DaemonNotRunningError):
+        return litellm.APIConnectionError(**args)
+    if isinstance(e, DaemonTimeoutError):
+        return litellm.Timeout(**args)
+    if isinstance(e, (DaemonError, RequestAbortedError)):
+        return litellm.ServiceUnavailableError(**args)
+    if isinstance(e, MiniSGLError):
+        return litellm.InternalServerError(**args)
+    return litellm.InternalServerError(message=f"minisgl: {type(e).__name__}: {e}", model=model, llm_provider=PROVIDER)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device run (see ../shared/device/README.md): install the carried wheels, build (or restore)
+# flashinfer's JIT cache, run the GPU tests and the benchmark, print a table, leave logs + JSON in $OUT.
+#
+# Here, once:  fetch the wheels into .carry/gpu_whl (fetch-wheels.sh's list, flashinfer part) and
+#              SmolLM2's tokenizer files into .carry/tok.
+# Device call: carry [".carry/gpu_whl", ".carry/tok", ".carry/fi_aot"], command: bash scripts/gpu_check.sh
+# Stages: STAGES="warm tests bench" (default all); BENCH_ARGS are passed to scripts/gpu_bench.py.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/minisgl-gpu}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"warm tests bench"}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+export MINISGL_TOKENIZER_DIR=$PWD/.carry/tok MINISGL_GPU_REPORT=$OUT/tests.json
+
+t0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .carry/gpu_whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD/integrations
+# flashinfer loads a module's .so from its AOT folder without running ninja: ship only those.
+AOT=/tmp/site/flashinfer/data/aot
+if [[ -f .carry/fi_aot/fi_aot.tar.gz ]]; then
+  mkdir -p $AOT && tar -xzf .carry/fi_aot/fi_aot.tar.gz -C $AOT && echo "flashinfer kernels restored: $(ls $AOT | wc -l)"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)"
+echo "setup $(( $(date +%s) - t0 ))s"
+
+if [[ $STAGES == *warm* ]]; then
+  timeout 300 python3 scripts/gpu_warm.py --fa3
+  # Ship the built kernels back (<16 MB) so the next machine skips the builds: carry them as .carry/fi_aot.
+  (cd "$HOME"/.cache/flashinfer/*/*/cached_ops && find . -name "*.so" | tar -czf "$OUT/fi_aot.tar.gz" -T -)
+  echo "warm done $(( $(date +%s) - t0 ))s"
+fi
+if [[ $STAGES == *tests* ]]; then
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/tests.log"
+  echo "tests done $(( $(date +%s) - t0 ))s"
+fi
+if [[ $STAGES == *bench* ]]; then
+  timeout ${BENCH_TIMEOUT:-330} python3 scripts/gpu_bench.py --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 \
+    | grep -v "it/s\]$" | tee "$OUT/bench.log"
+  echo "bench done $(( $(date +%s) - t0 ))s"
+fi

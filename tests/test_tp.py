@@ -1,0 +1,70 @@
+"""Tensor parallelism on CPU (gloo): TP=2 equals TP=1 token for token; rank failures are loud."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+from minisgl.distributed.launch import RankFailedError, free_port
+
+PROMPTS = [[11, 12, 13, 14, 15], list(range(100, 160)), [7, 8, 9], list(range(300, 321))]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def tp1_tokens(model_dir) -> list[list[int]]:
+    return [o.token_ids for o in LLM(str(model_dir)).generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+# mistral's tiny checkpoint has 1 KV head: with tp=2 the KV head is replicated on both ranks.
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+def test_tp2_greedy_equals_tp1(tiny_model_dir, family):
+    model_dir = tiny_model_dir(family)
+    ref = tp1_tokens(model_dir)
+    with LLM(str(model_dir), tp=2, dist_timeout=60) as llm:
+        got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        llm.check_integrity()
+    assert got == ref
+
+
+def test_a_dead_rank_stops_the_engine_with_a_clear_error(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), tp=2, dist_timeout=20)
+    try:
+        llm.scheduler.workers[0].kill()
+        llm.scheduler.workers[0].wait()
+        t0 = time.monotonic()
+        with pytest.raises(RankFailedError, match="exited"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - t0 < 20
+    finally:
+        llm.scheduler.workers.clear()
+        llm.scheduler.sched.shutdown()
+        import torch.distributed as dist
+
+        from minisgl.distributed import set_tp_info
+
+        dist.destroy_process_group()
+        set_tp_info(0, 1)
+
+
+def test_two_nodes_on_one_machine_match_single_node(tiny_model_dir):
+    model_dir = tiny_model_dir("qwen3")
+    ref = tp1_tokens(model_dir)
+    addr = f"127.0.0.1:{free_port()}"
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "minisgl", "serve", "--model", str(model_dir), "--tp", "2", "--nnodes", "2",
+         "--node-rank", "1", "--dist-init-addr", addr, "--device", "cpu", "--dist-timeout", "60"],
+        env={**os.environ},
+    )
+    try:
+        with LLM(str(model_dir), tp=2, nnodes=2, node_rank=0, dist_init_addr=addr, device="cpu", dist_timeout=60) as llm:
+            got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert got == ref
+        assert node1.wait(timeout=30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
