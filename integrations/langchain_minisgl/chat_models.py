@@ -422,15 +422,7 @@ class _MessageChunks:
         self.called = False
 
     def convert(self, chunk: Chunk) -> ChatGenerationChunk | None:
-        calls = [
-            tool_call_chunk(
-                name=(delta.get("function") or {}).get("name"),
-                args=(delta.get("function") or {}).get("arguments"),
-                id=delta.get("id"),
-                index=delta.get("index"),
-            )
-            for delta in chunk.tool_calls or []
-        ]
+        calls = _tool_call_chunks(chunk.tool_calls or [])
         self.called = self.called or bool(calls)
         if not (chunk.text or calls or chunk.done):
             return None
@@ -449,6 +441,19 @@ class _MessageChunks:
             chunk_position="last" if chunk.done else None,
         )
         return ChatGenerationChunk(message=message)
+
+
+def _tool_call_chunks(deltas: list[dict[str, Any]]) -> list[Any]:
+    """One tool_call_chunk per call index: a Chunk may hold several deltas of one call (its name and
+    the first argument fragments), and LangChain only merges pieces of a call across messages."""
+    calls: dict[Any, dict[str, Any]] = {}
+    for delta in deltas:
+        function = delta.get("function") or {}
+        call = calls.setdefault(delta.get("index"), {"name": None, "args": "", "id": None})
+        call["name"] = call["name"] or function.get("name")
+        call["id"] = call["id"] or delta.get("id")
+        call["args"] += function.get("arguments") or ""
+    return [tool_call_chunk(index=index, **call) for index, call in calls.items()]
 
 
 def _usage_metadata(usage: Usage | None) -> UsageMetadata:

@@ -73,7 +73,10 @@ class Daemons:
             if address is not None:
                 raise _unreachable(address)
             # Without an address: find or start the model's daemon again.
-        c = Client(model=model, address=address, auto_start=address is None, timeout=START_TIMEOUT_S)
+        try:
+            c = Client(model=model, address=address, auto_start=address is None, timeout=START_TIMEOUT_S)
+        except DaemonNotRunningError as e:
+            raise _unreachable(address) if address is not None else e from None
         with self._lock:
             return self._sync.setdefault(key, c)
 
@@ -93,10 +96,12 @@ class Daemons:
                                        timeout=START_TIMEOUT_S)
         try:
             await c.connect()  # finds (pinging it) or starts the daemon
-        except BaseException:
+        except BaseException as e:
             if clients.get(key) is c:
                 del clients[key]
             await c.close()
+            if isinstance(e, DaemonNotRunningError) and address is not None:
+                raise _unreachable(address) from None
             raise
         return c
 

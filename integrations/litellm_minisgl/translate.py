@@ -16,7 +16,6 @@ from minisgl.core import SamplingParams
 from minisgl.errors import (
     ConfigError,
     DaemonError,
-    DaemonNotRunningError,
     DaemonTimeoutError,
     InvalidRequestError,
     MiniSGLError,
@@ -211,7 +210,7 @@ def stream_chunks(chunk: Any, called: set[int]) -> Iterator[GenericStreamingChun
 
 
 def litellm_error(e: BaseException, model: str) -> Exception:
-    """The LiteLLM exception for a minisgl error: 4xx for bad requests, connection/503 for the daemon."""
+    """The LiteLLM exception for a minisgl error: 4xx for bad requests, 503 when the daemon is unreachable."""
     args = {"message": f"minisgl: {e}", "model": model, "llm_provider": PROVIDER}
     if isinstance(e, PromptTooLongError):
         return litellm.ContextWindowExceededError(**args)
@@ -219,11 +218,11 @@ def litellm_error(e: BaseException, model: str) -> Exception:
         return litellm.BadRequestError(**args)
     if isinstance(e, UnknownModelError):
         return litellm.NotFoundError(**args)
-    if isinstance(e, DaemonNotRunningError):
-        return litellm.APIConnectionError(**args)
     if isinstance(e, DaemonTimeoutError):
         return litellm.Timeout(**args)
     if isinstance(e, (DaemonError, RequestAbortedError)):
+        # 503, not APIConnectionError: a Router cools a failing deployment down on a 503 but, by
+        # design, never on an APIConnectionError, so a dead daemon would keep getting traffic.
         return litellm.ServiceUnavailableError(**args)
     if isinstance(e, MiniSGLError):
         return litellm.InternalServerError(**args)

@@ -74,7 +74,7 @@ class PatchedGenerate:
                 f"minisgl cannot run generate() with {reason}; using transformers' generate for such calls "
                 "(this warning is shown once)",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=3,
             )
 
     def close(self) -> None:

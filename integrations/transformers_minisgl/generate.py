@@ -200,7 +200,8 @@ def sampling_params(
         elif kind is lp.MinPLogitsWarper:
             fields["min_p"] = float(proc.min_p)
         elif kind is lp.RepetitionPenaltyLogitsProcessor:
-            _check_penalty_window(proc.prompt_ignore_length, pad_lengths)
+            # transformers < 5 has no prompt_ignore_length and penalises the padding too.
+            _check_penalty_window(getattr(proc, "prompt_ignore_length", None), pad_lengths)
             fields["repetition_penalty"] = float(proc.penalty)
         elif kind is lp.MinLengthLogitsProcessor or kind is lp.MinNewTokensLengthLogitsProcessor:
             if _token_set(proc.eos_token_id) != eos:
@@ -257,6 +258,8 @@ def run(scheduler: Any, request: GenerateRequest, streamer: Any = None) -> torch
     in_engine = set(rids)
     pad, pads = request.pad_token_id, request.pads_finished_rows
     col = 0
+    for prompt in request.prompts:  # nothing is queued unless everything can be
+        scheduler.validate(prompt, params)
     try:
         for rid, prompt in zip(rids, request.prompts):
             scheduler.add_request(rid, prompt, params)
@@ -274,7 +277,7 @@ def run(scheduler: Any, request: GenerateRequest, streamer: Any = None) -> torch
                 )
                 sequences[:, prompt_len + col] = column
                 col += 1
-                unfinished &= ~request.criteria(sequences[:, : prompt_len + col], None)
+                unfinished &= ~request.criteria(sequences[:, : prompt_len + col], None).cpu()
                 alive = unfinished.tolist()
                 if streamer is not None:
                     streamer.put(column)
