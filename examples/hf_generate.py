@@ -42,7 +42,8 @@ def main() -> None:
 
     print("Streaming (TextStreamer):")
     one = chat_batch(tokenizer, questions[:1])
-    model.generate(**one, max_new_tokens=32, do_sample=False, streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    model.generate(**one, max_new_tokens=32, do_sample=False, streamer=streamer)
 
     # An in-memory edit (here: silencing the token the model wanted first) reaches the engine on the next call.
     first = int(out[0, inputs["input_ids"].shape[1]])

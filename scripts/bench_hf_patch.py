@@ -35,7 +35,8 @@ def main() -> None:
     from minisgl.models.loader import resolve_model
     from transformers_minisgl import patch_generate
 
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    on_cuda = args.device.startswith("cuda")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if on_cuda else torch.float32)
     model_dir = resolve_model(args.model)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(args.device).eval()
     pad = model.generation_config.pad_token_id
@@ -52,11 +53,11 @@ def main() -> None:
 
     def timed(label: str) -> tuple[torch.Tensor, float]:
         model.generate(input_ids[:2, -8:], **warmup)
-        if args.device.startswith("cuda"):
+        if on_cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = model.generate(input_ids, **kwargs)
-        if args.device.startswith("cuda"):
+        if on_cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         new_tokens = (out.shape[1] - width) * out.shape[0]

@@ -108,7 +108,43 @@ def generate(model_dir: Path, prompts: list[list[int]], params: Any, **kwargs: A
     return tokens, info
 
 
-def test_bf16_greedy_parity_with_hf_transformers(qwen3_dir):
+@pytest.fixture(scope="module")
+def hf_fp32(qwen3_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
+
+
+def teacher_forced(hf: Any, prompts: list[list[int]], outs: list[list[int]]) -> list[torch.Tensor]:
+    """HF's logits (float32, CPU) after every prefix of our outputs: row t predicts outs[t]."""
+    rows = []
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, outs):
+            seq = torch.tensor([prompt + out], device="cuda")
+            rows.append(hf(seq).logits[0, len(prompt) - 1 : -1].float().cpu())
+    return rows
+
+
+def parity(ref32: list[torch.Tensor], outs: list[list[int]]) -> dict[str, float]:
+    """Top-1 agreement of our tokens with the fp32 reference: everywhere, and where its top-2 margin is clear.
+
+    On random weights the logits of ~50k tokens are Gaussian-like, so a few positions are near-ties
+    that any bf16 kernel (HF's own included) flips; "clear" means a margin over 1% of the top logit.
+    """
+    hits = clear = clear_hits = total = 0
+    for logits, out in zip(ref32, outs):
+        top = logits.topk(2, dim=-1)
+        ok = top.indices[:, 0] == torch.tensor(out)
+        is_clear = (top.values[:, 0] - top.values[:, 1]) > 0.01 * top.values[:, 0].abs()
+        hits += int(ok.sum())
+        total += len(out)
+        clear += int(is_clear.sum())
+        clear_hits += int((ok & is_clear).sum())
+    return {"top1": round(hits / total, 4), "top1_clear_margin": round(clear_hits / max(clear, 1), 4),
+            "clear_positions": round(clear / total, 3)}
+
+
+def test_bf16_greedy_parity_with_hf_transformers(qwen3_dir, hf_fp32):
     from transformers import AutoModelForCausalLM
 
     from minisgl import SamplingParams
@@ -117,24 +153,34 @@ def test_bf16_greedy_parity_with_hf_transformers(qwen3_dir):
     ours, info = generate(qwen3_dir, prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     assert info["backend"] == "FlashInferBackend" and info["graphs"] and info["overlap"]
     hf = AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
-    agree = total = same_prefix = 0
+    ref32 = teacher_forced(hf_fp32, prompts, ours)
+    hf16 = teacher_forced(hf, prompts, ours)
+    ours_vs_hf16 = sum(int((l.argmax(-1) == torch.tensor(o)).sum()) for l, o in zip(hf16, ours)) / (MAX_NEW * len(ours))
+    hf16_vs_32 = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(hf16, ref32)) / (MAX_NEW * len(ours))
+    same, near_tie_divergences = 0, 0
     with torch.inference_mode():
-        for prompt, out in zip(prompts, ours):
-            # Teacher forcing on our trajectory: HF's argmax after each prefix vs the token we chose.
-            seq = torch.tensor([prompt + out], device="cuda")
-            logits = hf(seq).logits[0, len(prompt) - 1 : -1]
-            agree += int((logits.argmax(-1).cpu() == torch.tensor(out)).sum())
-            total += len(out)
+        for prompt, out, logits in zip(prompts, ours, ref32):
             ids = torch.tensor([prompt], device="cuda")
             gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
-                              min_new_tokens=MAX_NEW, pad_token_id=0)
-            same_prefix += gen[0, len(prompt):].tolist() == out
-    del hf, logits
+                              min_new_tokens=MAX_NEW, pad_token_id=0)[0, len(prompt):].tolist()
+            if gen == out:
+                same += 1
+                continue
+            # Up to the first difference both saw the same tokens: was it a near-tie for fp32 HF?
+            t = next(i for i, (a, b) in enumerate(zip(gen, out)) if a != b)
+            top = logits[t].topk(2).values
+            near_tie_divergences += bool(top[0] - top[1] <= 0.01 * top[0].abs())
+    del hf
     release_gpu()
-    report("parity_teacher_forced_top1", round(agree / total, 4))
-    report("parity_greedy_equal_prompts", f"{same_prefix}/{len(prompts)}")
-    assert agree / total >= 0.99
-    assert same_prefix >= 0.75 * len(prompts)
+    ours32 = parity(ref32, ours)
+    report("parity_vs_hf_fp32", ours32)
+    report("parity_teacher_forced_top1_vs_hf_bf16", round(ours_vs_hf16, 4))
+    report("parity_hf_bf16_vs_hf_fp32_top1", round(hf16_vs_32, 4))
+    report("parity_greedy_32_equal_prompts_vs_hf_bf16", f"{same}/{len(prompts)}")
+    report("parity_greedy_divergences_at_near_ties", f"{near_tie_divergences}/{len(prompts) - same}")
+    assert ours32["top1_clear_margin"] >= 0.99
+    assert ours32["top1"] >= hf16_vs_32 - 0.02  # as close to fp32 as HF's own bf16
+    assert near_tie_divergences == len(prompts) - same
 
 
 def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir):
@@ -162,7 +208,7 @@ def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir):
 
 
 @pytest.mark.parametrize("backend,page_size", [("flashinfer", 16), ("fa3,flashinfer", 1), ("torch,flashinfer", 4)])
-def test_backends_and_page_sizes_agree(qwen3_dir, backend, page_size):
+def test_backends_and_page_sizes_agree(qwen3_dir, hf_fp32, backend, page_size):
     from minisgl import SamplingParams
 
     prompts = make_prompts(seed=2)
@@ -170,8 +216,9 @@ def test_backends_and_page_sizes_agree(qwen3_dir, backend, page_size):
     ref, _ = generate(qwen3_dir, prompts, params)
     got, _ = generate(qwen3_dir, prompts, params, attention_backend=backend, page_size=page_size)
     same = sum(a == b for a, b in zip(got, ref))
-    report(f"agree_{backend}_page{page_size}", f"{same}/{len(ref)}")
-    assert same >= 0.75 * len(ref)
+    metrics = parity(teacher_forced(hf_fp32, prompts, got), got)
+    report(f"backend_{backend}_page{page_size}", {**metrics, "greedy_equal_to_default": f"{same}/{len(ref)}"})
+    assert metrics["top1_clear_margin"] >= 0.99
 
 
 def test_fused_top_k_top_p_sampling_stays_in_the_allowed_set():

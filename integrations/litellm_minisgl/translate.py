@@ -80,17 +80,17 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
     """Plain-dict messages with OpenAI content parts flattened to text, as chat templates expect."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequestError("messages must be a non-empty list")
-    return [_flatten(_plain(m), i) for i, m in enumerate(messages)]
+    return [_flatten(plain_data(m), i) for i, m in enumerate(messages)]
 
 
-def _plain(obj: Any) -> Any:
+def plain_data(obj: Any) -> Any:
     """LiteLLM/OpenAI message objects (an agent loop appends response messages as they are) as plain data."""
     if hasattr(obj, "model_dump"):
         obj = obj.model_dump(exclude_none=True)
     if isinstance(obj, Mapping):
-        return {k: _plain(v) for k, v in obj.items() if v is not None or k == "content"}
+        return {k: plain_data(v) for k, v in obj.items() if v is not None or k == "content"}
     if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
+        return [plain_data(v) for v in obj]
     return obj
 
 
@@ -113,7 +113,7 @@ def _flatten(message: Any, i: int) -> dict[str, Any]:
 
 
 def _response_format(fmt: Any) -> dict[str, Any] | None:
-    fmt = _plain(fmt)
+    fmt = plain_data(fmt)
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or "type" not in fmt:

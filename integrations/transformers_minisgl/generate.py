@@ -93,7 +93,7 @@ def prepare(
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     mode = config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        raise UnsupportedGenerationError(f"generation mode {mode.value!r} (only greedy search and sampling run on minisgl)")
+        raise UnsupportedGenerationError(f"generation mode {mode.value!r} (minisgl runs greedy search and sampling)")
     if config.return_dict_in_generate:
         for flag in _OUTPUT_FLAGS:
             if getattr(config, flag, False):
@@ -159,10 +159,10 @@ def strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) ->
     """Each row's real tokens; only left padding (0...0 1...1) keeps HF's positions and attention."""
     mask = (attention_mask != 0).cpu()
     if mask.shape != input_ids.shape:
-        raise UnsupportedGenerationError(f"an attention_mask of shape {tuple(mask.shape)} for input_ids {tuple(input_ids.shape)}")
+        raise UnsupportedGenerationError(f"an attention_mask shaped {tuple(mask.shape)}, not like input_ids")
     lengths = mask.sum(dim=1)
     if bool((lengths == 0).any()) or bool((mask[:, 1:].int() < mask[:, :-1].int()).any()):
-        raise UnsupportedGenerationError("an attention_mask that is not left padding (right padding, holes or empty rows)")
+        raise UnsupportedGenerationError("an attention_mask that is not left padding (right pads, holes, empty rows)")
     ids = input_ids.cpu()
     return [row[row.shape[0] - length :].tolist() for row, length in zip(ids, lengths.tolist())]
 

@@ -30,6 +30,8 @@ LPM_MAX_WAITING = 512
 # A request sharing at least this many uncached tokens with one admitted in the same batch
 # waits one step and reads that prefix from the cache instead of computing it again.
 IN_BATCH_SHARE_MIN = 16
+# Admitting requests must not evict the cached prefixes the next few waiting ones will reuse.
+PROTECT_WAITING = 8
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
@@ -207,6 +209,25 @@ class Scheduler:
         return starved + rest
 
     def _schedule_prefill(self) -> Batch | None:
+        # Only while something runs: its pages come back, so protection cannot stall the queue.
+        protected = self._lock_waiting_prefixes() if self.running and self.config.cache == "radix" else []
+        try:
+            return self._admit_batch()
+        finally:
+            for handle in protected:
+                self.prefix_cache.unlock(handle)
+
+    def _lock_waiting_prefixes(self) -> list[Any]:
+        handles = []
+        for req in list(self.waiting)[:PROTECT_WAITING]:
+            if req.table_idx < 0:
+                handle, _ = self.prefix_cache.match_prefix(req.input_ids[: req.seq_len - 1])
+                if handle is not None:
+                    self.prefix_cache.lock(handle)
+                    handles.append(handle)
+        return handles
+
+    def _admit_batch(self) -> Batch | None:
         budget = self.config.max_prefill_tokens
         chosen: list[tuple[Req, int]] = []  # (req, extend_len)
         if self.chunked is not None:

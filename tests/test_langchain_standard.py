@@ -1,0 +1,130 @@
+"""LangChain's standard chat-model suites (langchain-tests) run against ChatMiniSGL.
+
+The unit suite needs no daemon. The integration suite runs against one real SmolLM2 daemon on the
+CPU (shared with test_langchain.py, see `langchain_daemon`), greedy, with tool calling, tool choice,
+structured output and JSON mode enabled; the per-call model override starts (through ChatMiniSGL's
+auto-start) a daemon for a tiny random checkpoint, a second model served next to SmolLM2.
+
+Skipped by the suite itself, for capabilities a text-only model cannot have: image, audio, PDF
+and video inputs, and images or PDFs inside tool messages.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
+
+from langchain_minisgl import ChatMiniSGL
+from test_langchain import langchain_daemon  # noqa: F401 - fixture used by name
+
+# What dumpd(ChatMiniSGL(**standard params)) must give: the constructor arguments that differ from
+# the defaults, the API key as a secret reference (never its value).
+SERIALIZED = {
+    "lc": 1,
+    "type": "constructor",
+    "id": ["langchain_minisgl", "chat_models", "ChatMiniSGL"],
+    "kwargs": {
+        "model": "smollm2",
+        "temperature": 0.0,
+        "max_tokens": 100,
+        "stop_sequences": [],
+        "timeout": 60.0,
+        "api_key": {"lc": 1, "type": "secret", "id": ["MINISGL_API_KEY"]},
+    },
+    "name": "ChatMiniSGL",
+}
+
+
+class TestChatMiniSGLUnit(ChatModelUnitTests):
+    @property
+    def chat_model_class(self) -> type[ChatMiniSGL]:
+        return ChatMiniSGL
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"model": "smollm2", "temperature": 0}
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def init_from_env_params(self) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
+        return {"MINISGL_ADDRESS": "ipc:///tmp/minisgl-test.sock"}, {}, {"address": "ipc:///tmp/minisgl-test.sock"}
+
+    @pytest.fixture
+    def snapshot(self) -> Callable[..., Any]:
+        """test_serdes compares with a stored snapshot; ours is SERIALIZED, kept in this file."""
+        return lambda name: SERIALIZED
+
+
+class TestChatMiniSGLIntegration(ChatModelIntegrationTests):
+    address: str = ""
+    override_model: str = ""
+
+    @pytest.fixture(autouse=True, scope="class")
+    def _daemons(self, request: pytest.FixtureRequest, langchain_daemon: str, tiny_model_dir: Callable[[str], Path]) -> None:  # noqa: F811
+        request.cls.address = langchain_daemon
+        request.cls.override_model = str(tiny_model_dir("llama"))
+
+    @property
+    def chat_model_class(self) -> type[ChatMiniSGL]:
+        return ChatMiniSGL
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        # Greedy and short: a 135M model on two shared CPU cores. The timeout also bounds the
+        # start of the override model's daemon.
+        return {"model": "smollm2", "address": self.address, "temperature": 0, "max_tokens": 64, "timeout": 180}
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def supports_anthropic_inputs(self) -> bool:
+        return True
+
+    @property
+    def supported_usage_metadata_details(self) -> dict[str, list[str]]:
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> Any:
+        llm = ChatMiniSGL(**{**self.chat_model_params, "max_tokens": 1})
+        system = "You are a terse assistant. " * 40
+        messages = [("system", system), ("human", "Hi")]
+        llm.invoke(messages)  # fills the prefix cache
+        if stream:
+            full = None
+            for chunk in llm.stream(messages):
+                full = chunk if full is None else full + chunk
+            return full
+        return llm.invoke(messages)
+
+    @property
+    def model_override_value(self) -> str:
+        return self.override_model
+
+    @property
+    def enable_vcr_tests(self) -> bool:
+        return True  # test_stream_time: no HTTP to record; the stream runs once, unbenchmarked
