@@ -2,8 +2,13 @@
 # One device run (see ../shared/device/README.md): install the carried wheels, build (or restore)
 # flashinfer's JIT cache, run the GPU tests and the benchmark, print a table, leave logs + JSON in $OUT.
 #
-# Here, once:  fetch the wheels into .carry/gpu_whl (fetch-wheels.sh's list, flashinfer part) and
-#              SmolLM2's tokenizer files into .carry/tok.
+# Here, once (.carry/ is git-ignored; the three folders are ~37 MB together):
+#   .carry/gpu_whl  pip download --no-deps --only-binary=:all: --python-version 3.12 (platform flags as in
+#                   ../shared/device/fetch-wheels.sh) of flashinfer-python==0.5.3 apache-tvm-ffi==0.1.15.post2
+#                   nvidia-cudnn-frontend==1.32.0 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
+#   .carry/tok      tokenizer.json, tokenizer_config.json, chat_template.jinja of ~/.cache/minisgl/models/SmolLM2-*/
+#   .carry/fi_aot   fi_aot.tar.gz from $OUT of a run with the "warm" stage (built flashinfer kernels, 9 MB);
+#                   without it the first use of each kernel JIT-builds it (~70 s in parallel in "warm")
 # Device call: carry [".carry/gpu_whl", ".carry/tok", ".carry/fi_aot"], command: bash scripts/gpu_check.sh
 # Stages: STAGES="warm tests bench" (default all); BENCH_ARGS are passed to scripts/gpu_bench.py.
 set -uo pipefail

@@ -10,20 +10,17 @@ import warnings
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TextIteratorStreamer
+from transformers.generation.streamers import BaseStreamer
 
-pytest.importorskip("transformers")
-
-from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer  # noqa: E402
-from transformers.generation.streamers import BaseStreamer  # noqa: E402
-
-from transformers_minisgl import (  # noqa: E402
+from transformers_minisgl import (
     UnsupportedGenerationError,
     minisgl_generate,
     patch_generate,
     sync_weights,
     unpatch_generate,
 )
-from transformers_minisgl.generate import prepare  # noqa: E402
+from transformers_minisgl.generate import prepare
 
 ENGINE = dict(kv_cache_gb=0.1, max_running_requests=16)  # small: several engines live in one process
 TEXTS = [
@@ -251,7 +248,8 @@ def test_unsupported_options_fall_back_with_one_warning(tiny_model_dir):
         assert len(ours) == 1 and "beam_search" in str(ours[0].message)
         assert torch.equal(first, ref) and torch.equal(second, ref)
         # output_scores needs transformers' per-step logits: it falls back too, scores included.
-        out = model.generate(**inputs, max_new_tokens=3, return_dict_in_generate=True, output_scores=True)
+        with pytest.warns(UserWarning, match="output_scores"):
+            out = model.generate(**inputs, max_new_tokens=3, return_dict_in_generate=True, output_scores=True)
         assert len(out.scores) == 3
 
 
@@ -275,13 +273,14 @@ def test_parameters_resolve_like_transformers(tiny_model_dir):
     sampled = params(do_sample=True, max_new_tokens=5)
     assert sampled.top_k == 50 and sampled.temperature == 1.0 and sampled.max_tokens == 5  # transformers' defaults
     assert params(max_new_tokens=5, temperature=0.3, top_k=7).greedy  # do_sample=False: greedy whatever else
-    from transformers import GenerationConfig
-
     config = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=9)
     p = params(generation_config=config)
     assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.7, -1, 0.9, 9)
     p = params(generation_config=config, temperature=0.5, repetition_penalty=1.3)  # call kwargs win
     assert (p.temperature, p.repetition_penalty) == (0.5, 1.3)
+    model.generation_config.max_new_tokens = 7  # the model's own generation_config fills what the call leaves out
+    assert params().max_tokens == 7 and params(max_new_tokens=3).max_tokens == 3
+    assert params(generation_config=GenerationConfig(do_sample=True)).max_tokens == 7
 
 
 def test_repetition_penalty_and_sampling_on_a_padded_batch(tiny_model_dir):

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Literal, NamedTuple, 
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
-from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams, generate_from_stream
+from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -29,6 +29,8 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from langchain_core.messages.tool import invalid_tool_call as create_invalid_tool_call
+from langchain_core.messages.tool import tool_call as create_tool_call
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.output_parsers import (
     JsonOutputKeyToolsParser,
@@ -36,7 +38,7 @@ from langchain_core.output_parsers import (
     PydanticOutputParser,
     PydanticToolsParser,
 )
-from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils import from_env
@@ -145,14 +147,6 @@ class ChatMiniSGL(BaseChatModel):
     def _llm_type(self) -> str:
         return "minisgl-chat"
 
-    @classmethod
-    def is_lc_serializable(cls) -> bool:
-        return True
-
-    @property
-    def lc_secrets(self) -> dict[str, str]:
-        return {"api_key": "MINISGL_API_KEY"}
-
     @property
     def _identifying_params(self) -> dict[str, Any]:
         params = {"model": self.model, "address": self.address, "stop": self.stop}
@@ -182,7 +176,7 @@ class ChatMiniSGL(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         # The daemon always streams; callbacks get the tokens as they come.
-        return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+        return _chat_result(list(self._stream(messages, stop, run_manager, **kwargs)))
 
     async def _agenerate(
         self,
@@ -191,8 +185,7 @@ class ChatMiniSGL(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        chunks = [chunk async for chunk in self._astream(messages, stop, run_manager, **kwargs)]
-        return generate_from_stream(iter(chunks))
+        return _chat_result([chunk async for chunk in self._astream(messages, stop, run_manager, **kwargs)])
 
     def _stream(
         self,
@@ -441,6 +434,36 @@ class _MessageChunks:
             chunk_position="last" if chunk.done else None,
         )
         return ChatGenerationChunk(message=message)
+
+
+def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
+    """The whole answer. Unlike a merged stream, whose tool calls LangChain parses leniently (a call
+    cut short by max_tokens keeps the arguments it got), a call is valid only if its arguments are
+    a complete JSON object; the others are invalid_tool_calls."""
+    merged = chunks[0] + chunks[1:] if len(chunks) > 1 else chunks[0]
+    tool_calls, invalid = [], []
+    for call in merged.message.tool_call_chunks:
+        try:
+            args = json.loads(call["args"] or "{}")
+        except json.JSONDecodeError as e:
+            args, error = None, f"arguments are not valid JSON: {e}"
+        else:
+            error = None if isinstance(args, dict) else "arguments are not a JSON object"
+        if error is None:
+            tool_calls.append(create_tool_call(name=call["name"] or "", args=args, id=call["id"]))
+        else:
+            invalid.append(
+                create_invalid_tool_call(name=call["name"], args=call["args"], id=call["id"], error=error)
+            )
+    message = AIMessage(
+        content=merged.message.content,
+        tool_calls=tool_calls,
+        invalid_tool_calls=invalid,
+        usage_metadata=merged.message.usage_metadata,
+        response_metadata=merged.message.response_metadata,
+        id=merged.message.id,
+    )
+    return ChatResult(generations=[ChatGeneration(message=message)])
 
 
 def _tool_call_chunks(deltas: list[dict[str, Any]]) -> list[Any]:

@@ -179,8 +179,10 @@ class LLM:
             chunks = per_index[index]
             last = chunks[-1]
             token_ids = [t for c in chunks for t in c.new_token_ids]
-            detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
-            text = detok.add(token_ids) + detok.finish()
+            text = ""
+            if self.tokenizer is not None:  # an engine built from a bare model has token ids only
+                detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+                text = detok.add(token_ids) + detok.finish()
             logprobs = [lp for c in chunks for lp in (c.new_logprobs or [])] if params.logprobs is not None else None
             outputs.append(CompletionOutput(index, text, token_ids, last.finish_reason, last.matched_stop, logprobs))
         assert last is not None

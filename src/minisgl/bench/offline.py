@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(vocab, args.num_prompts, args.input_len, args.seed)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-    llm.scheduler.prefix_cache.reset() if hasattr(llm.scheduler, "prefix_cache") else None
+    llm.scheduler.reset_prefix_cache()  # time the batch without the warm-up's cached prefixes
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0

@@ -157,6 +157,9 @@ class TPScheduler:
     def check_integrity(self) -> None:
         self.sched.check_integrity()
 
+    def reset_prefix_cache(self) -> None:
+        self.sched.reset_prefix_cache()
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 

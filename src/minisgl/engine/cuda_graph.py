@@ -90,7 +90,11 @@ class CudaGraphRunner:
 
     def _forward(self, bs: int) -> None:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs])
-        self.logits[:bs] = self.model.compute_logits(hidden)
+        lm_head = getattr(self.model, "lm_head", None)
+        if lm_head is not None:  # cast straight into the float32 buffer: one pass over the logits, not two
+            self.logits[:bs].copy_(lm_head(hidden))
+        else:
+            self.logits[:bs] = self.model.compute_logits(hidden)
 
     def can_run(self, batch: Batch) -> bool:
         return batch.is_decode and batch.size <= self.max_bs

@@ -46,7 +46,6 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        torch.manual_seed(config.seed)
 
         t0 = time.perf_counter()
         if model_source is None:
@@ -55,9 +54,12 @@ class Engine:
         else:  # a live transformers model (its current weights), see transformers_minisgl
             self.model_dir = None
             source = model_source
-        self.model, self.model_config = load_model(
-            source, dtype=self.dtype, device=self.device, load_format=config.load_format
-        )
+        # Dummy weights are seeded (the same on every TP rank) without touching the caller's RNG.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(config.seed)
+            self.model, self.model_config = load_model(
+                source, dtype=self.dtype, device=self.device, load_format=config.load_format
+            )
         self.tokenizer = getattr(model_source, "_minisgl_tokenizer", None) or (
             load_tokenizer(self.model_dir) if self.model_dir is not None else None
         )
@@ -136,6 +138,8 @@ class Engine:
                 raise ConfigError(f"unknown attention backend {part!r}: available {sorted(backends)}")
             if part != "torch" and self.device.type != "cuda":
                 raise ConfigError(f"attention backend {part!r} needs a CUDA GPU: use 'torch' on {self.device}")
+            if part != "torch" and self.dtype not in (torch.float16, torch.bfloat16):
+                raise ConfigError(f"attention backend {part!r} needs dtype bfloat16 or float16, got {self.dtype}")
         return parts[0], parts[-1]
 
     def _make_backend(self, backends: dict[str, Any], names: tuple[str, str]) -> Any:
@@ -150,6 +154,8 @@ class Engine:
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         """Run the model on the batch; returns logits [num sampled rows, vocab] (float32)."""
+        ctx = get_context()
+        ctx.attn_backend, ctx.kv_pool = self.attn_backend, self.kv_pool  # several engines may share a process
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
         self.attn_backend.prepare(batch)

@@ -78,7 +78,7 @@ def mask_stops_before_min_tokens(logits: torch.Tensor, reqs: list["Req"]) -> tor
     for i, r in enumerate(reqs):
         p = r.sampling_params
         if r.num_output < p.min_tokens and r.grammar is None:
-            stops = [t for t in (*r.eos_token_ids, *p.stop_token_ids) if not p.ignore_eos or t not in r.eos_token_ids]
+            stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
             if stops:
                 logits[i, torch.tensor(stops).to(logits.device, non_blocking=True)] = float("-inf")
     return logits
@@ -97,17 +97,21 @@ def _filter_probs(probs: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
         ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
         drop |= ranks >= info.top_k[:, None]
     if info.top_p is not None:
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        cum = sorted_probs.cumsum(dim=-1)
-        drop |= (cum - sorted_probs) >= info.top_p[:, None]
+        # Top-p over the top-k survivors, renormalised (HF / vLLM order); the first token always stays.
+        kept = sorted_probs.masked_fill(drop, 0.0)
+        kept = kept / kept.sum(dim=-1, keepdim=True)
+        cum = kept.cumsum(dim=-1)
+        drop |= (cum - kept) >= info.top_p[:, None]
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def _exponential_noise(reqs: list["Req"], shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+def _exponential_noise(
+    reqs: list["Req"], shape: tuple[int, int], device: torch.device, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Exp(1) noise for the Gumbel-style argmax(p / q) draw; seeded rows use their own generator,
     so a seeded request draws the same numbers whatever else is in the batch."""
-    noise = torch.empty(shape, device=device).exponential_()
+    noise = torch.empty(shape, device=device).exponential_(generator=generator)
     for i, r in enumerate(reqs):
         if r.generator is not None:
             noise[i].exponential_(generator=r.generator)
@@ -147,9 +151,9 @@ class Sampler:
         # GPU fast path: flashinfer's fused sampling kernels for batches without seeded rows or
         # min_p (same distribution as the torch path; seeded rows keep their per-request streams).
         self._fused = _flashinfer_sampling() if self.device.type == "cuda" else None
-        self._generator: torch.Generator | None = None
-        if self._fused is not None:
-            self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Unseeded rows draw from the engine's own stream: the user's global RNG is left alone,
+        # and every TP rank (same seed, same calls) draws the same tokens.
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def _sample_fused(self, logits: torch.Tensor, reqs: list["Req"], info: SamplingInfo) -> torch.Tensor | None:
         if self._fused is None or info.min_p is not None or any(r.generator is not None for r in reqs):
@@ -170,6 +174,8 @@ class Sampler:
     ) -> tuple[torch.Tensor, list[Any] | None]:
         """logits [B, V] -> next token ids [B] (on logits.device) and per-row logprobs (or None)."""
         logits = logits.float()
+        if logits.is_inference() and not torch.is_inference_mode_enabled():
+            logits = logits.clone()  # masks below write in place
         if info.penalties:
             logits = apply_penalties(logits, reqs)
         if info.min_tokens:
@@ -183,7 +189,7 @@ class Sampler:
             if next_ids is None:
                 probs = torch.softmax(logits / info.temperature, dim=-1)
                 probs = _filter_probs(probs, info)
-                noise = _exponential_noise(reqs, tuple(probs.shape), probs.device)
+                noise = _exponential_noise(reqs, tuple(probs.shape), probs.device, self._generator)
                 next_ids = (probs / noise).argmax(dim=-1)
             if info.greedy_rows is not None:
                 next_ids = torch.where(info.greedy_rows, logits.argmax(dim=-1), next_ids)

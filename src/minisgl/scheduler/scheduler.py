@@ -163,6 +163,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the loop
 
+    @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
         """Run one forward (prefill if anything can be admitted, else decode); report what changed.
 
@@ -558,6 +559,10 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.req_pages())
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix not locked by a request (e.g. after the weights changed)."""
+        self.cache.free(self.prefix_cache.evict(self.prefix_cache.evictable_pages))
 
     def shutdown(self) -> None:
         for key in list(self.reqs):
