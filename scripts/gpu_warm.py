@@ -48,7 +48,7 @@ def sampling() -> None:
     logits = torch.randn(4, 1000, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     flashinfer.sampling.sampling_from_logits(logits, generator=g)
-    flashinfer.sampling.top_k_top_p_sampling_from_logits(logits, 5, 0.9, filter_apply_order="joint", generator=g)
+    flashinfer.sampling.top_k_top_p_sampling_from_logits(logits, 5, 0.9, filter_apply_order="top_k_first", generator=g)
 
 
 def attention(backend: str) -> None:

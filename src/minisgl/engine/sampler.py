@@ -164,8 +164,9 @@ class Sampler:
         else:
             top_k = info.top_k.to(torch.int32) if info.top_k is not None else self.vocab_size
             top_p = info.top_p if info.top_p is not None else 1.0
+            # top_k_first: top-p over the renormalised top-k survivors, as in _filter_probs.
             ids = self._fused.top_k_top_p_sampling_from_logits(
-                scaled, top_k, top_p, filter_apply_order="joint", generator=self._generator
+                scaled, top_k, top_p, filter_apply_order="top_k_first", generator=self._generator
             )
         return ids.to(torch.int64)
 
