@@ -216,10 +216,12 @@ def test_prefix_hashes_grow_with_the_conversation_and_diverge_with_it():
     ha, ha_longer = block_hashes(prefix_text(a[:3])), block_hashes(prefix_text(a))
     assert ha_longer[: len(ha) - 1] == ha[:-1] and len(ha_longer) > len(ha)  # (the last block may be cut)
     assert not set(ha) & set(block_hashes(prefix_text(b)))
-    index = PrefixIndex(max_blocks=10)
+    index = PrefixIndex(max_blocks=len(ha) + 4)
     index.insert("d0", ha)
     assert index.match("d0", ha_longer) >= len(ha) - 1 and index.match("d1", ha) == 0
-    assert index.size("d0") == 10  # bounded: the oldest blocks go first
+    index.insert("d0", block_hashes(prefix_text(b[:3])))  # as long as ha
+    assert index.size("d0") == len(ha) + 4  # bounded: a least recently used conversation loses its tail first
+    assert index.match("d0", ha) == 4
 
 
 def test_cache_aware_routing_prefers_the_longest_prefix_then_the_least_loaded():

@@ -24,8 +24,7 @@ from daemon_fixtures import SMOLLM2_ENGINE, START_TIMEOUT_S, daemon_runtime_dir,
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-pytest.importorskip("litellm")
-if importlib.util.find_spec("litellm_minisgl") is None or importlib.util.find_spec("backoff") is None:
+if any(importlib.util.find_spec(m) is None for m in ("litellm", "litellm_minisgl", "backoff", "apscheduler")):
     pytest.skip("the LiteLLM proxy needs the proxy packages: pip install -e '.[litellm]'", allow_module_level=True)
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "litellm" / "config.yaml"
@@ -118,8 +117,8 @@ def cached_pages(d: Daemon) -> int:
 
 
 def chat(oai: Any, content: str, **kwargs: Any) -> Any:
-    return oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": content}],
-                                       temperature=0, max_tokens=4, **kwargs)
+    kwargs = {"temperature": 0, "max_tokens": 4, **kwargs}
+    return oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": content}], **kwargs)
 
 
 def test_the_openai_client_gets_completions_and_streams_through_the_proxy(oai):

@@ -5,8 +5,8 @@ daemon that already holds its longest prefix. CacheAwareRouting remembers, per d
 conversation prefixes it sent there (chained hashes of fixed-size blocks of the canonical
 request text: tools, then each message) and narrows LiteLLM's healthy deployments to the one
 holding the longest prefix. Ties (a new conversation, a system prompt every daemon holds) go to
-the least loaded daemon (requests in flight), then to the one holding the least, then in turn;
-a daemon more than `balance_threshold` requests busier than the idlest gives way to it.
+the least loaded daemon (requests in flight), then to each daemon in turn; a daemon more than
+`balance_threshold` requests busier than the idlest gives way to it.
 
 It plugs into LiteLLM as a callback (CustomLogger.async_filter_deployments, run by the Router's
 async path after cooldowns are applied), so LiteLLM's retries, cooldowns and fallbacks stay as
@@ -18,7 +18,8 @@ once started, avoid a dead daemon.
     litellm.callbacks.append(litellm_minisgl.routing.cache_aware)       # SDK; the proxy: config.yaml
 
 The index is the router's belief, not the daemons' truth: a daemon may have evicted a prefix
-(LRU) since. `max_blocks` bounds what is remembered per deployment (oldest first) and should be
+(LRU) since. `max_blocks` bounds what is remembered per deployment (least recently used tails
+first) and should be
 about the daemons' KV capacity in tokens times ~4 characters / block_bytes.
 """
 
@@ -30,7 +31,7 @@ import itertools
 import json
 import time
 from collections import OrderedDict
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from litellm.integrations.custom_logger import CustomLogger
 
@@ -58,17 +59,24 @@ def prefix_text(messages: Sequence[Any], tools: Any = None) -> bytes:
 
 
 def block_hashes(data: bytes, block_bytes: int = BLOCK_BYTES) -> list[bytes]:
-    """Chained hashes of data's full blocks: hashes[i] stands for data[: (i + 1) * block_bytes]."""
+    """Chained hashes of data's blocks: hashes[i] stands for data[: (i + 1) * block_bytes].
+
+    The last, partial block counts too, so a repeated short prompt finds where it went.
+    """
     h = hashlib.blake2b(digest_size=16)
     out = []
-    for start in range(0, len(data) - block_bytes + 1, block_bytes):
+    for start in range(0, len(data), block_bytes):
         h.update(data[start : start + block_bytes])
         out.append(h.copy().digest())
     return out
 
 
 class PrefixIndex:
-    """Per deployment, the prefix blocks sent to it, least recently used first (bounded)."""
+    """Per deployment, the prefix blocks sent to it, least recently used first (bounded).
+
+    A daemon's radix cache evicts the least recently used leaves, so a conversation loses its
+    tail first; the index does the same, so what it still holds is always a leading prefix.
+    """
 
     def __init__(self, max_blocks: int = MAX_BLOCKS) -> None:
         self.max_blocks = max_blocks
@@ -86,9 +94,9 @@ class PrefixIndex:
             n += 1
         return n
 
-    def insert(self, deployment: str, hashes: Iterable[bytes]) -> None:
+    def insert(self, deployment: str, hashes: Sequence[bytes]) -> None:
         blocks = self._blocks.setdefault(deployment, OrderedDict())
-        for h in hashes:
+        for h in reversed(hashes):  # a prefix's first blocks end up most recent: evicted last, like radix leaves
             blocks[h] = None
             blocks.move_to_end(h)
         while len(blocks) > self.max_blocks:
@@ -197,8 +205,8 @@ class CacheAwareRouting(CustomLogger):
         ids = [_deployment_id(d) for d in deployments]
         matched = [self.index.match(i, hashes) for i in ids]
         loads = [self.load.of(i) for i in ids]
-        # Longest prefix, then least loaded, then least held (more room to cache), then in turn.
-        order = sorted(range(n), key=lambda k: (-matched[k], loads[k], self.index.size(ids[k]), (k - turn) % n))
+        # Longest prefix, then least loaded, then in turn (new conversations spread evenly).
+        order = sorted(range(n), key=lambda k: (-matched[k], loads[k], (k - turn) % n))
         idlest = min(loads)
         if loads[order[0]] - idlest > self.balance_threshold:
             order.sort(key=lambda k: loads[k] - idlest > self.balance_threshold)  # stable: keeps the ranking

@@ -120,7 +120,7 @@ class Engine:
             budget = cfg.kv_cache_gb * 2**30
         # Never more than every running request at full length could use.
         cap = (cfg.max_running_requests * self.max_seq_len) // self.page_size + 1
-        return max(1, min(int(budget // per_page), cap))
+        return _min_over_ranks(max(1, min(int(budget // per_page), cap)), self.device)
 
     def _backend_names(self, backends: dict[str, Any]) -> tuple[str, str]:
         """(prefill, decode) backend names from "auto", "NAME" or "PREFILL,DECODE"."""
@@ -171,6 +171,21 @@ class Engine:
             if sampled:
                 last.append(end - 1)
         return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.int64).to(self.device, non_blocking=True)])
+
+
+def _min_over_ranks(n: int, device: torch.device) -> int:
+    """The smallest n over the TP ranks: every rank must schedule on the same pool size (free memory differs a little)."""
+    from minisgl.distributed import get_tp_info
+
+    if get_tp_info().size == 1:
+        return n
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def _importable(module: str) -> bool:
