@@ -29,6 +29,11 @@ nvidia-smi topo -m 2>/dev/null | head -4
 python3 -c "import torch, flashinfer, zmq; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'flashinfer', flashinfer.__version__, 'gpus', torch.cuda.device_count())"
 echo "setup $(( $(date +%s) - t0 ))s"
 
+if [[ ${PROBE:-1} == 1 ]]; then
+  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM timeout 60 python3 scripts/gpu_nccl_probe.py > "$OUT/nccl_probe.log" 2>&1
+  grep -E "NCCL_PROBE|via |P2P|SHM|WARN|Error|error" "$OUT/nccl_probe.log" | sed 's/^.*NCCL INFO //' | sort | uniq -c | sort -rn | head -25
+  echo "probe done $(( $(date +%s) - t0 ))s"
+fi
 timeout ${TP_TIMEOUT:-560} python3 scripts/gpu_tp.py all --out-dir "$OUT" --latency \
-  --deadline $(( ${TP_TIMEOUT:-560} - $(date +%s) + t0 - 20 )) ${TP_ARGS:-} 2>&1 | tee "$OUT/tp.log"
+  --deadline $(( ${TP_TIMEOUT:-560} - 20 )) ${TP_ARGS:-} 2>&1 | tee "$OUT/tp.log"
 echo "done $(( $(date +%s) - t0 ))s"

@@ -31,6 +31,18 @@ def test_tp2_greedy_equals_tp1(tiny_model_dir, family):
     assert got == ref
 
 
+def test_an_idle_engine_outlives_the_dist_timeout(tiny_model_dir):
+    """The ranks wait for rank 0 in a broadcast with dist_timeout; rank 0 pings them while idle."""
+    model_dir = tiny_model_dir("llama")
+    ref = tp1_tokens(model_dir)
+    with LLM(str(model_dir), tp=2, dist_timeout=10) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == ref
+        time.sleep(25)  # 2.5x the timeout with no request
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == ref
+        assert all(w.poll() is None for w in llm.scheduler.workers)
+    assert all(w.returncode == 0 for w in llm.scheduler.workers)
+
+
 def test_a_dead_rank_stops_the_engine_with_a_clear_error(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama")), tp=2, dist_timeout=20)
     try:

@@ -92,7 +92,7 @@ class ChatMiniSGL(BaseChatModel):
         await llm.ainvoke("Hello")                      # zmq.asyncio, no thread pool
         llm.bind_tools([add], tool_choice="any").invoke("What is 2 + 3?").tool_calls
         llm.with_structured_output(Joke).invoke("A joke about cats")
-        llm.invoke("Hi", model="qwen2.5-0.5b")          # per-call model: that model's daemon
+        llm.invoke("Hi", model="Qwen/Qwen2.5-0.5B-Instruct")  # per call: that model's daemon
 
     usage_metadata carries input/output/total tokens and input_token_details.cache_read (prompt
     tokens served from the prefix cache); response_metadata carries model_name, finish_reason
@@ -133,7 +133,8 @@ class ChatMiniSGL(BaseChatModel):
     """Accepted like every LangChain chat model's; the local daemon needs none (a remote one is
     protected with CURVE keys: $MINISGL_CURVE_CLIENT_KEY / $MINISGL_CURVE_SERVER_KEY)."""
     streaming: bool = False
-    """Stream internally on invoke (callbacks get every token)."""
+    """Route invoke through _stream, as LangChain's other chat models do (callbacks get every token
+    either way: the daemon always streams)."""
 
     model_config = ConfigDict(populate_by_name=True)
 

@@ -2,7 +2,7 @@
 
 `api_base` is the daemon's address (ipc:///path or tcp://host:port); without it the client finds
 the daemon serving <model> or starts one. Every request first pings its daemon (well under a
-millisecond when it is up), so a daemon that is gone fails the request as a connection error
+millisecond when it is up), so a daemon that is gone fails the request (ServiceUnavailableError)
 within seconds instead of leaving it queued on a dead socket until the request timeout.
 
 Streams are validated and connected before their first chunk is handed to LiteLLM: a bad
@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import threading
 import weakref
+from contextlib import contextmanager
 from typing import Any, AsyncIterator, Callable, Iterator
 
 import httpx
@@ -24,11 +25,12 @@ from litellm import CustomLLM
 from litellm.types.utils import GenericStreamingChunk, ModelResponse
 
 from minisgl.client import AsyncClient, Client
-from minisgl.errors import DaemonNotRunningError, InvalidRequestError
+from minisgl.core import SamplingParams
+from minisgl.errors import DaemonNotRunningError
 from minisgl.runtime.auth import ClientCurve
 from minisgl.runtime.launcher import PING_TIMEOUT_S, ping
 
-from litellm_minisgl.translate import Request, build_request, litellm_error, model_response, stream_chunks
+from litellm_minisgl.translate import Request, build_request, litellm_error, stream_chunks, to_model_response
 
 START_TIMEOUT_S = 600.0  # finding or starting a daemon (an auto-started one loads its model first)
 
@@ -124,12 +126,38 @@ class Daemons:
             c.close()
 
 
+@contextmanager
+def _litellm_errors(model: str) -> Iterator[None]:
+    """Every failure leaves as a LiteLLM exception (LiteLLM's own, which derive from OpenAI's, pass)."""
+    try:
+        yield
+    except openai.OpenAIError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise litellm_error(e, model) from e
+
+
 class MiniSGLLLM(CustomLLM):
-    """LiteLLM provider "minisgl": chat completions (plain and streamed, sync and async) from minisgl daemons."""
+    """LiteLLM provider "minisgl": chat completions (plain and streamed, sync and async) from minisgl daemons.
+
+    LiteLLM calls the four methods with the same arguments; model is the part after "minisgl/".
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.daemons = Daemons()
+
+    def _prepare(self, model: str, messages: list, api_base: str | None, optional_params: dict, timeout: Any,
+                 stream: bool) -> tuple[Client, Request, SamplingParams]:
+        request = build_request(messages, optional_params, stream=stream)
+        client = self.daemons.client(model, api_base or None, _seconds(timeout))
+        return client, request, request.sampling_params(int(client.model_info()["context_length"]))
+
+    async def _aprepare(self, model: str, messages: list, api_base: str | None, optional_params: dict,
+                        timeout: Any, stream: bool) -> tuple[AsyncClient, Request, SamplingParams]:
+        request = build_request(messages, optional_params, stream=stream)
+        client = await self.daemons.aclient(model, api_base or None, _seconds(timeout))
+        return client, request, request.sampling_params(int((await client.model_info())["context_length"]))
 
     # ------------------------------------------------------------------ sync
 
@@ -138,16 +166,10 @@ class MiniSGLLLM(CustomLLM):
                    logging_obj: Any, optional_params: dict, acompletion: Any = None, litellm_params: Any = None,
                    logger_fn: Any = None, headers: dict | None = None, timeout: Any = None, client: Any = None,
                    ) -> ModelResponse:
-        try:
-            request = build_request(messages, optional_params)
-            c = self.daemons.client(model, api_base or None, _seconds(timeout))
-            params = request.sampling_params(int(c.model_info()["context_length"]))
+        with _litellm_errors(model):
+            c, request, params = self._prepare(model, messages, api_base, optional_params, timeout, stream=False)
             result = c.generate(request.messages, params, timeout=_seconds(timeout), **request.generate_kwargs())
-        except openai.OpenAIError:  # LiteLLM's exceptions derive from OpenAI's: already mapped
-            raise
-        except Exception as e:  # noqa: BLE001 - every failure leaves as a LiteLLM exception
-            raise litellm_error(e, model) from e
-        return _fill(model_response, result, model)
+        return to_model_response(result, model_response, model)
 
     def streaming(self, model: str, messages: list, api_base: str | None, custom_prompt_dict: dict,
                   model_response: ModelResponse, print_verbose: Callable, encoding: Any, api_key: Any,
@@ -155,30 +177,21 @@ class MiniSGLLLM(CustomLLM):
                   logger_fn: Any = None, headers: dict | None = None, timeout: Any = None, client: Any = None,
                   ) -> Iterator[GenericStreamingChunk]:
         # Not a generator itself: the request is validated, sent and its first chunk awaited here.
-        try:
-            request = _streamable(build_request(messages, optional_params))
-            c = self.daemons.client(model, api_base or None, _seconds(timeout))
-            params = request.sampling_params(int(c.model_info()["context_length"]))
+        with _litellm_errors(model):
+            c, request, params = self._prepare(model, messages, api_base, optional_params, timeout, stream=True)
             stream = c.stream(request.messages, params, timeout=_seconds(timeout), **request.generate_kwargs())
             first = next(stream)
-        except openai.OpenAIError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise litellm_error(e, model) from e
-        return self._chunks(itertools.chain([first], stream), stream, model)
+        return self._chunks(first, stream, model)
 
     @staticmethod
-    def _chunks(chunks: Iterator[Any], stream: Any, model: str) -> Iterator[GenericStreamingChunk]:
+    def _chunks(first: Any, stream: Any, model: str) -> Iterator[GenericStreamingChunk]:
         called: set[int] = set()
-        try:
-            for chunk in chunks:
-                yield from stream_chunks(chunk, called)
-        except openai.OpenAIError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise litellm_error(e, model) from e
-        finally:
-            stream.close()  # aborts the request in the daemon if the caller stopped early
+        with _litellm_errors(model):
+            try:
+                for chunk in itertools.chain([first], stream):
+                    yield from stream_chunks(chunk, called)
+            finally:
+                stream.close()  # aborts the request in the daemon if the caller stopped early
 
     # ------------------------------------------------------------------ async
 
@@ -187,17 +200,11 @@ class MiniSGLLLM(CustomLLM):
                           logging_obj: Any, optional_params: dict, acompletion: Any = None,
                           litellm_params: Any = None, logger_fn: Any = None, headers: dict | None = None,
                           timeout: Any = None, client: Any = None) -> ModelResponse:
-        try:
-            request = build_request(messages, optional_params)
-            c = await self.daemons.aclient(model, api_base or None, _seconds(timeout))
-            params = request.sampling_params(int((await c.model_info())["context_length"]))
+        with _litellm_errors(model):
+            c, request, params = await self._aprepare(model, messages, api_base, optional_params, timeout, False)
             result = await c.generate(request.messages, params, timeout=_seconds(timeout),
                                       **request.generate_kwargs())
-        except openai.OpenAIError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise litellm_error(e, model) from e
-        return _fill(model_response, result, model)
+        return to_model_response(result, model_response, model)
 
     async def astreaming(self, model: str, messages: list, api_base: str | None, custom_prompt_dict: dict,
                          model_response: ModelResponse, print_verbose: Callable, encoding: Any, api_key: Any,
@@ -205,38 +212,16 @@ class MiniSGLLLM(CustomLLM):
                          litellm_params: Any = None, logger_fn: Any = None, headers: dict | None = None,
                          timeout: Any = None, client: Any = None) -> AsyncIterator[GenericStreamingChunk]:
         # Everything that can fail on the request's account happens before the first yield.
-        try:
-            request = _streamable(build_request(messages, optional_params))
-            c = await self.daemons.aclient(model, api_base or None, _seconds(timeout))
-            params = request.sampling_params(int((await c.model_info())["context_length"]))
-            stream = c.stream(request.messages, params, timeout=_seconds(timeout), **request.generate_kwargs())
-            first = await stream.__anext__()
-        except openai.OpenAIError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise litellm_error(e, model) from e
         called: set[int] = set()
-        try:
-            for generic in stream_chunks(first, called):
-                yield generic
-            async for chunk in stream:
-                for generic in stream_chunks(chunk, called):
+        with _litellm_errors(model):
+            c, request, params = await self._aprepare(model, messages, api_base, optional_params, timeout, True)
+            stream = c.stream(request.messages, params, timeout=_seconds(timeout), **request.generate_kwargs())
+            try:
+                first = await stream.__anext__()
+                for generic in stream_chunks(first, called):
                     yield generic
-        except openai.OpenAIError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise litellm_error(e, model) from e
-        finally:
-            await stream.aclose()
-
-
-def _streamable(request: Request) -> Request:
-    if request.params.get("n", 1) != 1:
-        raise InvalidRequestError("n > 1 cannot be streamed through LiteLLM's provider interface: use stream=False")
-    if request.logprobs:
-        raise InvalidRequestError("logprobs are returned only with stream=False")
-    return request
-
-
-def _fill(response: ModelResponse, result: Any, model: str) -> ModelResponse:
-    return model_response(result, response, model)
+                async for chunk in stream:
+                    for generic in stream_chunks(chunk, called):
+                        yield generic
+            finally:
+                await stream.aclose()  # aborts the request in the daemon if the caller stopped early

@@ -19,8 +19,7 @@ once started, avoid a dead daemon.
 
 The index is the router's belief, not the daemons' truth: a daemon may have evicted a prefix
 (LRU) since. `max_blocks` bounds what is remembered per deployment (least recently used tails
-first) and should be
-about the daemons' KV capacity in tokens times ~4 characters / block_bytes.
+first); about the daemons' KV capacity in tokens times ~4 characters / block_bytes is right.
 """
 
 from __future__ import annotations

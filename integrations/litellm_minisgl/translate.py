@@ -42,7 +42,6 @@ class Request:
         self.tools = optional_params.get("tools") or None
         self.tool_choice = optional_params.get("tool_choice")
         self.response_format = _response_format(optional_params.get("response_format"))
-        self.logprobs = params.get("logprobs") is not None
 
     def sampling_params(self, context_length: int) -> SamplingParams:
         """The request's SamplingParams; without max_tokens it may run to the end of the context (as OpenAI)."""
@@ -52,7 +51,7 @@ class Request:
         return {"tools": self.tools, "tool_choice": self.tool_choice, "response_format": self.response_format}
 
 
-def build_request(messages: Any, optional_params: Mapping[str, Any]) -> Request:
+def build_request(messages: Any, optional_params: Mapping[str, Any], stream: bool = False) -> Request:
     """Validate LiteLLM's messages and optional_params; bad values raise minisgl InvalidRequestError."""
     given = dict(optional_params or {})
     extra_body = given.get("extra_body") or {}
@@ -60,7 +59,8 @@ def build_request(messages: Any, optional_params: Mapping[str, Any]) -> Request:
         raise InvalidRequestError("extra_body must be an object")
     given = {**extra_body, **{k: v for k, v in given.items() if k != "extra_body"}}
     params: dict[str, Any] = {k: given[k] for k in (*_DIRECT, *_EXTRAS) if given.get(k) is not None}
-    max_tokens = given.get("max_completion_tokens", given.get("max_tokens"))
+    max_tokens = given.get("max_completion_tokens")
+    max_tokens = given.get("max_tokens") if max_tokens is None else max_tokens
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
     stop = given.get("stop")
@@ -72,7 +72,14 @@ def build_request(messages: Any, optional_params: Mapping[str, Any]) -> Request:
         raise InvalidRequestError("top_logprobs needs logprobs=true")
     if given.get("logprobs"):
         params["logprobs"] = int(given.get("top_logprobs") or 0)
-    SamplingParams(**{"max_tokens": 1, **params})  # validate now, with the message SamplingParams gives
+    if stream and params.get("n", 1) != 1:
+        raise InvalidRequestError("n > 1 cannot be streamed through LiteLLM's provider interface: use stream=False")
+    if stream and "logprobs" in params:
+        raise InvalidRequestError("logprobs are returned only with stream=False")
+    try:
+        SamplingParams(**{"max_tokens": 1, **params})  # validate now, with the messages SamplingParams gives
+    except TypeError as e:  # a value of the wrong type (e.g. temperature="hot")
+        raise InvalidRequestError(f"invalid SamplingParams: {e}") from e
     return Request(chat_messages(messages), params, given)
 
 
@@ -130,7 +137,10 @@ def _response_format(fmt: Any) -> dict[str, Any] | None:
 
 def usage_dict(usage: Any) -> dict[str, Any]:
     """OpenAI usage of a minisgl Usage: prompt/completion/total tokens and prompt_tokens_details.cached_tokens."""
-    prompt, completion, cached = (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if usage else (0, 0, 0)
+    if usage is None:
+        prompt, completion, cached = 0, 0, 0
+    else:
+        prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -146,21 +156,21 @@ def _finish_reason(reason: str | None, called: bool) -> str:
     return reason or "stop"
 
 
+def _token_logprob(entry: dict[str, Any]) -> dict[str, Any]:
+    token = entry["token"]
+    return {"token": token, "logprob": entry["logprob"], "bytes": list(token.encode("utf-8", "replace"))}
+
+
 def _logprobs(entries: list[dict[str, Any]] | None) -> ChoiceLogprobs | None:
+    """The daemon's per-token logprobs ({token, logprob, top_logprobs}) in OpenAI's chat form."""
     if not entries:
         return None
-    content = [
-        {
-            "token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode("utf-8", "replace")),
-            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode("utf-8", "replace"))}
-                             for t in e.get("top_logprobs") or []],
-        }
-        for e in entries
-    ]
+    content = [{**_token_logprob(e), "top_logprobs": [_token_logprob(t) for t in e.get("top_logprobs") or []]}
+               for e in entries]
     return ChoiceLogprobs(content=content)
 
 
-def model_response(result: Any, model_response: ModelResponse, model: str) -> ModelResponse:
+def to_model_response(result: Any, model_response: ModelResponse, model: str) -> ModelResponse:
     """Fill LiteLLM's ModelResponse from a minisgl GenerateResult (one choice per sampled sequence)."""
     choices = []
     for out in result.outputs:

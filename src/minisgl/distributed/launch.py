@@ -15,6 +15,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from typing import Any
 
 import torch
@@ -67,6 +69,27 @@ def broadcast_ops(ops: list[Any] | None) -> list[Any]:
     return box[0]
 
 
+def destroy_group(timeout: float) -> bool:
+    """Tear the process groups down, bounded: NCCL's teardown waits for the peer ranks to do the same.
+
+    Every rank calls this at about the same time (after rank 0's "exit"); a rank that is gone must
+    not hang the others, so the teardown runs in a thread that is abandoned after `timeout` seconds.
+    """
+    import torch.distributed as dist
+
+    global _OBJECT_GROUP
+    if not dist.is_initialized():
+        return True
+    t = threading.Thread(target=dist.destroy_process_group, name="minisgl-tp-teardown", daemon=True)
+    t.start()
+    t.join(timeout)
+    _OBJECT_GROUP = None
+    if t.is_alive():
+        logger.warning("tensor-parallel teardown did not finish in %.0fs; leaving it", timeout)
+        return False
+    return True
+
+
 def _apply(sched: Any, ops: list[Any]) -> None:
     for op in ops:
         if op[0] == "add":
@@ -81,24 +104,28 @@ def spawn_worker(config: EngineConfig, rank: int, init_addr: str) -> subprocess.
     return subprocess.Popen([sys.executable, "-m", "minisgl.distributed.launch", payload, str(rank), init_addr])
 
 
-def worker_main(config: EngineConfig, rank: int, init_addr: str) -> None:
-    """Ranks > 0: mirror rank 0's scheduler step by step until told to exit."""
+def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
+    """Ranks > 0: mirror rank 0's scheduler step by step until told to exit; returns an exit code."""
     from minisgl.scheduler.scheduler import Scheduler
 
     logging.basicConfig(level=logging.WARNING, format=f"[minisgl tp{rank}] %(levelname)s %(message)s")
     init_distributed(config, rank, init_addr)
     sched = Scheduler(config)
+    code = 0
     try:
         while True:
             ops = broadcast_ops(None)
             if ops and ops[0][0] == "exit":
                 break
+            if ops and ops[0][0] == "ping":  # rank 0 is idle but alive
+                continue
             _apply(sched, ops)
             sched.step()
-    finally:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+    except Exception as e:
+        logger.error("rank %d stops: %s", rank, e)
+        code = 1
+    destroy_group(30 if code == 0 else 5)
+    return code
 
 
 class TPScheduler:
@@ -118,6 +145,27 @@ class TPScheduler:
         self.prefix_cache = self.sched.prefix_cache
         self.engine = self.sched.engine
         self._ops: list[Any] = []
+        # The other ranks wait in a gloo broadcast that times out after dist_timeout: while rank 0 is
+        # idle (a daemon with no requests) a thread pings them so that they do not give up.
+        self._lock = threading.Lock()
+        self._last_broadcast = time.monotonic()
+        self._stop = threading.Event()
+        self._ping_error: BaseException | None = None
+        self._ping_interval = max(0.5, min(30.0, config.dist_timeout / 4))
+        self._pinger = threading.Thread(target=self._ping_loop, name="minisgl-tp-ping", daemon=True)
+        self._pinger.start()
+
+    def _ping_loop(self) -> None:
+        while not self._stop.wait(self._ping_interval / 2):
+            with self._lock:
+                if self._stop.is_set() or time.monotonic() - self._last_broadcast < self._ping_interval:
+                    continue
+                try:
+                    broadcast_ops([("ping",)])
+                except Exception as e:  # a dead peer (RuntimeError) or groups already torn down
+                    self._ping_error = e
+                    return
+                self._last_broadcast = time.monotonic()
 
     @property
     def has_work(self) -> bool:
@@ -143,11 +191,15 @@ class TPScheduler:
 
     def step(self) -> list[TokenOutput]:
         self._check_workers()
+        if self._ping_error is not None:
+            raise RankFailedError(f"a tensor-parallel rank stopped answering: {self._ping_error}")
         ops, self._ops = self._ops, []
-        try:
-            broadcast_ops(ops)
-        except RuntimeError as e:
-            raise RankFailedError(f"a tensor-parallel rank stopped answering: {e}") from e
+        with self._lock:
+            try:
+                broadcast_ops(ops)
+            except RuntimeError as e:
+                raise RankFailedError(f"a tensor-parallel rank stopped answering: {e}") from e
+            self._last_broadcast = time.monotonic()
         _apply(self.sched, ops)
         return self.sched.step()
 
@@ -161,23 +213,29 @@ class TPScheduler:
         self.sched.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        import torch.distributed as dist
-
         self.sched.shutdown()
-        try:
-            broadcast_ops([("exit",)])
-        except RuntimeError:
-            pass
+        self._stop.set()
+        healthy = self._ping_error is None and all(w.poll() is None for w in self.workers)
+        with self._lock:
+            if healthy:
+                try:
+                    broadcast_ops([("exit",)])
+                except RuntimeError:
+                    healthy = False
+            # Every rank tears NCCL down now, together: its teardown waits for the peers.
+            destroy_group(30 if healthy else 5)
         for w in self.workers:
             try:
                 w.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 w.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+                w.wait()
         set_tp_info(0, 1)
 
     def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
         for w in getattr(self, "workers", []):
             if w.poll() is None:
                 w.kill()
@@ -206,7 +264,10 @@ def make_scheduler(config: EngineConfig) -> Any:
 
 def _worker_entry(argv: list[str]) -> None:
     fields = json.loads(argv[0])
-    worker_main(EngineConfig(**fields), int(argv[1]), argv[2])
+    code = worker_main(EngineConfig(**fields), int(argv[1]), argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # not through interpreter teardown: an abandoned NCCL teardown thread must not hang the exit
 
 
 if __name__ == "__main__":
