@@ -13,6 +13,15 @@ do from real agents. Text is drawn from a fixed word list with a fixed seed; eve
 fresh copy of the workload (a per-run salt at the start of each system prompt), so no policy
 finds another's prefixes in the caches.
 
+The daemons it starts get a KV pool of --num-pages tokens each (default 5120): the defaults'
+conversations end at ~7,000 tokens in all, so one daemon cannot cache every conversation while
+two, each holding its own half, can. That is the regime cache-aware routing is for: round-robin
+makes both daemons cache every conversation and loses both prefix affinity and half the cache
+capacity. With a pool larger than everything (--num-pages 65536) only affinity counts, and the
+gap narrows as --turns grows (round-robin finds an older turn of the conversation on either
+daemon); with system prompts shared by many agents (--agent-types below --agents) round-robin
+also finds those on both daemons.
+
 Policies, all through the same LiteLLM Router (routing_strategy simple-shuffle) and provider:
   round-robin  litellm_minisgl.routing.RoundRobinRouting: deployments in turn
   cache-aware  litellm_minisgl.routing.CacheAwareRouting: longest cached prefix, ties by load
@@ -31,6 +40,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -156,7 +166,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--addresses", nargs=2, default=None, help="two running daemons (default: start two)")
-    p.add_argument("--num-pages", type=int, default=None, help="KV pool pages of each started daemon")
+    p.add_argument("--num-pages", type=int, default=5120, help="KV pool (tokens) of each started daemon")
     p.add_argument("--policies", default="round-robin,cache-aware")
     p.add_argument("--agents", type=int, default=8)
     p.add_argument("--agent-types", type=int, default=8, help="distinct system prompts")
@@ -168,6 +178,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the daemons it started are stopped too
 
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="msgl-bench-") as tmp:

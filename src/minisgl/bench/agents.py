@@ -90,13 +90,16 @@ def run_workload(sched: Any, work: Workload) -> Stats:
     sent_at: dict[str, float] = {}
     first_seen: set[str] = set()
     seen: dict[str, list[int]] = {}  # every sequence so far, prompt + output (for the theoretical maximum)
+    # The maximum is computed after the run (it is O(requests^2 x length), seconds on the host): each
+    # request records which earlier sequences existed at its submission, and how long each was then.
+    submitted: list[tuple[list[int], list[tuple[str, int]]]] = []
     stats = Stats()
 
     def submit(a: int) -> None:
         prompt = context[a] + work.tool_results[a][turn[a]]
         rid = f"agent{a}-turn{turn[a]}"
         stats.prompt_tokens += len(prompt)
-        stats.max_cacheable += max_shared_prefix(prompt, list(seen.values()))
+        submitted.append((prompt, [(k, len(v)) for k, v in seen.items()]))
         seen[rid] = prompt
         context[a] = prompt
         sent_at[rid] = time.perf_counter()
@@ -127,6 +130,8 @@ def run_workload(sched: Any, work: Workload) -> Stats:
             else:
                 pending -= 1
     stats.seconds = time.perf_counter() - t0
+    for prompt, earlier in submitted:  # seen[k] only grows (prompt, then prompt + output): a prefix is what it was
+        stats.max_cacheable += max_shared_prefix(prompt, [seen[k][:n] for k, n in earlier])
     return stats
 
 
