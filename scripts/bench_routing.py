@@ -13,14 +13,13 @@ do from real agents. Text is drawn from a fixed word list with a fixed seed; eve
 fresh copy of the workload (a per-run salt at the start of each system prompt), so no policy
 finds another's prefixes in the caches.
 
-The daemons it starts get a KV pool of --num-pages tokens each (default 5120): the defaults'
-conversations end at ~7,000 tokens in all, so one daemon cannot cache every conversation while
-two, each holding its own half, can. That is the regime cache-aware routing is for: round-robin
-makes both daemons cache every conversation and loses both prefix affinity and half the cache
-capacity. With a pool larger than everything (--num-pages 65536) only affinity counts, and the
-gap narrows as --turns grows (round-robin finds an older turn of the conversation on either
-daemon); with system prompts shared by many agents (--agent-types below --agents) round-robin
-also finds those on both daemons.
+The daemons it starts get a KV pool of --num-pages tokens each (default 16384, more than the
+whole workload, ~7,000 prompt tokens over 18 requests), so the defaults measure prefix affinity
+alone. The gap between the policies depends on the workload: it narrows as --turns grows
+(round-robin finds an older turn of a conversation on either daemon) and when many agents share
+a system prompt (--agent-types below --agents: round-robin finds it on both daemons), and it
+widens when a daemon's pool cannot hold every conversation (a smaller --num-pages: round-robin
+makes both daemons cache everything, halving the cache it can use).
 
 Policies, all through the same LiteLLM Router (routing_strategy simple-shuffle) and provider:
   round-robin  litellm_minisgl.routing.RoundRobinRouting: deployments in turn
@@ -166,14 +165,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--addresses", nargs=2, default=None, help="two running daemons (default: start two)")
-    p.add_argument("--num-pages", type=int, default=5120, help="KV pool (tokens) of each started daemon")
+    p.add_argument("--num-pages", type=int, default=16384, help="KV pool (tokens) of each started daemon")
     p.add_argument("--policies", default="round-robin,cache-aware")
-    p.add_argument("--agents", type=int, default=8)
-    p.add_argument("--agent-types", type=int, default=8, help="distinct system prompts")
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-words", type=int, default=240)
-    p.add_argument("--result-words", type=int, default=120)
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--agents", type=int, default=6)
+    p.add_argument("--agent-types", type=int, default=6, help="distinct system prompts")
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--system-words", type=int, default=160)
+    p.add_argument("--result-words", type=int, default=80)
+    p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--think-ms", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
