@@ -331,13 +331,14 @@ class ChatMiniSGL(BaseChatModel):
         # An AsyncClient belongs to the loop it connected in: one set per loop. Clients of loops
         # that are closed can no longer be closed; drop them.
         loop = asyncio.get_running_loop()
-        for stale in [other for other in self._async_clients if other is not loop and other.is_closed()]:
-            del self._async_clients[stale]
-        clients = self._async_clients.setdefault(loop, {})
         key = (model, self._address_for(model))
-        client = clients.get(key)
-        if client is None:
-            client = clients[key] = AsyncClient(model, key[1], self.auto_start, self.timeout, **self.engine_kwargs)
+        with self._lock:  # loops of other threads share the table
+            for stale in [other for other in list(self._async_clients) if other.is_closed()]:
+                del self._async_clients[stale]
+            clients = self._async_clients.setdefault(loop, {})
+            client = clients.get(key)
+            if client is None:
+                client = clients[key] = AsyncClient(model, key[1], self.auto_start, self.timeout, **self.engine_kwargs)
         return client
 
     def _client_chunks(self, request: _Request) -> Iterator[Chunk]:
@@ -441,9 +442,9 @@ def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
     """The whole answer. Unlike a merged stream, whose tool calls LangChain parses leniently (a call
     cut short by max_tokens keeps the arguments it got), a call is valid only if its arguments are
     a complete JSON object; the others are invalid_tool_calls."""
-    merged = chunks[0] + chunks[1:] if len(chunks) > 1 else chunks[0]
+    merged = chunks[0].message + [c.message for c in chunks[1:]]
     tool_calls, invalid = [], []
-    for call in merged.message.tool_call_chunks:
+    for call in merged.tool_call_chunks:
         try:
             args = json.loads(call["args"] or "{}")
         except json.JSONDecodeError as e:
@@ -457,12 +458,12 @@ def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
                 create_invalid_tool_call(name=call["name"], args=call["args"], id=call["id"], error=error)
             )
     message = AIMessage(
-        content=merged.message.content,
+        content=merged.content,
         tool_calls=tool_calls,
         invalid_tool_calls=invalid,
-        usage_metadata=merged.message.usage_metadata,
-        response_metadata=merged.message.response_metadata,
-        id=merged.message.id,
+        usage_metadata=merged.usage_metadata,
+        response_metadata=merged.response_metadata,
+        id=merged.id,
     )
     return ChatResult(generations=[ChatGeneration(message=message)])
 
@@ -481,12 +482,13 @@ def _tool_call_chunks(deltas: list[dict[str, Any]]) -> list[Any]:
 
 
 def _usage_metadata(usage: Usage | None) -> UsageMetadata:
-    prompt, completion, cached = (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if usage else (0, 0, 0)
+    usage = usage or Usage(0, 0, 0)
+    prompt, completion = usage.prompt_tokens, usage.completion_tokens
     return UsageMetadata(
         input_tokens=prompt,
         output_tokens=completion,
         total_tokens=prompt + completion,
-        input_token_details=InputTokenDetails(cache_read=cached),
+        input_token_details=InputTokenDetails(cache_read=usage.cached_tokens),
     )
 
 

@@ -232,18 +232,18 @@ class CacheAwareRouting(CustomLogger):
             return healthy_deployments  # a request the provider will reject with a proper error
         candidates = [d for d in healthy_deployments if not self.liveness.is_down(_deployment_id(d))]
         for deployment in self.rank(candidates, hashes):
+            chosen = _deployment_id(deployment)
+            # Booked before the ping's await, so that requests routed meanwhile see this one.
+            matched = self.index.match(chosen, hashes)
+            self.index.insert(chosen, hashes)  # its daemon caches the prompt as soon as it is prefilled
+            self.load.started(chosen)
             if await self.liveness.alive(deployment):
-                self._routed(_deployment_id(deployment), hashes)
+                self.routed[chosen] = self.routed.get(chosen, 0) + 1
+                self.matched_bytes[chosen] = self.matched_bytes.get(chosen, 0) + matched * self.block_bytes
                 return [deployment]
+            self.load.ended(chosen)
+            self.index.drop(chosen)  # a daemon that comes back is a new one, with an empty cache
         return healthy_deployments  # none answers: let the Router and the provider report it
-
-    def _routed(self, deployment: str, hashes: Sequence[bytes]) -> None:
-        self.routed[deployment] = self.routed.get(deployment, 0) + 1
-        self.matched_bytes[deployment] = (
-            self.matched_bytes.get(deployment, 0) + self.index.match(deployment, hashes) * self.block_bytes
-        )
-        self.index.insert(deployment, hashes)  # its daemon caches the prompt as soon as it is prefilled
-        self.load.started(deployment)
 
     # ------------------------------------------------------------------ request ends
 
