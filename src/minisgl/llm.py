@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from minisgl.config import EngineConfig
@@ -34,7 +34,6 @@ class RequestOutput:
     cached_tokens: int
     completion_tokens: int = 0
     error: str | None = None
-    tool_calls: list[Any] = field(default_factory=list)
 
     @property
     def text(self) -> str:
