@@ -53,14 +53,10 @@ def test_a_dead_rank_stops_the_engine_with_a_clear_error(tiny_model_dir):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert time.monotonic() - t0 < 20
     finally:
-        llm.scheduler.workers.clear()
-        llm.scheduler.sched.shutdown()
-        import torch.distributed as dist
-
-        from minisgl.distributed import set_tp_info
-
-        dist.destroy_process_group()
-        set_tp_info(0, 1)
+        t0 = time.monotonic()
+        llm.shutdown()  # with a dead peer: bounded, and nothing of this engine outlives it
+        assert time.monotonic() - t0 < 30
+        assert not llm.scheduler._pinger.is_alive()
 
 
 def test_two_nodes_on_one_machine_match_single_node(tiny_model_dir):

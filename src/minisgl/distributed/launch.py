@@ -60,12 +60,12 @@ def init_distributed(config: EngineConfig, rank: int, init_addr: str) -> None:
     set_tp_info(rank, config.tp)
 
 
-def broadcast_ops(ops: list[Any] | None) -> list[Any]:
-    """Rank 0 sends its op list to every rank; the others receive it."""
+def broadcast_ops(ops: list[Any] | None, group: Any = None) -> list[Any]:
+    """Rank 0 sends its op list to every rank (over `group`, default this process's); the others receive it."""
     import torch.distributed as dist
 
     box = [ops]
-    dist.broadcast_object_list(box, src=0, group=_OBJECT_GROUP)
+    dist.broadcast_object_list(box, src=0, group=group if group is not None else _OBJECT_GROUP)
     return box[0]
 
 
@@ -144,6 +144,8 @@ class TPScheduler:
         self.device = self.sched.device
         self.prefix_cache = self.sched.prefix_cache
         self.engine = self.sched.engine
+        # Bound now: a later engine in this process re-initialises the module's group.
+        self._group = _OBJECT_GROUP
         self._ops: list[Any] = []
         # The other ranks wait in a gloo broadcast that times out after dist_timeout: while rank 0 is
         # idle (a daemon with no requests) a thread pings them so that they do not give up.
@@ -161,7 +163,7 @@ class TPScheduler:
                 if self._stop.is_set() or time.monotonic() - self._last_broadcast < self._ping_interval:
                     continue
                 try:
-                    broadcast_ops([("ping",)])
+                    broadcast_ops([("ping",)], self._group)
                 except Exception as e:  # a dead peer (RuntimeError) or groups already torn down
                     self._ping_error = e
                     return
@@ -196,7 +198,7 @@ class TPScheduler:
         ops, self._ops = self._ops, []
         with self._lock:
             try:
-                broadcast_ops(ops)
+                broadcast_ops(ops, self._group)
             except RuntimeError as e:
                 raise RankFailedError(f"a tensor-parallel rank stopped answering: {e}") from e
             self._last_broadcast = time.monotonic()
@@ -213,17 +215,18 @@ class TPScheduler:
         self.sched.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        self.sched.shutdown()
         self._stop.set()
+        self.sched.shutdown()
         healthy = self._ping_error is None and all(w.poll() is None for w in self.workers)
         with self._lock:
             if healthy:
                 try:
-                    broadcast_ops([("exit",)])
+                    broadcast_ops([("exit",)], self._group)
                 except RuntimeError:
                     healthy = False
             # Every rank tears NCCL down now, together: its teardown waits for the peers.
             destroy_group(30 if healthy else 5)
+        self._pinger.join(timeout=5)
         for w in self.workers:
             try:
                 w.wait(timeout=10)
