@@ -6,19 +6,26 @@ structured output and JSON mode enabled; the per-call model override starts (thr
 auto-start) a daemon for a tiny random checkpoint, a second model served next to SmolLM2.
 
 Skipped by the suite itself, for capabilities a text-only model cannot have: image, audio and PDF
-inputs, and images or PDFs inside tool messages. Also skipped: test_serdes ("Model is not
-serializable"), because langchain-core's load() revives only the classes on its own allowlist
-(langchain_core.load.mapping: core and LangChain's partner packages), so an out-of-tree model
-cannot pass it; ChatMiniSGL is not lc-serializable, like ChatOllama.
+inputs, and images or PDFs inside tool messages.
+
+test_serdes is marked xfail (strict, ValueError only): ChatMiniSGL is lc-serializable and dumpd()
+matches the committed snapshot, but the test's load(..., allowed_objects="all") revives only the
+classes on langchain-core's own allowlist (langchain_core.load.mapping: core and LangChain's
+in-tree partner packages), which no out-of-tree package can join short of patching langchain-core.
+test_serdes_round_trip_with_an_explicit_allowlist makes the same round trip the way langchain-core
+documents for every other class: allowed_objects=[ChatMiniSGL].
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import pytest
 from langchain_core.exceptions import OutputParserException
+from langchain_core.load import dumpd, load
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
@@ -50,6 +57,35 @@ class TestChatMiniSGLUnit(ChatModelUnitTests):
     @property
     def init_from_env_params(self) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
         return {"MINISGL_ADDRESS": "ipc:///tmp/minisgl-test.sock"}, {}, {"address": "ipc:///tmp/minisgl-test.sock"}
+
+    @pytest.mark.xfail(raises=ValueError, strict=True, reason=(
+        "langchain-core's load(allowed_objects='all') admits only the classes in its own allowlist "
+        "(in-tree partners); dumpd() must still match the snapshot (any other failure is a real one)"
+    ))
+    def test_serdes(self, model: ChatMiniSGL, snapshot: Any) -> None:
+        super().test_serdes(model, snapshot)
+
+    def test_serdes_round_trip_with_an_explicit_allowlist(self, model: ChatMiniSGL, snapshot: Any) -> None:
+        """test_serdes's round trip, with ChatMiniSGL named in load()'s allowlist (see the module docstring)."""
+        assert self.chat_model_class.is_lc_serializable()
+        env_params, _model_params, _expected_attrs = self.init_from_env_params
+        with mock.patch.dict(os.environ, env_params):
+            ser = dumpd(model)
+            assert ser == snapshot(name="serialized")
+            revived = load(ser, valid_namespaces=["langchain_minisgl"], allowed_objects=[ChatMiniSGL],
+                           secrets_from_env=True)
+            assert isinstance(revived, ChatMiniSGL)
+            assert model.dict() == revived.dict()
+
+    def test_serdes_keeps_the_api_key_out_of_the_json(self) -> None:
+        model = ChatMiniSGL(model="smollm2", api_key="sk-secret", temperature=0.5, stop=["END"])
+        ser = dumpd(model)
+        assert "sk-secret" not in str(ser)
+        with mock.patch.dict(os.environ, {"MINISGL_API_KEY": "sk-secret"}):
+            revived = load(ser, valid_namespaces=["langchain_minisgl"], allowed_objects=[ChatMiniSGL],
+                           secrets_from_env=True)
+        assert revived.api_key.get_secret_value() == "sk-secret"
+        assert (revived.temperature, revived.stop) == (0.5, ["END"])
 
 
 class TestChatMiniSGLIntegration(ChatModelIntegrationTests):

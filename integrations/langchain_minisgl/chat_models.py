@@ -144,6 +144,24 @@ class ChatMiniSGL(BaseChatModel):
 
     # ------------------------------------------------------------------ LangChain's hooks
 
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """dumpd()/load() round-trip the settings (never the connections; api_key as a secret)."""
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["langchain_minisgl", "chat_models"]
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"api_key": "MINISGL_API_KEY"}
+
+    @property
+    def lc_attributes(self) -> dict[str, Any]:
+        # Always written, None included: a revived model keeps this one's daemon, not $MINISGL_ADDRESS's.
+        return {"address": self.address}
+
     @property
     def _llm_type(self) -> str:
         return "minisgl-chat"
