@@ -57,31 +57,48 @@ def apply_penalties(logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
     pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype).to(device, non_blocking=True)
     freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype).to(device, non_blocking=True)
     if any(p.repetition_penalty != 1.0 for p in params):
-        seen = torch.zeros(B, V, dtype=torch.bool, device=device)
+        rows, cols = [], []
         for i, r in enumerate(reqs):
             if r.sampling_params.repetition_penalty != 1.0:
-                seen[i, torch.tensor(r.input_ids).to(device, non_blocking=True)] = True
+                rows += [i] * len(r.input_ids)
+                cols += r.input_ids
+        seen = torch.zeros(B, V, dtype=torch.bool, device=device)
+        seen[_index_pairs(rows, cols, device)] = True
         penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
         logits = torch.where(seen, penalised, logits)
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-        counts = torch.zeros(B, V, dtype=logits.dtype, device=device)
+        rows, cols = [], []
         for i, r in enumerate(reqs):
-            if r.output_ids:
-                out = torch.tensor(r.output_ids).to(device, non_blocking=True)
-                counts[i].index_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
+            rows += [i] * len(r.output_ids)
+            cols += r.output_ids
+        counts = torch.zeros(B * V, dtype=logits.dtype, device=device)
+        if rows:
+            flat = torch.tensor(rows, dtype=torch.int64) * V + torch.tensor(cols, dtype=torch.int64)
+            flat = flat.to(device, non_blocking=True)
+            counts.index_add_(0, flat, torch.ones(flat.shape, dtype=logits.dtype, device=device))
+        counts = counts.view(B, V)
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
     return logits
 
 
 def mask_stops_before_min_tokens(logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
     """Rows that have not reached min_tokens cannot sample EOS or a stop token (a grammar, if any, decides instead)."""
+    rows, cols = [], []
     for i, r in enumerate(reqs):
         p = r.sampling_params
         if r.num_output < p.min_tokens and r.grammar is None:
             stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-            if stops:
-                logits[i, torch.tensor(stops).to(logits.device, non_blocking=True)] = float("-inf")
+            rows += [i] * len(stops)
+            cols += stops
+    if rows:  # one copy and one scatter for the whole batch, not one per row
+        logits[_index_pairs(rows, cols, logits.device)] = float("-inf")
     return logits
+
+
+def _index_pairs(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) index tensors on `device` from one host tensor and one non-blocking copy."""
+    pairs = torch.tensor([rows, cols], dtype=torch.int64).to(device, non_blocking=True)
+    return pairs[0], pairs[1]
 
 
 def _filter_probs(probs: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
