@@ -1,11 +1,16 @@
 """HF model.generate, unpatched vs patched with transformers_minisgl, on the same model object.
 
-The offline workload shape of `minisgl bench offline`: random prompts with lengths spread over
-[input_len / 2, input_len] (one left-padded batch), output_len new tokens each (EOS masked with
-min_new_tokens, so both sides generate the same number of tokens), greedy.
+Two prompt sets, both greedy and one left-padded batch, as a transformers user would call it:
+- random (default): the offline workload shape of `minisgl bench offline`: random token prompts with
+  lengths spread over [input_len / 2, input_len], output_len new tokens each (EOS masked with
+  min_new_tokens, so both sides generate exactly the same number of tokens);
+- chat: 32 different questions through the model's chat template, up to output_len new tokens and
+  stopping at EOS, so the answers end at different lengths (what transformers' static batch keeps
+  computing, as padding, until the longest answer ends).
 
-    python scripts/bench_hf_patch.py                                   # 32 prompts, SmolLM2, CPU fp32
-    python scripts/bench_hf_patch.py --num-prompts 256 --device cuda   # the GPU figure (bf16)
+    python scripts/bench_hf_patch.py                                    # 32 random prompts, SmolLM2, CPU fp32
+    python scripts/bench_hf_patch.py --prompt-set chat --output-len 256 # 32 chat questions, CPU fp32
+    python scripts/bench_hf_patch.py --num-prompts 256 --device cuda    # the GPU figure (bf16)
 """
 
 from __future__ import annotations
@@ -15,6 +20,38 @@ import json
 import time
 
 import torch
+
+QUESTIONS = [
+    "What is the capital of France?", "Explain photosynthesis in simple terms.",
+    "Write a haiku about the ocean.", "What is 17 times 23?", "Give me three tips for better sleep.",
+    "Who wrote Romeo and Juliet?", "Describe how a rainbow forms.", "What is the boiling point of water in Kelvin?",
+    "Translate 'good morning' into Spanish.", "List the planets of the solar system.",
+    "Why is the sky blue?", "Write a short story about a robot learning to paint.",
+    "What is a prime number?", "How do vaccines work?", "Name a famous painting by Leonardo da Vinci.",
+    "What are the benefits of regular exercise?", "Explain what a neural network is.",
+    "What is the largest mammal on Earth?", "Suggest a name for a pet goldfish.",
+    "How many continents are there?", "What causes the seasons on Earth?",
+    "Write a limerick about a cat.", "What is the difference between weather and climate?",
+    "Summarize the plot of Cinderella.", "How does a bicycle stay upright?", "What is gravity?",
+    "Give me a recipe for pancakes.", "What does DNA stand for?", "Why do leaves change color in autumn?",
+    "Explain the water cycle.", "What is the speed of light?", "How do bees make honey?",
+]
+
+
+def chat_prompts(tokenizer: object, n: int) -> list[list[int]]:
+    msgs = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
+    return [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
+            for m in msgs]
+
+
+def answer_tokens(new: torch.Tensor, eos: int | list[int] | None) -> int:
+    """Generated tokens up to and including each row's first EOS (what follows is padding)."""
+    eos_ids = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+    total = 0
+    for row in new.cpu():
+        hits = torch.isin(row, eos_ids).nonzero()
+        total += int(hits[0, 0]) + 1 if len(hits) else len(row)
+    return total
 
 
 def main() -> None:
@@ -26,6 +63,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-set", choices=["random", "chat"], default="random")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
 
@@ -41,14 +79,18 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(args.device).eval()
     pad = model.generation_config.pad_token_id
     pad = pad if isinstance(pad, int) else 0
-    prompts = make_prompts(model.config.vocab_size, args.num_prompts, args.input_len, args.seed)
+    if args.prompt_set == "chat":
+        from transformers import AutoTokenizer
+
+        prompts = chat_prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.num_prompts)
+    else:
+        prompts = make_prompts(model.config.vocab_size, args.num_prompts, args.input_len, args.seed)
     width = max(map(len, prompts))
     input_ids = torch.tensor([[pad] * (width - len(q)) + q for q in prompts], device=args.device)
     attention_mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in prompts], device=args.device)
-    kwargs = dict(
-        attention_mask=attention_mask, do_sample=False, max_new_tokens=args.output_len,
-        min_new_tokens=args.output_len, pad_token_id=pad,
-    )
+    kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=args.output_len, pad_token_id=pad)
+    if args.prompt_set == "random":
+        kwargs["min_new_tokens"] = args.output_len
     warmup = dict(attention_mask=attention_mask[:2, -8:], max_new_tokens=4, pad_token_id=pad)
 
     def timed(label: str) -> tuple[torch.Tensor, float]:
@@ -60,17 +102,19 @@ def main() -> None:
         if on_cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
-        new_tokens = (out.shape[1] - width) * out.shape[0]
-        print(f"{label:>12}: {new_tokens} new tokens in {elapsed:.2f}s = {new_tokens / elapsed:.1f} tok/s", flush=True)
+        new_tokens = answer_tokens(out[:, width:], model.generation_config.eos_token_id)
+        print(f"{label:>12}: {new_tokens} answer tokens ({out.shape[0]} x {out.shape[1] - width} generated) "
+              f"in {elapsed:.2f}s = {new_tokens / elapsed:.1f} tok/s", flush=True)
         return out, elapsed
 
     hf_out, hf_s = timed("transformers")
     patch_generate(model)
     ms_out, ms_s = timed("minisgl")
     same_rows = int((hf_out == ms_out).all(dim=1).sum()) if hf_out.shape == ms_out.shape else 0
-    new_tokens = (hf_out.shape[1] - width) * hf_out.shape[0]
+    new_tokens = answer_tokens(hf_out[:, width:], model.generation_config.eos_token_id)
     result = {
-        "model": str(args.model), "device": args.device, "dtype": str(dtype).removeprefix("torch."),
+        "model": str(args.model), "prompt_set": args.prompt_set, "device": args.device,
+        "dtype": str(dtype).removeprefix("torch."), "answer_tokens": new_tokens,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "hf_seconds": round(hf_s, 3), "hf_output_tok_s": round(new_tokens / hf_s, 1),
         "minisgl_seconds": round(ms_s, 3), "minisgl_output_tok_s": round(new_tokens / ms_s, 1),

@@ -10,7 +10,10 @@
 #   .carry/fi_aot   fi_aot.tar.gz from $OUT of a run with the "warm" stage (built flashinfer kernels, 9 MB);
 #                   without it the first use of each kernel JIT-builds it (~70 s in parallel in "warm")
 # Device call: carry [".carry/gpu_whl", ".carry/tok", ".carry/fi_aot"], command: bash scripts/gpu_check.sh
-# Stages: STAGES="warm tests bench" (default all); BENCH_ARGS are passed to scripts/gpu_bench.py.
+# Stages: STAGES="warm tests bench" (default all); BENCH_ARGS are passed to scripts/gpu_bench.py; TESTS_K
+# selects tests (pytest -k); stage "extras" runs scripts/gpu_tp.py's single-GPU stages (EXTRAS, default
+# "hfpatch,agents": the HF generate drop-in and the agents benchmark) within EXTRAS_DEADLINE seconds.
+# .carry/zmq_whl (pyzmq, for `minisgl serve`) is installed too when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/minisgl-gpu}
@@ -21,7 +24,7 @@ export MINISGL_TOKENIZER_DIR=$PWD/.carry/tok MINISGL_GPU_REPORT=$OUT/tests.json
 
 t0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .carry/gpu_whl/*.whl || exit 1
+  .carry/gpu_whl/*.whl $(ls .carry/zmq_whl/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/integrations
 # flashinfer loads a module's .so from its AOT folder without running ninja: ship only those.
 AOT=/tmp/site/flashinfer/data/aot
@@ -39,8 +42,14 @@ if [[ $STAGES == *warm* ]]; then
   echo "warm done $(( $(date +%s) - t0 ))s"
 fi
 if [[ $STAGES == *tests* ]]; then
-  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/tests.log"
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+    | tee "$OUT/tests.log"
   echo "tests done $(( $(date +%s) - t0 ))s"
+fi
+if [[ $STAGES == *extras* ]]; then
+  timeout $(( ${EXTRAS_DEADLINE:-200} + 30 )) python3 scripts/gpu_tp.py all --stages "${EXTRAS:-hfpatch,agents}" \
+    --out-dir "$OUT" --deadline "${EXTRAS_DEADLINE:-200}" 2>&1 | grep -v "it/s\]$" | tee "$OUT/extras.log"
+  echo "extras done $(( $(date +%s) - t0 ))s"
 fi
 if [[ $STAGES == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-330} python3 scripts/gpu_bench.py --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 \
