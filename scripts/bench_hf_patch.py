@@ -54,6 +54,21 @@ def answer_tokens(new: torch.Tensor, eos: int | list[int] | None) -> int:
     return total
 
 
+def engine_alone(model: object, prompts: list[list[int]], output_len: int, on_cuda: bool) -> None:
+    """The patched model's own engine through LLM.generate on the same prompts: the floor for the patched call."""
+    from minisgl import SamplingParams
+
+    llm = model._minisgl_generate.llm  # type: ignore[attr-defined]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.scheduler.reset_prefix_cache()  # the patched call cached these prompts
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    if on_cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    print(f"engine alone (LLM.generate, ignore_eos): {len(prompts) * output_len / elapsed:.1f} tok/s in {elapsed:.2f}s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="model dir, .gguf, alias or hub id")
@@ -64,6 +79,8 @@ def main() -> None:
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-set", choices=["random", "chat"], default="random")
+    p.add_argument("--profile", action="store_true",
+                   help="also: cProfile the patched call, and time the engine alone (LLM.generate) on the same work")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
 
@@ -109,7 +126,18 @@ def main() -> None:
 
     hf_out, hf_s = timed("transformers")
     patch_generate(model)
-    ms_out, ms_s = timed("minisgl")
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        ms_out, ms_s = timed("minisgl")
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        engine_alone(model, prompts, args.output_len, on_cuda)
+    else:
+        ms_out, ms_s = timed("minisgl")
     same_rows = int((hf_out == ms_out).all(dim=1).sum()) if hf_out.shape == ms_out.shape else 0
     new_tokens = answer_tokens(hf_out[:, width:], model.generation_config.eos_token_id)
     result = {

@@ -368,7 +368,7 @@ def stage_hfpatch(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], 
     ckpt = write_hf_checkpoint(Path(args.tokenizer_dir), "qwen3-0.6b-hf-", args.device, **shape)
     path = out_dir / "hfpatch.json"
     code, _ = run([sys.executable, str(ROOT / "scripts" / "bench_hf_patch.py"), "--model", str(ckpt), "--num-prompts",
-                   "256", "--device", "cuda", "--json", str(path)], 240, log=log)
+                   "256", "--device", "cuda", "--json", str(path), *args.hfpatch_args.split()], 240, log=log)
     res["hfpatch"] = json.loads(path.read_text()) if path.exists() else {"error": f"exit {code}"}
     if "speedup" in res["hfpatch"]:
         res["hfpatch"]["pass"] = res["hfpatch"]["speedup"] >= 10
@@ -377,18 +377,19 @@ def stage_hfpatch(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], 
 
 def stage_agents(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log: Path) -> None:
     model = write_config_dir(QWEN3_06B, Path(args.tokenizer_dir), "qwen3-0.6b-dummy-")
-    a: dict[str, Any] = {"agents": 64, "turns": 6}
-    for cache in ("radix", "naive"):
-        path = out_dir / f"agents_{cache}.json"
-        code, _ = run([sys.executable, "-m", "minisgl", "bench", "agents", "--model", str(model), "--load-format",
-                       "dummy", "--device", "cuda", "-k", "64", "-t", "6", "--caches", cache, "--json", str(path)],
-                      180, log=log)
-        a[cache] = json.loads(path.read_text())[cache] if path.exists() else {"error": f"exit {code}"}
-    if "ttft_p50_ms" in a["radix"] and "ttft_p50_ms" in a["naive"]:
-        a["ttft_p50_ratio_naive_over_radix"] = round(a["naive"]["ttft_p50_ms"] / max(1e-9, a["radix"]["ttft_p50_ms"]), 2)
-        a["speedup_radix_vs_naive"] = round(a["naive"]["seconds"] / a["radix"]["seconds"], 2)
-        a["pass"] = a["ttft_p50_ratio_naive_over_radix"] >= 5 and a["radix"]["hit_ratio_of_max"] >= 0.95
-    res["agents"] = a
+    for budget in args.agents_prefill.split(","):
+        a: dict[str, Any] = {"agents": 64, "turns": 6, "max_prefill_tokens": int(budget)}
+        for cache in ("radix", "naive"):
+            path = out_dir / f"agents_{cache}_{budget}.json"
+            code, _ = run([sys.executable, "-m", "minisgl", "bench", "agents", "--model", str(model), "--load-format",
+                           "dummy", "--device", "cuda", "-k", "64", "-t", "6", "--caches", cache,
+                           "--max-prefill-tokens", budget, "--json", str(path)], 180, log=log)
+            a[cache] = json.loads(path.read_text())[cache] if path.exists() else {"error": f"exit {code}"}
+        if "ttft_p50_ms" in a["radix"] and "ttft_p50_ms" in a["naive"]:
+            a["ttft_p50_ratio_naive_over_radix"] = round(a["naive"]["ttft_p50_ms"] / max(1e-9, a["radix"]["ttft_p50_ms"]), 2)
+            a["speedup_radix_vs_naive"] = round(a["naive"]["seconds"] / a["radix"]["seconds"], 2)
+            a["pass"] = a["ttft_p50_ratio_naive_over_radix"] >= 5 and a["radix"]["hit_ratio_of_max"] >= 0.95
+        res.setdefault("agents", {})[budget] = a
 
 
 def print_table(r: dict[str, Any]) -> None:
@@ -431,15 +432,15 @@ def print_table(r: dict[str, Any]) -> None:
                   f"identical rows {h['identical_rows']}")
         else:
             print(f"hfpatch: {h}")
-    a = r.get("agents")
-    if a:
+    for budget, a in r.get("agents", {}).items():
         if "ttft_p50_ratio_naive_over_radix" in a:
             ra, na = a["radix"], a["naive"]
-            print(f"agents K=64 T=6: TTFT p50 radix {ra['ttft_p50_ms']} ms vs naive {na['ttft_p50_ms']} ms = "
-                  f"{a['ttft_p50_ratio_naive_over_radix']}x; hit ratio of max {ra['hit_ratio_of_max']:.1%}; "
-                  f"end to end {ra['seconds']}s vs {na['seconds']}s -> {'PASS' if a['pass'] else 'FAIL'}")
+            print(f"agents K=64 T=6, max_prefill_tokens {budget}: TTFT p50 radix {ra['ttft_p50_ms']} ms vs naive "
+                  f"{na['ttft_p50_ms']} ms = {a['ttft_p50_ratio_naive_over_radix']}x; hit ratio of max "
+                  f"{ra['hit_ratio_of_max']:.1%}; end to end {ra['seconds']}s vs {na['seconds']}s -> "
+                  f"{'PASS' if a['pass'] else 'FAIL'}")
         else:
-            print(f"agents: {a}")
+            print(f"agents ({budget}): {a}")
 
 
 def cmd_all(args: argparse.Namespace) -> None:
@@ -484,6 +485,8 @@ def main() -> None:
     p.add_argument("--out-dir", default="tp-out")
     p.add_argument("--out")
     p.add_argument("--stages", default="parity,nodes,tput,hfpatch,agents")
+    p.add_argument("--agents-prefill", default="8192", help="agents: max_prefill_tokens values, comma-separated")
+    p.add_argument("--hfpatch-args", default="", help="hfpatch: more bench_hf_patch.py arguments")
     p.add_argument("--deadline", type=float, default=540, help="seconds: later stages are skipped past it")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
