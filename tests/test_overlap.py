@@ -77,3 +77,23 @@ def test_overlap_abort_while_in_flight_frees_pages(tiny_model_dir):
     assert final["b"].completion_tokens == 5
     llm.check_integrity()
     assert sched.stats()["req_pages"] == 0
+
+
+def test_min_tokens_under_overlap_equals_step_by_step(tiny_model_dir):
+    """min_tokens needs only the count of sampled tokens (in flight ones included), not their values."""
+    model_dir = str(tiny_model_dir("llama"))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, 200) for _ in range(rng.randrange(3, 30))] for _ in range(12)]
+    plain = LLM(model_dir, disable_overlap=True)
+    overlap = LLM(model_dir, **OVERLAP)
+    free = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    # Each request's stop token is its own second greedy token: without min_tokens it would stop at 2.
+    params = [SamplingParams(temperature=0, stop_token_ids=[o.token_ids[1]], min_tokens=6, max_tokens=12) for o in free]
+    ref = plain.generate(prompts, params, use_tqdm=False)
+    got = overlap.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    for o, p in zip(ref, params):
+        assert len(o.token_ids) >= 6
+        assert p.stop_token_ids[0] not in o.token_ids[:5]
+    assert all(r.tokens_in_flight == 0 for r in overlap.scheduler.reqs.values())
+    overlap.check_integrity()

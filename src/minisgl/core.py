@@ -149,6 +149,7 @@ class Req:
     cache_handle: Any = None  # the prefix cache node this request locks
     # Output state.
     output_ids: list[int] = field(default_factory=list)
+    tokens_in_flight: int = 0  # sampled on the device, not yet read on the host (overlap scheduling)
     output_logprobs: list[Any] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
@@ -174,6 +175,11 @@ class Req:
     @property
     def num_output(self) -> int:
         return len(self.output_ids)
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens sampled so far, those still in flight on the device included."""
+        return len(self.output_ids) + self.tokens_in_flight
 
 
 @dataclass

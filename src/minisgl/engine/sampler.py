@@ -31,7 +31,7 @@ class SamplingInfo:
         greedy_flags = [p.greedy for p in params]
         logprobs_k = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         penalties = any(p.has_penalties for p in params)
-        min_tokens = any(r.num_output < r.sampling_params.min_tokens for r in reqs)
+        min_tokens = any(r.num_sampled < r.sampling_params.min_tokens for r in reqs)
         if all(greedy_flags):
             return cls(True, torch.ones(0), None, None, None, None, penalties, logprobs_k, min_tokens)
         temps = [p.temperature if not g else 1.0 for p, g in zip(params, greedy_flags)]
@@ -86,7 +86,7 @@ def mask_stops_before_min_tokens(logits: torch.Tensor, reqs: list["Req"]) -> tor
     rows, cols = [], []
     for i, r in enumerate(reqs):
         p = r.sampling_params
-        if r.num_output < p.min_tokens and r.grammar is None:
+        if r.num_sampled < p.min_tokens and r.grammar is None:
             stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
             rows += [i] * len(stops)
             cols += stops
@@ -97,7 +97,8 @@ def mask_stops_before_min_tokens(logits: torch.Tensor, reqs: list["Req"]) -> tor
 
 def _index_pairs(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, column) index tensors on `device` from one host tensor and one non-blocking copy."""
-    pairs = torch.tensor([rows, cols], dtype=torch.int64).to(device, non_blocking=True)
+    pairs = torch.tensor([rows, cols], dtype=torch.int64, pin_memory=device.type == "cuda")
+    pairs = pairs.to(device, non_blocking=True)  # from pinned memory: no wait for the GPU
     return pairs[0], pairs[1]
 
 

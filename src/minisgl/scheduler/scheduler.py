@@ -172,7 +172,8 @@ class Scheduler:
         then land one step late; a request's extra token from that step is dropped.
         """
         if self._inflight is not None and self._needs_host_state(self._inflight):
-            # Grammar masks, penalties and min_tokens need the previous token on the host first.
+            # Grammar masks and penalties need the previous token on the host first (min_tokens
+            # only needs the count, which num_sampled projects).
             previous, self._inflight = self._inflight, None
             self._process(previous)
         batch = self._schedule_prefill() or self._schedule_decode()
@@ -189,7 +190,7 @@ class Scheduler:
     def _needs_host_state(self, step: LaunchedStep) -> bool:
         return any(
             not r.finished
-            and (r.grammar is not None or r.sampling_params.has_penalties or r.num_output < r.sampling_params.min_tokens)
+            and (r.grammar is not None or r.sampling_params.has_penalties)
             for r in step.sampled
         )
 
@@ -431,6 +432,8 @@ class Scheduler:
             info = SamplingInfo.from_reqs(sampled, self.model_config.vocab_size, self.device)
             bitmask_fn = self._bitmask_fn(sampled)
             next_ids, logprobs = self.engine.sampler.sample(logits, sampled, info, bitmask_fn)
+            for req in sampled:
+                req.tokens_in_flight += 1
             rows = torch.tensor([r.table_idx for r in sampled], dtype=torch.int64).to(self.device, non_blocking=True)
             self._last_tokens.index_copy_(0, rows, next_ids)
             if next_ids.is_cuda:
@@ -449,6 +452,7 @@ class Scheduler:
                 step.ready.synchronize()
             next_list = step.tokens.tolist()
             for i, req in enumerate(step.sampled):
+                req.tokens_in_flight -= 1
                 if req.finished:  # finished (stop, abort) while this step was in flight: drop its token
                     continue
                 self._append_token(req, next_list[i], step.logprobs[i] if step.logprobs else None)
