@@ -4,19 +4,24 @@ Two prompt sets, both greedy and one left-padded batch, as a transformers user w
 - random (default): the offline workload shape of `minisgl bench offline`: random token prompts with
   lengths spread over [input_len / 2, input_len], output_len new tokens each (EOS masked with
   min_new_tokens, so both sides generate exactly the same number of tokens);
+- offline: issue 8's offline workload prompts (random.seed(0); `randint(100, 1024)` ids of
+  `randint(0, 10000)` each), output_len new tokens each (EOS masked): one generate call has one
+  max_new_tokens, so the workload's per-request output lengths do not apply;
 - chat: 32 different questions through the model's chat template, up to output_len new tokens and
   stopping at EOS, so the answers end at different lengths (what transformers' static batch keeps
   computing, as padding, until the longest answer ends).
 
     python scripts/bench_hf_patch.py                                    # 32 random prompts, SmolLM2, CPU fp32
     python scripts/bench_hf_patch.py --prompt-set chat --output-len 256 # 32 chat questions, CPU fp32
-    python scripts/bench_hf_patch.py --num-prompts 256 --device cuda    # the GPU figure (bf16)
+    python scripts/bench_hf_patch.py --num-prompts 256 --device cuda    # GPU, bf16
+    python scripts/bench_hf_patch.py --num-prompts 256 --device cuda --prompt-set offline --output-len 256
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 
 import torch
@@ -78,7 +83,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-set", choices=["random", "chat"], default="random")
+    p.add_argument("--prompt-set", choices=["random", "offline", "chat"], default="random")
     p.add_argument("--profile", action="store_true",
                    help="also: cProfile the patched call, and time the engine alone (LLM.generate) on the same work")
     p.add_argument("--json", default=None, help="also write the figures to this file")
@@ -100,13 +105,16 @@ def main() -> None:
         from transformers import AutoTokenizer
 
         prompts = chat_prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.num_prompts)
+    elif args.prompt_set == "offline":
+        random.seed(0)
+        prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(args.num_prompts)]
     else:
         prompts = make_prompts(model.config.vocab_size, args.num_prompts, args.input_len, args.seed)
     width = max(map(len, prompts))
     input_ids = torch.tensor([[pad] * (width - len(q)) + q for q in prompts], device=args.device)
     attention_mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in prompts], device=args.device)
     kwargs = dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=args.output_len, pad_token_id=pad)
-    if args.prompt_set == "random":
+    if args.prompt_set != "chat":
         kwargs["min_new_tokens"] = args.output_len
     warmup = dict(attention_mask=attention_mask[:2, -8:], max_new_tokens=4, pad_token_id=pad)
 
