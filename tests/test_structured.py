@@ -256,3 +256,19 @@ def test_fill_matches_one_matcher_at_a_time(backend: GrammarBackend) -> None:
         assert s is not None
         s.fill_bitmask(single, 0)
         assert torch.equal(batched[i], single[0])
+
+
+def test_tool_call_history_is_rendered_when_the_turn_offers_no_tools(tokenizer):
+    """An assistant tool call and its result stay in the prompt after the tools are dropped (e.g. tool_choice='none')."""
+    from minisgl.tokenizer import apply_chat_template
+
+    messages = [
+        {"role": "user", "content": "What is 2+3?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+    ]
+    text = tokenizer.decode(apply_chat_template(tokenizer, messages))
+    assert '"name": "add"' in text and '"a": 2' in text
+    assert "5" in text.split("add")[-1]
+    assert apply_chat_template(tokenizer, messages, tools=None) == apply_chat_template(tokenizer, messages, tools=[])

@@ -32,7 +32,9 @@ def apply_chat_template(
             raise InvalidRequestError(f"message without a role: {m!r}")
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("this model has no chat template: send a plain prompt instead of messages")
-    if tools:
+    # Past tool calls and results need the tool-aware rendering even when this turn offers no tools.
+    history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+    if tools or history:
         from minisgl.structured.tools import render_tools_prompt
 
         text = render_tools_prompt(
