@@ -24,6 +24,7 @@ from minisgl.errors import (
     RequestAbortedError,
     UnknownModelError,
 )
+from minisgl.tokenizer import flatten_message
 
 PROVIDER = "minisgl"
 
@@ -102,21 +103,9 @@ def plain_data(obj: Any) -> Any:
 
 
 def _flatten(message: Any, i: int) -> dict[str, Any]:
-    if not isinstance(message, dict) or "role" not in message:
-        raise InvalidRequestError(f"messages[{i}] must be an object with a 'role'")
-    message = {k: v for k, v in message.items() if k != "provider_specific_fields"}
-    content = message.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequestError(f"messages[{i}]: content part of type {kind!r} is not supported (text only)")
-            texts.append(str(part.get("text", "")))
-        message["content"] = "".join(texts)
-    elif content is None:
-        message["content"] = ""  # assistant turns that only call tools
-    return message
+    if isinstance(message, dict):
+        message = {k: v for k, v in message.items() if k != "provider_specific_fields"}
+    return flatten_message(message, i)
 
 
 def _response_format(fmt: Any) -> dict[str, Any] | None:

@@ -30,7 +30,7 @@ from typing import Any, Sequence, Union
 
 import zmq
 
-from minisgl.core import SamplingParams
+from minisgl.core import FirstOutputShortcuts, SamplingParams
 from minisgl.errors import DaemonError, DaemonTimeoutError, InvalidRequestError
 from minisgl.runtime.auth import ClientCurve
 from minisgl.runtime.connection import AsyncConnection, SyncConnection, as_exception
@@ -68,24 +68,12 @@ class CompletionOutput:
 
 
 @dataclass
-class GenerateResult:
+class GenerateResult(FirstOutputShortcuts):
     """A finished request: outputs[i] is sample i (n > 1); the shortcuts read outputs[0]."""
 
     rid: str
     outputs: list[CompletionOutput]
     usage: Usage
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
 
     @property
     def matched_stop(self) -> str | int | None:

@@ -245,3 +245,19 @@ def get_context() -> Context:
 
 def flatten(xs: Sequence[Sequence[int]]) -> list[int]:
     return [x for seq in xs for x in seq]
+
+
+class FirstOutputShortcuts:
+    """text / token_ids / finish_reason of outputs[0], the only output unless n > 1 (for result classes)."""
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text  # type: ignore[attr-defined]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids  # type: ignore[attr-defined]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason  # type: ignore[attr-defined]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from minisgl.config import EngineConfig
-from minisgl.core import SamplingParams, TokenOutput
+from minisgl.core import FirstOutputShortcuts, SamplingParams, TokenOutput
 from minisgl.errors import InvalidRequestError
 from minisgl.tokenizer import IncrementalDetokenizer, apply_chat_template, encode_prompt
 
@@ -24,7 +24,7 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestOutput:
+class RequestOutput(FirstOutputShortcuts):
     """Everything generated for one prompt; .text/.token_ids/.finish_reason are the first sample's."""
 
     request_id: str
@@ -34,18 +34,6 @@ class RequestOutput:
     cached_tokens: int
     completion_tokens: int = 0
     error: str | None = None
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
 
     @property
     def logprobs(self) -> list[Any] | None:

@@ -17,6 +17,27 @@ def load_tokenizer(model_dir: str | Path) -> Any:
         raise ModelLoadError(f"could not load a tokenizer from {model_dir}: {e}") from e
 
 
+def flatten_message(message: Any, i: int) -> dict[str, Any]:
+    """An OpenAI-style chat message with text-only content: content parts joined, None content -> "".
+
+    Raises InvalidRequestError for a message without a role or a non-text part (image, audio, ...).
+    """
+    if not isinstance(message, dict) or "role" not in message:
+        raise InvalidRequestError(f"messages[{i}] must be an object with a 'role'")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidRequestError(f"messages[{i}]: content part of type {kind!r} is not supported (text only)")
+            texts.append(str(part.get("text", "")))
+        return {**message, "content": "".join(texts)}
+    if content is None:
+        return {**message, "content": ""}  # assistant turns that only call tools
+    return message
+
+
 def apply_chat_template(
     tokenizer: Any,
     messages: list[dict[str, Any]],

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
+from minisgl.tokenizer import flatten_message
 
 
 class _Request(BaseModel):
@@ -101,7 +102,7 @@ class ChatCompletionRequest(_SamplingFields):
         """The messages with OpenAI content parts flattened to text, as chat templates expect."""
         if not self.messages:
             raise InvalidRequestError("messages must be a non-empty list")
-        return [_flatten_message(m, i) for i, m in enumerate(self.messages)]
+        return [flatten_message(m, i) for i, m in enumerate(self.messages)]
 
     def response_format_dict(self) -> dict[str, Any] | None:
         if self.response_format is None or self.response_format.type == "text":
@@ -109,23 +110,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.response_format.type == "json_schema" and not (self.response_format.json_schema or {}).get("schema"):
             raise InvalidRequestError("response_format json_schema needs json_schema.schema (a JSON schema object)")
         return self.response_format.model_dump(exclude_none=True)
-
-
-def _flatten_message(message: dict[str, Any], i: int) -> dict[str, Any]:
-    if not isinstance(message, dict) or "role" not in message:
-        raise InvalidRequestError(f"messages[{i}] must be an object with a 'role'")
-    content = message.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequestError(f"messages[{i}]: content part of type {kind!r} is not supported (text only)")
-            texts.append(str(part.get("text", "")))
-        message = {**message, "content": "".join(texts)}
-    elif content is None:
-        message = {**message, "content": ""}  # assistant turns that only call tools
-    return message
 
 
 class CompletionRequest(_SamplingFields):
