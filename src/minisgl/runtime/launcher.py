@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 
 from minisgl.config import EngineConfig
-from minisgl.errors import DaemonNotRunningError, DaemonTimeoutError
+from minisgl.errors import DaemonError, DaemonNotRunningError, DaemonTimeoutError
 from minisgl.runtime.addresses import daemon_name, default_address, parse_address, runtime_dir
 from minisgl.runtime.auth import ClientCurve
 from minisgl.runtime.connection import SyncConnection, as_exception
@@ -81,11 +81,25 @@ def wait_ready(address: str, timeout: float, curve: ClientCurve | None = None, p
     deadline = time.monotonic() + timeout
     where = f"; its log: {log_path}\n{log_tail(log_path)}" if log_path is not None else ""
     while True:
-        pong = ping(address, min(PING_TIMEOUT_S, max(0.1, deadline - time.monotonic())), curve)
+        try:
+            pong = ping(address, min(PING_TIMEOUT_S, max(0.1, deadline - time.monotonic())), curve)
+        except DaemonError:
+            # A daemon that fails to start (an unknown model, say) closes its socket, possibly in the
+            # middle of our handshake: its own typed error is the one to report, not the handshake's.
+            if proc is None:
+                raise
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                raise  # it is alive: the refusal is real (CURVE keys)
+            raise _start_failure(address, proc.returncode, log_path) from None
         if pong is not None and pong.state == "ready":
             return pong
         if proc is not None and proc.poll() is not None:
-            pong = ping(address, PING_TIMEOUT_S, curve)  # it may have lost a race to a daemon that now serves
+            try:  # it may have lost a race to a daemon that now serves
+                pong = ping(address, PING_TIMEOUT_S, curve)
+            except DaemonError:
+                pong = None
             if pong is not None and pong.state != "stopping":
                 return wait_ready(address, max(0.0, deadline - time.monotonic()), curve)
             raise _start_failure(address, proc.returncode, log_path)
