@@ -93,11 +93,10 @@ class TestChatMiniSGLIntegration(ChatModelIntegrationTests):
     override_model: str = ""
 
     @pytest.fixture(autouse=True, scope="class")
-    def _daemons(
-        self, request: pytest.FixtureRequest, langchain_daemon: str, tiny_model_dir: Callable[[str], Path],  # noqa: F811
-    ) -> None:
-        request.cls.address = langchain_daemon
-        request.cls.override_model = str(tiny_model_dir("llama"))
+    @classmethod
+    def _daemons(cls, langchain_daemon: str, tiny_model_dir: Callable[[str], Path]) -> None:  # noqa: F811
+        cls.address = langchain_daemon
+        cls.override_model = str(tiny_model_dir("llama"))
 
     @property
     def chat_model_class(self) -> type[ChatMiniSGL]:
