@@ -126,7 +126,7 @@ class Phase(enum.Enum):
     DECODE = "decode"  # one new token per request
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: identity, not field-by-field equality (and hashable)
 class Req:
     """One sequence in flight.
 
