@@ -194,6 +194,28 @@ def test_no_daemon_and_no_auto_start_fails_fast(runtime_dir: Path) -> None:
     assert time.monotonic() - t0 < 2.0
 
 
+def test_connection_monitors_do_not_collide_with_names_held_elsewhere(runtime_dir: Path) -> None:
+    # pyzmq names a monitor after its socket's file descriptor; libzmq frees that name asynchronously after a
+    # close, so a new socket reusing the descriptor could fail with "Address already in use" (seen in CI).
+    from minisgl.runtime.connection import AsyncConnection, SyncConnection
+
+    ctx = zmq.Context.instance()
+    squatter = ctx.socket(zmq.PAIR)
+    for fd in range(3, 4096):  # hold every descriptor-derived name the new sockets could pick
+        squatter.bind(f"inproc://monitor.s-{fd}")
+    address = f"ipc://{runtime_dir}/nothing.sock"
+    try:
+        SyncConnection(ctx, address).close()
+
+        async def main() -> None:
+            conn = AsyncConnection(address)
+            await conn.close()
+
+        asyncio.run(main())
+    finally:
+        squatter.close(linger=0)
+
+
 def test_unknown_engine_option_is_a_config_error(runtime_dir: Path) -> None:
     from minisgl.client import Client
 

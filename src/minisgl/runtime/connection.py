@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import deque
 from typing import Any, Union
 
@@ -41,6 +42,13 @@ def _socket(ctx: zmq.Context, address: str, curve: ClientCurve | None) -> zmq.So
     if address.startswith("tcp://"):
         sock.heartbeat_ivl, sock.heartbeat_timeout = 5000, 15000
     return sock
+
+
+def _monitor(sock: zmq.Socket) -> zmq.Socket:
+    """The socket's monitor. Its inproc name is unique: pyzmq's default names it after the socket's file
+    descriptor, and libzmq unbinds a stopped monitor asynchronously, so a new socket that reuses a just-closed
+    descriptor could fail with "Address already in use"."""
+    return sock.get_monitor_socket(_WATCHED, addr=f"inproc://minisgl.monitor.{uuid.uuid4().hex}")
 
 
 def _event_error(address: str, event: dict[str, Any]) -> Error | None:
@@ -83,7 +91,7 @@ class SyncConnection:
     def __init__(self, ctx: zmq.Context, address: str, curve: ClientCurve | None = None) -> None:
         self.address = address
         self.sock = _socket(ctx, address, curve)
-        self.monitor = self.sock.get_monitor_socket(_WATCHED)
+        self.monitor = _monitor(self.sock)
         self.sock.connect(address)
         self.inboxes = _Inboxes()
         self.poller = zmq.Poller()
@@ -139,7 +147,7 @@ class AsyncConnection:
     def __init__(self, address: str, curve: ClientCurve | None = None) -> None:
         self.address = address
         self.sock = _socket(zmq.asyncio.Context.instance(), address, curve)
-        self.monitor = self.sock.get_monitor_socket(_WATCHED)
+        self.monitor = _monitor(self.sock)
         self.sock.connect(address)
         self.inboxes = _Inboxes()
         self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
