@@ -123,3 +123,35 @@ def test_tp_shards_have_per_rank_shapes():
     w = torch.randn(16, 12)
     down.weight.weight_loader(down.weight, w)
     assert torch.equal(down.weight, w[:, 6:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_gemm_follows_every_change_of_the_weight(dtype):
+    """The oneDNN path (a packed copy of the weight) equals F.linear, also after loads and in-place edits."""
+    from minisgl.layers import MergedColumnParallelLinear
+    from minisgl.layers.linear import CpuGemm
+
+    layer = MergedColumnParallelLinear(64, [48, 48], bias=True).to(dtype)
+    gate, up = torch.randn(48, 64), torch.randn(48, 64)
+    layer.weight.weight_loader(layer.weight, gate, 0)
+    layer.weight.weight_loader(layer.weight, up, 1)
+    layer.bias.weight_loader(layer.bias, torch.randn(48), 0)
+    layer.bias.weight_loader(layer.bias, torch.randn(48), 1)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 2e-2}
+
+    def check(rows: int) -> None:
+        x = torch.randn(rows, 64, dtype=dtype)
+        expected = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+        torch.testing.assert_close(layer(x).float(), expected, **tol)
+
+    for rows in (1, 7, 32, 200):
+        check(rows)
+    if CpuGemm.enabled:
+        assert layer.gemm._packed is not None  # the packed path ran, not the F.linear fallback
+    layer.weight.weight_loader(layer.weight, -gate, 0)  # a re-load (the HF patch's weight re-sync)
+    check(5)
+    with torch.no_grad():
+        layer.weight.mul_(3)  # an in-place edit of the live parameter
+    check(5)
+    layer.weight = torch.nn.Parameter(torch.randn(96, 64, dtype=dtype), requires_grad=False)  # a new tensor
+    check(5)

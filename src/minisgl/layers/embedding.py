@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
-from minisgl.layers.linear import copy_checked
+from minisgl.layers.linear import CpuGemm, copy_checked
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -26,8 +26,8 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         rows = self.vocab_end - self.vocab_start
         if rows < param.shape[0]:
-            param.data[rows:].zero_()
-        copy_checked(param.data.narrow(0, 0, rows), loaded.narrow(0, self.vocab_start, rows))
+            param[rows:].zero_()
+        copy_checked(param.narrow(0, 0, rows), loaded.narrow(0, self.vocab_start, rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -44,13 +44,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim)
         if bias:
             raise ValueError("LM head bias is not supported")
+        self.gemm = CpuGemm()
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the input embedding's weight (tie_word_embeddings)."""
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.gemm(hidden, self.weight)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)[..., : self.num_embeddings]
         return logits

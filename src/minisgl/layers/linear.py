@@ -20,11 +20,53 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def copy_checked(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    """Copy a (sliced) checkpoint tensor into a parameter, failing loudly on a shape mismatch."""
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy a (sliced) checkpoint tensor into a parameter, failing loudly on a shape mismatch.
+
+    In place on the parameter itself (or a view of it), never through .data: the copy bumps the
+    parameter's version counter, which tells CpuGemm that its packed weight is stale.
+    """
     if param.shape != loaded.shape:
         raise WeightsError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-    param.data.copy_(loaded)
+    with torch.no_grad():
+        param.copy_(loaded)
+
+
+def _onednn_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class CpuGemm:
+    """y = x W^T (+ b) through oneDNN with W packed once in its blocked layout, for CPU tensors.
+
+    PyTorch's CPU F.linear goes to MKL, which repacks W on every call and takes slow paths on
+    non-Intel CPUs; oneDNN with a prepacked weight is 1.2-2.9x faster on the decode and LM-head
+    shapes (docs/benchmarks.md). The packed copy follows the weight: it is rebuilt when the weight's
+    storage or version counter changes (load_weights, any in-place edit). Other devices and dtypes,
+    or a build without oneDNN, use F.linear.
+    """
+
+    enabled = _onednn_available()
+    PACK_BATCH_HINT = 32  # oneDNN picks a blocking for this many rows; any row count works
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int, torch.dtype] | None = None
+        self._packed: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not (self.enabled and weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES and x.dtype == weight.dtype):
+            return F.linear(x, weight, bias)
+        key = (weight.data_ptr(), weight._version, weight.dtype)
+        if key != self._key:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.PACK_BATCH_HINT)
+            self._key = key
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
 
 
 class LinearBase(nn.Module):
@@ -43,12 +85,13 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.gemm = CpuGemm()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.gemm(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -83,7 +126,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         assert isinstance(shard_id, int), "merged linear shards are loaded one projection at a time"
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+        copy_checked(param.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -125,7 +168,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise WeightsError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
         src = loaded.narrow(0, head_start * self.head_dim, size)
-        copy_checked(param.data.narrow(0, offset, size), src)
+        copy_checked(param.narrow(0, offset, size), src)
 
 
 class RowParallelLinear(LinearBase):
@@ -142,5 +185,5 @@ class RowParallelLinear(LinearBase):
         copy_checked(param, loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.gemm(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y)
