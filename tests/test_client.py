@@ -545,6 +545,19 @@ def test_cancelling_an_async_request_aborts_it(router: ScriptedRouter) -> None:
     assert _eventually(lambda: sorted(router.aborted) == ["c1", "c2", "c3"])
 
 
+def test_a_client_dropped_without_close_closes_its_sockets(router: ScriptedRouter) -> None:
+    import gc
+
+    from minisgl.client import Client
+
+    c = Client("fake", router.address, auto_start=False, timeout=10)
+    assert c.generate("hello world").text == "helloworld"  # the fake daemon streams the words
+    conn = c._conns[0]
+    del c
+    gc.collect()
+    assert conn.sock.closed and conn.monitor.closed
+
+
 def test_a_daemon_that_goes_away_fails_waiting_requests_at_once(router: ScriptedRouter) -> None:
     from minisgl.client import Client
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence, Union
 
@@ -243,6 +244,11 @@ class Stream:
             pass
 
 
+def _close_connections(conns: list[SyncConnection]) -> None:
+    while conns:
+        conns.pop().close()
+
+
 class Client:
     """A synchronous client of the daemon serving `model`; safe to share between threads.
 
@@ -276,6 +282,8 @@ class Client:
         self._conns: list[SyncConnection] = []
         self._closed = False
         self._model_info: dict[str, Any] | None = None
+        # A Client dropped without close() (or alive at exit) still closes its sockets.
+        self._finalizer = weakref.finalize(self, _close_connections, self._conns)
 
     def _conn(self) -> SyncConnection:
         conn = getattr(self._local, "conn", None)
@@ -363,9 +371,7 @@ class Client:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            conns, self._conns = self._conns, []
-        for conn in conns:
-            conn.close()
+        self._finalizer()
 
     def __enter__(self) -> "Client":
         return self
