@@ -93,6 +93,24 @@ def test_greedy_generate_matches_hf_transformers(family_ref, engine_kwargs):
         assert all(o.cached_tokens == 0 for o in first + second)
 
 
+def test_decode_with_the_dense_kv_copy_matches_hf_as_the_batch_changes(family_ref, monkeypatch):
+    """CPU decode appends to a dense copy of the batch's KV while the batch is unchanged and rebuilds it
+    from the pool when requests join (3 running at a time) or finish (EOS): tokens still equal HF's."""
+    from minisgl.attention.torch_native import DecodeMirror
+
+    modes = []
+    plan = DecodeMirror.plan
+
+    def spy(self, *args, **kwargs):
+        modes.append(plan(self, *args, **kwargs))
+        return modes[-1]
+
+    monkeypatch.setattr(DecodeMirror, "plan", spy)
+    model_dir, prompts, ref = family_ref
+    assert_parity(LLM(str(model_dir), max_running_requests=3), prompts, ref)
+    assert modes.count("append") > modes.count("full") >= 3  # rebuilt at each change, appended in between
+
+
 def test_smollm2_greedy_matches_hf_transformers(smollm2_dir):
     prompts_text = [
         "The capital of France is",
