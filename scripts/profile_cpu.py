@@ -6,7 +6,10 @@
 `gemm` uses SmolLM2's shapes (hidden 576, qkv 960, gate_up 3072, down 1536 -> 576, LM head 49,152)
 at decode (1-64 rows) and prefill (256-3,183 rows) sizes. `step` runs the offline benchmark's 32
 prompts for 48 tokens, keeps the 30th decode batch and calls Engine.forward on it again (idempotent:
-it rewrites the same KV slots), timing 40 replays and profiling 10 with torch.profiler.
+it rewrites the same KV slots), timing 40 replays and profiling 10 with torch.profiler. Each replay
+is a steady decode step: the attention backend's dense KV copy is told it holds everything but the
+batch's new tokens, so it appends them (`--rebuild`: every replay rebuilds the copy from the pool,
+as the first step after the batch changed does).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def gemm(rows: list[int]) -> None:
             print(f"{m:>5} {k:>5}x{n:<5}  " + " ".join(f"{f:>9.1f}" for f in figures), flush=True)
 
 
-def step(replays: int) -> None:
+def step(replays: int, rebuild: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from minisgl import LLM, SamplingParams
@@ -73,17 +76,24 @@ def step(replays: int) -> None:
     finally:
         Engine.forward = forward  # type: ignore[method-assign]
     batch, engine = decode_batches[30], llm.scheduler.engine
-    engine.forward(batch)
+    mirror = engine.attn_backend.mirror
+
+    def replay() -> None:
+        if not rebuild:  # the copy holds all but the new token of every request: this step appends
+            mirror.rows, mirror.seq_lens = [r.table_idx for r in batch.reqs], [s - 1 for s in batch.seq_lens]
+        engine.forward(batch)
+
+    replay()
     times = []
     for _ in range(replays):
         t0 = time.perf_counter()
-        engine.forward(batch)
+        replay()
         times.append(time.perf_counter() - t0)
     times.sort()
     print(f"decode step, batch {batch.size}: best {times[0] * 1e3:.1f} ms, median {times[len(times) // 2] * 1e3:.1f} ms")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(10):
-            engine.forward(batch)
+            replay()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
 
 
@@ -92,11 +102,12 @@ def main() -> None:
     p.add_argument("what", choices=["gemm", "step"])
     p.add_argument("--rows", default="1,32,64,256,3183", help="gemm: comma-separated row counts")
     p.add_argument("--replays", type=int, default=40, help="step: timed replays")
+    p.add_argument("--rebuild", action="store_true", help="step: rebuild the dense KV copy on every replay")
     args = p.parse_args()
     if args.what == "gemm":
         gemm([int(r) for r in args.rows.split(",")])
     else:
-        step(args.replays)
+        step(args.replays, args.rebuild)
 
 
 if __name__ == "__main__":
