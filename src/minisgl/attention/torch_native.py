@@ -30,7 +30,7 @@ MIRROR_HEADROOM = 64  # positions allocated past the longest request, so appends
 
 
 class DecodeMirror:
-    """Dense [layers, 2, bs, kv_heads, capacity, head_dim] keys/values of the last decode batch.
+    """Dense [layers, 2, rows >= bs, kv_heads, capacity, head_dim] keys/values of the last decode batch.
 
     plan() picks the mode of a forward; the copy counts as up to date only once the forward's last
     layer has run (commit), so a forward that fails half-way leads to a rebuild, never to a stale read.
@@ -59,7 +59,8 @@ class DecodeMirror:
         if nbytes > MIRROR_MAX_BYTES:
             self.invalidate()
             return None
-        if self.buffer is None or self.buffer.shape[2] != len(rows) or self.buffer.shape[4] < max(seq_lens):
+        # A smaller batch (requests finished) reuses the copy's first rows: no new allocation.
+        if self.buffer is None or self.buffer.shape[2] < len(rows) or self.buffer.shape[4] < max(seq_lens):
             self.buffer = None  # free the old copy before allocating the new one
             # Zeros: positions past a request's length are masked, but must not hold NaN (0 * NaN).
             self.buffer = torch.zeros(num_layers, 2, len(rows), kv_heads, capacity, head_dim, dtype=dtype, device=device)
@@ -156,7 +157,7 @@ class TorchNativeBackend(AttentionBackend):
             keys = keys.view(md.bs, md.max_seq, num_kv_heads, head_dim).transpose(1, 2)
             values = values.view(md.bs, md.max_seq, num_kv_heads, head_dim).transpose(1, 2)
         else:
-            dense = self.mirror.buffer[layer_id]  # type: ignore[index]
+            dense = self.mirror.buffer[layer_id, :, : md.bs]  # type: ignore[index]
             if md.mirror == "append":  # the pool's new entries, as a gather would read them
                 dense[0].index_put_(md.last_pos, k.to(self.kv_pool.dtype))
                 dense[1].index_put_(md.last_pos, v.to(self.kv_pool.dtype))
