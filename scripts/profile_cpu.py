@@ -24,15 +24,16 @@ import torch.nn.functional as F
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # (in, out) features
 
 
-def best_seconds(fn: Callable[[], object], reps: int) -> float:
-    for _ in range(3):
+def sorted_seconds(fn: Callable[[], object], reps: int, warmup: int = 3) -> list[float]:
+    """Wall time of reps calls of fn after warmup calls, fastest first."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return sorted(times)
 
 
 def gemm(rows: list[int]) -> None:
@@ -43,7 +44,7 @@ def gemm(rows: list[int]) -> None:
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
             reps = 100 if m <= 64 else 8
             figures = [
-                2 * m * k * n / best_seconds(fn, reps) / 1e9
+                2 * m * k * n / sorted_seconds(fn, reps)[0] / 1e9
                 for fn in (
                     lambda: F.linear(x, w),
                     lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
@@ -83,13 +84,7 @@ def step(replays: int, rebuild: bool) -> None:
             mirror.rows, mirror.seq_lens = [r.table_idx for r in batch.reqs], [s - 1 for s in batch.seq_lens]
         engine.forward(batch)
 
-    replay()
-    times = []
-    for _ in range(replays):
-        t0 = time.perf_counter()
-        replay()
-        times.append(time.perf_counter() - t0)
-    times.sort()
+    times = sorted_seconds(replay, replays, warmup=1)
     print(f"decode step, batch {batch.size}: best {times[0] * 1e3:.1f} ms, median {times[len(times) // 2] * 1e3:.1f} ms")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(10):

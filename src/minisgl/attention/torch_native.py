@@ -55,7 +55,7 @@ class DecodeMirror:
             return "append"
         self.rows, self.seq_lens = None, []  # the rebuild overwrites what the copy held
         capacity = max(seq_lens) + MIRROR_HEADROOM
-        nbytes = num_layers * 2 * len(rows) * capacity * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        nbytes = num_layers * 2 * len(rows) * capacity * kv_heads * head_dim * dtype.itemsize
         if nbytes > MIRROR_MAX_BYTES:
             self.invalidate()
             return None
@@ -151,20 +151,18 @@ class TorchNativeBackend(AttentionBackend):
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k.shape[1]
 
-        if md.mirror is None:
-            keys = self.kv_pool.k(layer_id).index_select(0, md.kv_indices)
-            values = self.kv_pool.v(layer_id).index_select(0, md.kv_indices)
-            keys = keys.view(md.bs, md.max_seq, num_kv_heads, head_dim).transpose(1, 2)
-            values = values.view(md.bs, md.max_seq, num_kv_heads, head_dim).transpose(1, 2)
-        else:
+        if md.mirror != "append":
+            keys, values = (
+                pool.index_select(0, md.kv_indices).view(md.bs, md.max_seq, num_kv_heads, head_dim).transpose(1, 2)
+                for pool in (self.kv_pool.k(layer_id), self.kv_pool.v(layer_id))
+            )
+        if md.mirror is not None:
             dense = self.mirror.buffer[layer_id, :, : md.bs]  # type: ignore[index]
             if md.mirror == "append":  # the pool's new entries, as a gather would read them
                 dense[0].index_put_(md.last_pos, k.to(self.kv_pool.dtype))
                 dense[1].index_put_(md.last_pos, v.to(self.kv_pool.dtype))
             else:
-                shape = (md.bs, md.max_seq, num_kv_heads, head_dim)
-                dense[0, :, :, : md.max_seq] = self.kv_pool.k(layer_id).index_select(0, md.kv_indices).view(shape).transpose(1, 2)
-                dense[1, :, :, : md.max_seq] = self.kv_pool.v(layer_id).index_select(0, md.kv_indices).view(shape).transpose(1, 2)
+                dense[0, :, :, : md.max_seq], dense[1, :, :, : md.max_seq] = keys, values
             keys, values = dense[0, :, :, : md.max_seq], dense[1, :, :, : md.max_seq]
             if layer_id == self.num_layers - 1:
                 self.mirror.commit()

@@ -47,10 +47,10 @@ class CpuGemm:
 
     PyTorch's CPU F.linear goes to MKL, which repacks W on every call; oneDNN with a prepacked
     weight was 1.1-2.4x faster on SmolLM2's shapes on the project's AVX-512 CPU, most at decode
-    sizes and on the LM head (scripts/profile_cpu.py gemm, docs/benchmarks.md). The packed copy follows the weight: it is rebuilt when the weight's
-    storage or version counter changes (load_weights, any in-place edit), and it is a second copy of
-    the weights in memory (0.5 GiB for SmolLM2 in fp32). Other devices and dtypes, or a build without
-    oneDNN, use F.linear.
+    sizes and on the LM head (scripts/profile_cpu.py gemm, docs/benchmarks.md). The packed copy
+    follows the weight: it is rebuilt when the weight's storage or version counter changes
+    (load_weights, any in-place edit), and it is a second copy of the weights in memory (0.5 GiB for
+    SmolLM2 in fp32). Other devices and dtypes, or a build without oneDNN, use F.linear.
     """
 
     enabled = _onednn_available()
