@@ -13,7 +13,8 @@
 # Stages: STAGES="warm tests bench" (default all); BENCH_ARGS are passed to scripts/gpu_bench.py; TESTS_K
 # selects tests (pytest -k); stage "extras" runs scripts/gpu_tp.py's single-GPU stages (EXTRAS, default
 # "hfpatch,agents": the HF generate drop-in and the agents benchmark) within EXTRAS_DEADLINE seconds,
-# EXTRAS_ARGS passed on (e.g. --agents-prefill 4096,16384 --hfpatch-args=--profile).
+# EXTRAS_ARGS passed on (e.g. --agents-prefill 4096,16384 --hfpatch-args=--profile); HFPATCH_ARGS (may hold
+# spaces, ";" separates runs) becomes --hfpatch-args, e.g. HFPATCH_ARGS="--repeat 2;--prompt-set offline --output-len 256".
 # .carry/zmq_whl (pyzmq, for `minisgl serve`) is installed too when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +50,7 @@ if [[ $STAGES == *tests* ]]; then
 fi
 if [[ $STAGES == *extras* ]]; then
   timeout $(( ${EXTRAS_DEADLINE:-200} + 30 )) python3 scripts/gpu_tp.py all --stages "${EXTRAS:-hfpatch,agents}" \
-    --out-dir "$OUT" --deadline "${EXTRAS_DEADLINE:-200}" ${EXTRAS_ARGS:-} 2>&1 | grep -v "it/s\]$" | tee "$OUT/extras.log"
+    --out-dir "$OUT" --deadline "${EXTRAS_DEADLINE:-200}" ${EXTRAS_ARGS:-} ${HFPATCH_ARGS:+--hfpatch-args "$HFPATCH_ARGS"} 2>&1 | grep -v "it/s\]$" | tee "$OUT/extras.log"
   echo "extras done $(( $(date +%s) - t0 ))s"
 fi
 if [[ $STAGES == *bench* ]]; then

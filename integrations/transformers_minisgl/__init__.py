@@ -48,6 +48,8 @@ __all__ = ["patch_generate", "unpatch_generate", "minisgl_generate", "sync_weigh
 _STATE = "_minisgl_generate"
 # minisgl's forward context (attention backend, KV pool) is process-wide: one engine runs at a time.
 _ENGINE_LOCK = threading.RLock()
+# On CUDA the patched engine's KV pool takes this fraction of the free memory (mem_fraction=... overrides).
+PATCH_MEM_FRACTION = 0.5
 
 
 class PatchedGenerate:
@@ -91,6 +93,10 @@ def _build_engine(model: Any, engine_kwargs: dict[str, Any]) -> Any:
     param = next(model.parameters())
     kwargs.setdefault("device", str(param.device))
     kwargs.setdefault("dtype", str(param.dtype).removeprefix("torch."))
+    if param.device.type == "cuda" and "num_pages" not in kwargs:
+        # The model's process goes on using the GPU (training, transformers' own generate): the KV
+        # pool takes half of the memory free now, not the serving default.
+        kwargs.setdefault("mem_fraction", PATCH_MEM_FRACTION)
     devices = [param.device.index or 0] if param.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # the engine seeds torch: leave the user's RNG as it was
         return LLM(model, **kwargs)
@@ -99,8 +105,9 @@ def _build_engine(model: Any, engine_kwargs: dict[str, Any]) -> Any:
 def patch_generate(model: Any, fallback: bool = True, **engine_kwargs: Any) -> Any:
     """Make model.generate run on a minisgl engine built from the model's current weights; returns model.
 
-    engine_kwargs go to minisgl.LLM (cache, page_size, max_running_requests, kv_cache_gb, ...);
-    device and dtype default to the model's. Patching a patched model rebuilds its engine.
+    engine_kwargs go to minisgl.LLM (cache, page_size, max_running_requests, kv_cache_gb, mem_fraction, ...);
+    device and dtype default to the model's; on CUDA the KV pool takes half of the free memory
+    (PATCH_MEM_FRACTION) so the rest of the process keeps room. Patching a patched model rebuilds its engine.
     """
     from transformers import PreTrainedModel
 

@@ -62,8 +62,8 @@ def apply_penalties(logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
             if r.sampling_params.repetition_penalty != 1.0:
                 rows += [i] * len(r.input_ids)
                 cols += r.input_ids
-        seen = torch.zeros(B, V, dtype=torch.bool, device=device)
-        seen[_index_pairs(rows, cols, device)] = True
+        seen = torch.zeros(B * V, dtype=torch.bool, device=device)
+        seen = seen.index_fill_(0, _flat_index(rows, cols, V, device), True).view(B, V)
         penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
         logits = torch.where(seen, penalised, logits)
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
@@ -73,8 +73,7 @@ def apply_penalties(logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
             cols += r.output_ids
         counts = torch.zeros(B * V, dtype=logits.dtype, device=device)
         if rows:
-            flat = torch.tensor(rows, dtype=torch.int64) * V + torch.tensor(cols, dtype=torch.int64)
-            flat = flat.to(device, non_blocking=True)
+            flat = _flat_index(rows, cols, V, device)
             counts.index_add_(0, flat, torch.ones(flat.shape, dtype=logits.dtype, device=device))
         counts = counts.view(B, V)
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
@@ -82,24 +81,36 @@ def apply_penalties(logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
 
 
 def mask_stops_before_min_tokens(logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
-    """Rows that have not reached min_tokens cannot sample EOS or a stop token (a grammar, if any, decides instead)."""
-    rows, cols = [], []
+    """Rows that have not reached min_tokens cannot sample EOS or a stop token (a grammar, if any, decides instead).
+
+    One gather, fill and scatter over the batch's stop-token columns, from two small non-blocking
+    host copies: nothing here waits for the device (a Python-scalar index assignment would).
+    """
+    vocab = logits.shape[-1]
+    blocked: list[tuple[int, list[int]]] = []
     for i, r in enumerate(reqs):
         p = r.sampling_params
         if r.num_sampled < p.min_tokens and r.grammar is None:
-            stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-            rows += [i] * len(stops)
-            cols += stops
-    if rows:  # one copy and one scatter for the whole batch, not one per row
-        logits[_index_pairs(rows, cols, logits.device)] = float("-inf")
-    return logits
+            stops = [t for t in (*p.stop_token_ids, *(() if p.ignore_eos else r.eos_token_ids)) if 0 <= t < vocab]
+            if stops:
+                blocked.append((i, stops))
+    if not blocked:
+        return logits
+    ids = sorted({t for _, stops in blocked for t in stops})
+    column = {t: j for j, t in enumerate(ids)}
+    mask = torch.zeros(len(reqs) * len(ids), dtype=torch.bool)
+    mask[[i * len(ids) + column[t] for i, stops in blocked for t in stops]] = True
+    device = logits.device
+    ids_d = torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+    mask_d = mask.view(len(reqs), len(ids)).to(device, non_blocking=True)
+    masked = logits.index_select(1, ids_d).masked_fill_(mask_d, float("-inf"))
+    return logits.index_copy_(1, ids_d, masked)
 
 
-def _index_pairs(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, column) index tensors on `device` from one host tensor and one non-blocking copy."""
-    pairs = torch.tensor([rows, cols], dtype=torch.int64, pin_memory=device.type == "cuda")
-    pairs = pairs.to(device, non_blocking=True)  # from pinned memory: no wait for the GPU
-    return pairs[0], pairs[1]
+def _flat_index(rows: list[int], cols: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """rows * width + cols on `device`, from one non-blocking copy (index kernels, never a host wait)."""
+    flat = torch.tensor(rows, dtype=torch.int64) * width + torch.tensor(cols, dtype=torch.int64)
+    return flat.to(device, non_blocking=True)
 
 
 def _filter_probs(probs: torch.Tensor, info: SamplingInfo) -> torch.Tensor:

@@ -242,14 +242,18 @@ class Scheduler:
                 self.waiting.appendleft(req)  # keeps its row and pages; resumes when memory frees up
         admitted: list[Req] = []
         share = self.config.cache == "radix"
-        batch_prompts: list[np.ndarray] = [np.asarray(r.input_ids) for r, _ in chosen] if share else []
+        # The batch's prompts by their first `min_share` tokens: only those can share enough with a request.
+        min_share = max(IN_BATCH_SHARE_MIN, self.page_size)
+        batch_prompts: dict[tuple[int, ...], list[np.ndarray]] = {}
+        for r, _ in chosen if share else ():
+            batch_prompts.setdefault(tuple(r.input_ids[:min_share]), []).append(np.asarray(r.input_ids))
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) + len(chosen) >= self.config.max_running_requests:
                 break
             if req.wait_for is not None and not self._prefilled(req.wait_for):
                 continue
             fresh = req.table_idx < 0
-            if fresh and share and self._shares_with_batch(req, batch_prompts):
+            if fresh and share and self._shares_with_batch(req, batch_prompts.get(tuple(req.input_ids[:min_share]))):
                 continue
             if fresh and not self._admit(req):
                 break  # no free table row
@@ -263,7 +267,7 @@ class Scheduler:
             chosen.append((req, extend))
             budget -= extend
             if share:
-                batch_prompts.append(np.asarray(req.input_ids))
+                batch_prompts.setdefault(tuple(req.input_ids[:min_share]), []).append(np.asarray(req.input_ids))
         for req in self.waiting:
             if req not in admitted:
                 req.skipped += 1
@@ -273,14 +277,18 @@ class Scheduler:
             return None
         return self._make_batch(Phase.PREFILL, chosen)
 
-    def _shares_with_batch(self, req: Req, batch_prompts: list[np.ndarray]) -> bool:
-        """True when req should wait a step to reuse a prefix another request of this batch computes."""
-        if not batch_prompts:
+    def _shares_with_batch(self, req: Req, candidates: list[np.ndarray] | None) -> bool:
+        """True when req should wait a step to reuse a prefix another request of this batch computes.
+
+        candidates: the batch's prompts that start with req's first max(IN_BATCH_SHARE_MIN, page_size) tokens.
+        """
+        if not candidates:
             return False
         ids = np.asarray(req.input_ids)
-        shared = max(common_prefix_len(ids, other) for other in batch_prompts)
+        shared = max(common_prefix_len(ids, other) for other in candidates)
         shared = min(shared, len(ids) - 1) // self.page_size * self.page_size
-        return shared - self.prefix_cache.match_len(req.input_ids[:-1]) >= max(IN_BATCH_SHARE_MIN, self.page_size)
+        min_share = max(IN_BATCH_SHARE_MIN, self.page_size)
+        return shared >= min_share and shared - self.prefix_cache.match_len(req.input_ids[:-1]) >= min_share
 
     def _prefilled(self, req: Req) -> bool:
         return req.finished or req.cached_len >= req.prompt_len - 1
