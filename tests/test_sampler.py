@@ -1,0 +1,68 @@
+"""The sampler's batched logit edits against a row-by-row reference written out plainly."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from minisgl.core import Req, SamplingParams
+from minisgl.engine.sampler import apply_penalties, mask_stops_before_min_tokens
+
+VOCAB = 50
+
+
+def _req(rng: random.Random, **params) -> Req:
+    prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))]
+    req = Req(rid="r", input_ids=list(prompt), sampling_params=SamplingParams(**params), prompt_len=len(prompt),
+              eos_token_ids=frozenset({2, 7}))
+    out = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 6))]
+    req.output_ids, req.input_ids = out, prompt + out
+    return req
+
+
+def test_min_tokens_mask_blocks_exactly_each_rows_stops():
+    rng = random.Random(0)
+    reqs = [
+        _req(rng, min_tokens=10),  # blocks the model's EOS ids
+        _req(rng, min_tokens=10, stop_token_ids=[5, 9, VOCAB + 3, -1]),  # + its own; out-of-vocab ids ignored
+        _req(rng, min_tokens=10, ignore_eos=True, stop_token_ids=[11]),  # its own only
+        _req(rng, min_tokens=0, stop_token_ids=[5]),  # min_tokens reached: nothing
+        _req(rng, min_tokens=10, ignore_eos=True),  # nothing to block
+        _req(rng, min_tokens=10, stop_token_ids=[13]),
+    ]
+    reqs[-1].grammar = object()  # a grammar decides instead
+    reqs[0].tokens_in_flight = 3  # counts as sampled: still below min_tokens
+    logits = torch.randn(len(reqs), VOCAB)
+    expected = logits.clone()
+    for row, cols in {0: [2, 7], 1: [2, 5, 7, 9], 2: [11]}.items():
+        expected[row, cols] = float("-inf")
+    assert torch.equal(mask_stops_before_min_tokens(logits.clone(), reqs), expected)
+
+
+def test_min_tokens_mask_lifts_once_enough_tokens_are_sampled():
+    req = _req(random.Random(1), min_tokens=4)
+    req.output_ids, req.tokens_in_flight = [1, 1, 1], 0
+    assert torch.isinf(mask_stops_before_min_tokens(torch.zeros(1, VOCAB), [req])[0, 2])
+    req.tokens_in_flight = 1  # the fourth token is in flight: a stop may be sampled next
+    assert not torch.isinf(mask_stops_before_min_tokens(torch.zeros(1, VOCAB), [req])).any()
+
+
+def test_penalties_match_a_row_by_row_reference():
+    rng = random.Random(2)
+    reqs = [
+        _req(rng, repetition_penalty=1.3),
+        _req(rng, presence_penalty=0.5, frequency_penalty=0.25),
+        _req(rng),
+        _req(rng, repetition_penalty=0.8, frequency_penalty=-0.5),
+    ]
+    logits = torch.randn(len(reqs), VOCAB)
+    expected = logits.clone()
+    for i, r in enumerate(reqs):
+        p = r.sampling_params
+        for t in set(r.input_ids):  # HF: every token of prompt + output, once
+            x = expected[i, t]
+            expected[i, t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        for t in set(r.output_ids):  # OpenAI: output tokens, by count
+            expected[i, t] -= p.frequency_penalty * r.output_ids.count(t) + p.presence_penalty
+    torch.testing.assert_close(apply_penalties(logits, reqs), expected)
