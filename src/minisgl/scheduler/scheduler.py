@@ -62,6 +62,7 @@ class Scheduler:
         self.model_config = self.engine.model_config
         self.device = self.engine.device
         self.page_size = config.page_size
+        self.min_share = max(IN_BATCH_SHARE_MIN, self.page_size)  # shared tokens worth a step's wait
         self.table = self.engine.table
         self.page_table = self.table.page_table
         prefix_cache = make_prefix_cache(config.cache, self.page_size, self.device)
@@ -242,18 +243,17 @@ class Scheduler:
                 self.waiting.appendleft(req)  # keeps its row and pages; resumes when memory frees up
         admitted: list[Req] = []
         share = self.config.cache == "radix"
-        # The batch's prompts by their first `min_share` tokens: only those can share enough with a request.
-        min_share = max(IN_BATCH_SHARE_MIN, self.page_size)
+        # The batch's prompts by their first tokens (_share_key): only those can share enough with a request.
         batch_prompts: dict[tuple[int, ...], list[np.ndarray]] = {}
         for r, _ in chosen if share else ():
-            batch_prompts.setdefault(tuple(r.input_ids[:min_share]), []).append(np.asarray(r.input_ids))
+            batch_prompts.setdefault(self._share_key(r), []).append(np.asarray(r.input_ids))
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) + len(chosen) >= self.config.max_running_requests:
                 break
             if req.wait_for is not None and not self._prefilled(req.wait_for):
                 continue
             fresh = req.table_idx < 0
-            if fresh and share and self._shares_with_batch(req, batch_prompts.get(tuple(req.input_ids[:min_share]))):
+            if fresh and share and self._shares_with_batch(req, batch_prompts.get(self._share_key(req))):
                 continue
             if fresh and not self._admit(req):
                 break  # no free table row
@@ -267,7 +267,7 @@ class Scheduler:
             chosen.append((req, extend))
             budget -= extend
             if share:
-                batch_prompts.setdefault(tuple(req.input_ids[:min_share]), []).append(np.asarray(req.input_ids))
+                batch_prompts.setdefault(self._share_key(req), []).append(np.asarray(req.input_ids))
         for req in self.waiting:
             if req not in admitted:
                 req.skipped += 1
@@ -277,18 +277,21 @@ class Scheduler:
             return None
         return self._make_batch(Phase.PREFILL, chosen)
 
+    def _share_key(self, req: Req) -> tuple[int, ...]:
+        """The first tokens two prompts must have in common to share a prefix worth waiting for."""
+        return tuple(req.input_ids[: self.min_share])
+
     def _shares_with_batch(self, req: Req, candidates: list[np.ndarray] | None) -> bool:
         """True when req should wait a step to reuse a prefix another request of this batch computes.
 
-        candidates: the batch's prompts that start with req's first max(IN_BATCH_SHARE_MIN, page_size) tokens.
+        candidates: the batch's prompts with req's _share_key (no other one can share min_share tokens).
         """
         if not candidates:
             return False
         ids = np.asarray(req.input_ids)
         shared = max(common_prefix_len(ids, other) for other in candidates)
         shared = min(shared, len(ids) - 1) // self.page_size * self.page_size
-        min_share = max(IN_BATCH_SHARE_MIN, self.page_size)
-        return shared >= min_share and shared - self.prefix_cache.match_len(req.input_ids[:-1]) >= min_share
+        return shared >= self.min_share and shared - self.prefix_cache.match_len(req.input_ids[:-1]) >= self.min_share
 
     def _prefilled(self, req: Req) -> bool:
         return req.finished or req.cached_len >= req.prompt_len - 1
