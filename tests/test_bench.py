@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 from minisgl.bench import main
 
 
 def test_bench_offline_runs_and_reports_throughput(tiny_model_dir, tmp_path, capsys):
-    import json
-
     out = tmp_path / "offline.json"
     main(["offline", "--model", str(tiny_model_dir("llama")), "--num-prompts", "4", "--input-len", "16",
           "--output-len", "4", "--repeat", "2", "--json", str(out)])

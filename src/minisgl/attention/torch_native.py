@@ -84,7 +84,7 @@ class TorchNativeMetadata(NamedTuple):
     max_extend: int
     max_seq: int
     mirror: str | None = None  # decode on the CPU: "append" to the dense copy, or "full" (rebuild it)
-    last_pos: tuple[torch.Tensor, torch.Tensor] | None = None  # ("append") (request, position) of each new token
+    last_pos: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # ("append") (request, kv head, position)
 
 
 class TorchNativeBackend(AttentionBackend):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -32,6 +32,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
+def timed_runs(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None) -> tuple[list[float], Any]:
+    """Seconds of each of `repeat` calls of fn (setup, untimed, before each), and the last call's result."""
+    runs, result = [], None
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        result = fn()
+        runs.append(time.perf_counter() - t0)
+    return runs, result
+
+
 def make_prompts(vocab_size: int, num: int, max_len: int, seed: int) -> list[list[int]]:
     """Random prompts with lengths spread over [max_len / 2, max_len] (so HF needs left padding)."""
     g = torch.Generator().manual_seed(seed)
@@ -52,12 +64,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(vocab, args.num_prompts, args.input_len, args.seed)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-    runs = []
-    for _ in range(args.repeat):
-        llm.scheduler.reset_prefix_cache()  # time the batch without the warm-up's (or a previous run's) prefixes
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        runs.append(time.perf_counter() - t0)
+    # Each run starts without the warm-up's (or a previous run's) cached prefixes.
+    runs, outs = timed_runs(lambda: llm.generate(prompts, params, use_tqdm=False), args.repeat,
+                            setup=llm.scheduler.reset_prefix_cache)
     elapsed = min(runs)
     out_tokens = sum(len(o.token_ids) for o in outs)
     result: dict[str, Any] = {
@@ -93,11 +102,7 @@ def run_hf(llm: Any, prompts: list[list[int]], output_len: int, repeat: int = 1)
     kwargs = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=pad)
     with torch.inference_mode():
         model.generate(input_ids[:2], attention_mask=attention_mask[:2], max_new_tokens=4, pad_token_id=pad)
-        runs = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
-            runs.append(time.perf_counter() - t0)
+        runs, out = timed_runs(lambda: model.generate(input_ids, attention_mask=attention_mask, **kwargs), repeat)
     elapsed = min(runs)
     new_tokens = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
     return {"hf_runs_s": [round(t, 2) for t in runs], "hf_seconds": round(elapsed, 3),
