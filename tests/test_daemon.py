@@ -10,6 +10,8 @@ import asyncio
 import functools
 import json
 import os
+import shutil
+import re
 import signal
 import stat
 import subprocess
@@ -93,8 +95,8 @@ def test_concurrent_auto_starts_share_one_daemon_and_log_each_stage(smollm2_daem
     assert a.address == b.address == smollm2_daemon.address
     log = smollm2_daemon.log_path.read_text()
     assert log.count("listening at") == 1
-    for stage in ("weights loaded", "KV pool: 4096 pages", "scheduler ready", "tokenizer worker ready",
-                  "detokenizer worker ready", "ready: serving smollm2"):
+    for stage in ("weights loaded", "KV pool: 4096 pages", "scheduler ready", "text worker ready",
+                  "ready: serving smollm2"):
         assert stage in log, stage
 
 
@@ -418,6 +420,98 @@ def test_a_killed_scheduler_fails_waiting_requests_and_stops_the_daemon(curve_da
                 pass
     assert curve_daemon.proc.wait(30) == 1
     assert f"scheduler process (pid {scheduler}) exited unexpectedly" in curve_daemon.log_path.read_text()
+
+
+# ---------------------------------------------------------------------------- a forward that fails (tiny model, a test plugin)
+
+
+def _with_failing_plugin(tmp: Path, model_dir: Path, architecture: str) -> tuple[Path, dict[str, str]]:
+    """A copy of model_dir served by `architecture` of tests/failing_model_plugin.py, and the env that installs it."""
+    site = tmp / "site"
+    dist = site / "minisgl_failing_plugin-0.0.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: minisgl-failing-plugin\nVersion: 0.0.0\n")
+    (dist / "entry_points.txt").write_text("[minisgl]\nfailing = failing_model_plugin\n")
+    shutil.copy(Path(__file__).with_name("failing_model_plugin.py"), site)
+    model = tmp / architecture
+    shutil.copytree(model_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["architectures"] = [architecture]
+    (model / "config.json").write_text(json.dumps(cfg))
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return model, env
+
+
+def test_a_failing_forward_fails_its_requests_with_a_typed_error_and_the_daemon_keeps_serving(
+    daemon_runtime_dir: Path, tiny_model_dir: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from failing_model_plugin import POISON
+
+    from minisgl.errors import EngineError
+    from minisgl.runtime.launcher import stop_daemon, wait_ready
+
+    model, env = _with_failing_plugin(tmp_path, tiny_model_dir("llama"), "PoisonedLlamaForCausalLM")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    address = f"ipc://{daemon_runtime_dir}/poisoned.sock"
+    log = daemon_runtime_dir / "poisoned.log"
+    proc = start_serve(["--model", str(model), "--address", address, "--num-pages", "512", "--page-size", "4"], log)
+    try:
+        wait_ready(address, 180, proc=proc, log_path=log)
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        with Client(str(model), address, auto_start=False, timeout=60) as c:
+            stream = c.stream(list(range(20, 50)), params)  # decoding before the poisoned request arrives
+            first = next(stream)
+            with pytest.raises(EngineError, match="poisoned batch: mkldnn_reorder_linear_weight"):
+                c.generate([11, *POISON, 12], SamplingParams(max_tokens=4, n=2))
+            # The poisoned prefill ran in its own batch: the decoding request goes on untouched.
+            rest = list(stream)
+            assert len(first.token_ids) + sum(len(ch.token_ids) for ch in rest) == 24
+            assert rest[-1].finish_reason == "length"
+            assert c.generate([30, 31, 32], SamplingParams(max_tokens=5, ignore_eos=True)).usage.completion_tokens == 5
+            assert _eventually(lambda: _idle(c)), c.stats()
+            stats = c.stats()
+            assert stats["free_pages"] + stats["cached_pages"] == stats["total_pages"], stats
+        assert proc.poll() is None
+        assert "a step failed; failing its 1 sequence(s)" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            stop_daemon(address, 30)
+        proc.wait(30)
+
+
+def test_serve_with_a_forward_that_cannot_run_fails_at_start_with_a_clear_error(
+    daemon_runtime_dir: Path, tiny_model_dir: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Start-up runs one tiny forward before "ready": a dtype/kernel this machine lacks fails `serve` itself."""
+    from minisgl.errors import EngineError
+    from minisgl.runtime.launcher import wait_ready
+
+    model, env = _with_failing_plugin(tmp_path, tiny_model_dir("llama"), "NoKernelLlamaForCausalLM")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    address = f"ipc://{daemon_runtime_dir}/nokernel.sock"
+    log = daemon_runtime_dir / "nokernel.log"
+    proc = start_serve(["--model", str(model), "--address", address, "--dtype", "bfloat16"], log)
+    with pytest.raises(EngineError, match=r"bfloat16 on cpu cannot run on this machine.*avx_ne_convert.*--dtype"):
+        wait_ready(address, 180, proc=proc, log_path=log)
+    assert proc.wait(30) == 1
+    text = log.read_text()
+    assert "ready: serving" not in text
+    assert "scheduler failed: EngineError" in text
+    assert Registry().get(address) is None
+
+
+def test_generate_with_a_forward_that_cannot_run_prints_a_clear_error(tiny_model_dir: Any, tmp_path: Path) -> None:
+    """`minisgl generate --dtype bfloat16` on a machine without the kernel: one error line, exit 1, no traceback."""
+    model, env = _with_failing_plugin(tmp_path, tiny_model_dir("llama"), "NoKernelLlamaForCausalLM")
+    proc = subprocess.run(
+        [sys.executable, "-m", "minisgl", "generate", "hello", "--model", str(model), "--dtype", "bfloat16"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **env},
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert re.search(r"minisgl: error: .*bfloat16 on cpu cannot run on this machine.*--dtype", proc.stderr), proc.stderr
 
 
 # ---------------------------------------------------------------------------- shutdown (last: stops the daemon)

@@ -261,3 +261,86 @@ def test_bad_requests_raise_typed_errors_and_leak_nothing(tiny_model_dir):
     with pytest.raises(errors.ConfigError):
         LLM(str(tiny_model_dir("llama")), cache="lru")
     llm.check_integrity()
+
+
+MARK = 7  # a prompt holding this token id makes the patched forward raise (the other prompts use ids >= 10)
+
+
+def _failing_forward(engine, phases: set[str]):
+    """engine.forward that raises like a kernel this CPU lacks when its batch (of one of `phases`) holds a MARK prompt."""
+    forward = engine.forward
+
+    def run(batch):
+        if batch.phase.value in phases and any(MARK in r.input_ids[: r.prompt_len] for r in batch.reqs):
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+        return forward(batch)
+
+    return run
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_a_failing_forward_fails_its_batch_frees_its_pages_and_the_engine_goes_on(tiny_model_dir, monkeypatch, phase, overlap):
+    model_dir = tiny_model_dir("llama")
+    extra = {"extra": {"overlap_on_cpu": True}} if overlap else {"disable_overlap": True}
+    llm = LLM(str(model_dir), page_size=4, **extra)
+    sched = llm.scheduler
+    monkeypatch.setattr(sched.engine, "forward", _failing_forward(sched.engine, {phase}))
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    early, bad, late = list(range(10, 40)), [11, MARK, 13, 14, 15], list(range(50, 60))
+    sched.add_request("early", early, params)
+    outs = sched.step() + sched.step()  # "early" decodes before the others arrive
+    sched.add_request("bad", bad, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, n=2))
+    sched.add_request("late", late, params)
+    while sched.has_work:
+        outs += sched.step()
+    final = {(o.rid, o.index): o for o in outs if o.finished}
+    assert set(final) == {("early", 0), ("bad", 0), ("bad", 1), ("late", 0)}  # every sequence is answered
+    for index in (0, 1):
+        assert final["bad", index].finish_reason == "abort" and final["bad", index].error_type == "EngineError"
+        assert "avx512bw" in final["bad", index].error
+    # The batch's other requests fail with it: "late" shares the prefill; the decode batch holds everyone.
+    failed = {rid for (rid, _), o in final.items() if o.error_type == "EngineError"}
+    assert failed == ({"bad", "late"} if phase == "prefill" else {"bad", "late", "early"})
+    llm.check_integrity()
+    assert sched.stats()["req_pages"] == 0 and not sched.has_work
+    # The engine still serves, and correctly: greedy output equals HF transformers'.
+    monkeypatch.undo()
+    got = llm.generate([early, late], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    ref = hf_greedy(model_dir, [early, late], MAX_NEW)
+    assert [o.token_ids for o in got] == ref
+    if phase == "prefill":  # "early" never shared a batch with the failing request: it finished normally
+        tokens = [t for o in outs if o.rid == "early" for t in o.new_token_ids]
+        assert tokens == ref[0] and final["early", 0].error is None
+    llm.check_integrity()
+
+
+def test_generate_raises_engine_error_when_a_forward_fails_and_leaves_nothing_in_flight(tiny_model_dir, monkeypatch):
+    llm = LLM(str(tiny_model_dir("qwen2")))
+    monkeypatch.setattr(llm.scheduler.engine, "forward", _failing_forward(llm.scheduler.engine, {"prefill", "decode"}))
+    with pytest.raises(errors.EngineError, match="avx512bw"):
+        llm.generate([[20, 21, 22], [30, MARK, 32]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.scheduler.has_work
+    llm.check_integrity()
+    assert llm.stats()["req_pages"] == 0
+    assert len(llm.generate([[20, 21, 22]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0].token_ids) == 4
+
+
+def test_an_engine_that_cannot_run_a_forward_fails_at_start_with_a_clear_error(tiny_model_dir, monkeypatch):
+    """Start-up runs one tiny forward: a dtype/kernel this machine cannot run fails LLM(...) itself, not a request."""
+    from minisgl.models.llama import LlamaForCausalLM
+
+    def no_kernel(self, input_ids, positions):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", no_kernel)
+    with pytest.raises(errors.EngineError, match=r"bfloat16 on cpu cannot run on this machine.*avx_ne_convert.*--dtype"):
+        LLM(str(tiny_model_dir("llama")), dtype="bfloat16")
+
+
+def test_bfloat16_runs_on_every_cpu(tiny_model_dir):
+    """bf16 works whether or not this CPU can pack bf16 for oneDNN (AVX2-only CPUs use F.linear)."""
+    llm = LLM(str(tiny_model_dir("llama")), dtype="bfloat16")
+    out = llm.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 6 and out[0].error is None
+    llm.check_integrity()

@@ -125,12 +125,40 @@ def test_tp_shards_have_per_rank_shapes():
     assert torch.equal(down.weight, w[:, 6:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_gemm_packs_exactly_the_dtypes_this_cpu_can_pack(dtype):
+    """CpuGemm's capability table agrees with oneDNN itself: packing raises exactly for the dtypes it marks unpackable."""
+    from minisgl.layers.linear import CpuGemm
+
+    if not CpuGemm.enabled:
+        pytest.skip("this torch build has no oneDNN linear")
+    w = torch.randn(16, 8, dtype=dtype)
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(w, 32)
+        oneDNN_packs = True
+    except RuntimeError:
+        oneDNN_packs = False
+    if dtype == torch.float16:  # never packed (not measured); F.linear always
+        assert CpuGemm.packs(dtype) is False
+    else:
+        assert CpuGemm.packs(dtype) is oneDNN_packs
+
+
+@pytest.mark.parametrize("path", ["packed", "fallback"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_gemm_follows_every_change_of_the_weight(dtype):
-    """The oneDNN path (a packed copy of the weight) equals F.linear, also after loads and in-place edits."""
+def test_cpu_gemm_follows_every_change_of_the_weight(dtype, path, monkeypatch):
+    """Both paths (a packed oneDNN copy of the weight, F.linear) equal an fp32 F.linear, also after loads and in-place edits.
+
+    The fallback is forced through the capability table, so it runs on every CPU; the packed path
+    runs where this CPU can pack the dtype (bf16 needs AVX-512 or AVX-NE-CONVERT).
+    """
     from minisgl.layers import MergedColumnParallelLinear
     from minisgl.layers.linear import CpuGemm
 
+    if path == "packed" and not CpuGemm.packs(dtype):
+        pytest.skip(f"this CPU ({torch.backends.cpu.get_cpu_capability()}) cannot pack {dtype} for oneDNN")
+    if path == "fallback":
+        monkeypatch.setitem(CpuGemm.packable, dtype, False)
     layer = MergedColumnParallelLinear(64, [48, 48], bias=True).to(dtype)
     gate, up = torch.randn(48, 64), torch.randn(48, 64)
     layer.weight.weight_loader(layer.weight, gate, 0)
@@ -146,8 +174,8 @@ def test_cpu_gemm_follows_every_change_of_the_weight(dtype):
 
     for rows in (1, 7, 32, 200):
         check(rows)
-    if CpuGemm.enabled:
-        assert layer.gemm._packed is not None  # the packed path ran, not the F.linear fallback
+    # Which path ran: only the packed one keeps a packed copy of the weight.
+    assert (layer.gemm._packed is not None) == (path == "packed")
     layer.weight.weight_loader(layer.weight, -gate, 0)  # a re-load (the HF patch's weight re-sync)
     check(5)
     with torch.no_grad():
@@ -155,3 +183,17 @@ def test_cpu_gemm_follows_every_change_of_the_weight(dtype):
     check(5)
     layer.weight = torch.nn.Parameter(torch.randn(96, 64, dtype=dtype), requires_grad=False)  # a new tensor
     check(5)
+
+
+def test_bf16_model_matches_hf_on_every_cpu(tiny_model_dir, paged_runner):
+    """A bf16 model runs whatever the CPU supports (packed or F.linear) and matches HF's fp32 logits to bf16 precision."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir("llama")
+    model, config = load_model(model_dir, dtype=torch.bfloat16, device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    prompt = random_tokens(19, config.vocab_size, seed=3)
+    got = paged_runner(model, config).step(rows=[0], seqs=[prompt], prefix_lens=[0])[0]
+    ref = hf_logits(hf, prompt)
+    assert ref.abs().max() > 1  # the tolerance below is small next to the logits
+    torch.testing.assert_close(got.float(), ref, atol=1e-1, rtol=5e-2)

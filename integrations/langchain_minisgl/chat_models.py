@@ -46,10 +46,9 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
-from minisgl.client import DEFAULT_TIMEOUT_S, AsyncClient, Client
-from minisgl.core import SamplingParams
+from minisgl import AsyncClient, Chunk, Client, SamplingParams, Usage
+from minisgl.client import DEFAULT_TIMEOUT_S
 from minisgl.errors import DaemonNotRunningError, InvalidRequestError
-from minisgl.runtime.protocol import Chunk, Usage
 
 PROVIDER = "minisgl"
 
@@ -77,10 +76,7 @@ class _Request(NamedTuple):
     response_format: dict[str, Any] | None
 
     def sampling_params(self, context_length: int | None) -> SamplingParams:
-        params = dict(self.params)
-        if params.get("max_tokens") is None:
-            params["max_tokens"] = context_length
-        return SamplingParams(**params)
+        return SamplingParams.from_openai(self.params, context_length)
 
 
 class ChatMiniSGL(BaseChatModel):
@@ -432,19 +428,16 @@ class _MessageChunks:
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self.called = False
 
     def convert(self, chunk: Chunk) -> ChatGenerationChunk | None:
         calls = _tool_call_chunks(chunk.tool_calls or [])
-        self.called = self.called or bool(calls)
         if not (chunk.text or calls or chunk.done):
             return None
         metadata: dict[str, Any] = {"model_provider": PROVIDER}
         usage = None
         if chunk.done:
-            finish = chunk.finish_reason
             metadata["model_name"] = self.model
-            metadata["finish_reason"] = "tool_calls" if self.called and finish == "stop" else finish
+            metadata["finish_reason"] = chunk.finish_reason  # "tool_calls" when it called tools (the daemon's rule)
             usage = _usage_metadata(chunk.usage)
         message = AIMessageChunk(
             content=chunk.text,

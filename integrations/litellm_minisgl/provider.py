@@ -24,8 +24,7 @@ import openai
 from litellm import CustomLLM
 from litellm.types.utils import GenericStreamingChunk, ModelResponse
 
-from minisgl.client import AsyncClient, Client
-from minisgl.core import SamplingParams
+from minisgl import AsyncClient, Client, SamplingParams
 from minisgl.errors import DaemonNotRunningError
 from minisgl.runtime.auth import ClientCurve
 from minisgl.runtime.launcher import PING_TIMEOUT_S, ping
@@ -185,11 +184,10 @@ class MiniSGLLLM(CustomLLM):
 
     @staticmethod
     def _chunks(first: Any, stream: Any, model: str) -> Iterator[GenericStreamingChunk]:
-        called: set[int] = set()
         with _litellm_errors(model):
             try:
                 for chunk in itertools.chain([first], stream):
-                    yield from stream_chunks(chunk, called)
+                    yield from stream_chunks(chunk)
             finally:
                 stream.close()  # aborts the request in the daemon if the caller stopped early
 
@@ -212,16 +210,15 @@ class MiniSGLLLM(CustomLLM):
                          litellm_params: Any = None, logger_fn: Any = None, headers: dict | None = None,
                          timeout: Any = None, client: Any = None) -> AsyncIterator[GenericStreamingChunk]:
         # Everything that can fail on the request's account happens before the first yield.
-        called: set[int] = set()
         with _litellm_errors(model):
             c, request, params = await self._aprepare(model, messages, api_base, optional_params, timeout, True)
             stream = c.stream(request.messages, params, timeout=_seconds(timeout), **request.generate_kwargs())
             try:
                 first = await stream.__anext__()
-                for generic in stream_chunks(first, called):
+                for generic in stream_chunks(first):
                     yield generic
                 async for chunk in stream:
-                    for generic in stream_chunks(chunk, called):
+                    for generic in stream_chunks(chunk):
                         yield generic
             finally:
                 await stream.aclose()  # aborts the request in the daemon if the caller stopped early

@@ -1,7 +1,7 @@
 """LiteLLM <-> minisgl: request parameters in, responses, stream chunks and errors out.
 
-Mirrors the OpenAI server (minisgl.server): the same sampling defaults, message flattening,
-"stop" -> "tool_calls" finish reason and usage with prompt_tokens_details.cached_tokens.
+Mirrors the OpenAI server (minisgl.server): the same SamplingParams.from_openai mapping, message
+flattening and usage with prompt_tokens_details.cached_tokens.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Iterator, Mapping
 import litellm
 from litellm.types.utils import ChoiceLogprobs, Choices, GenericStreamingChunk, Message, ModelResponse, Usage
 
-from minisgl.core import SamplingParams
+from minisgl import SamplingParams
 from minisgl.errors import (
     ConfigError,
     DaemonError,
@@ -28,9 +28,10 @@ from minisgl.tokenizer import flatten_message
 
 PROVIDER = "minisgl"
 
-# OpenAI parameters that map one-to-one onto SamplingParams fields.
-_DIRECT = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
-# Engine extras a caller may pass as kwargs or in extra_body (as vLLM/SGLang accept them).
+# The OpenAI sampling parameters this provider takes, and the engine extras a caller may pass as
+# kwargs or in extra_body (as vLLM/SGLang accept them); SamplingParams.from_openai maps them.
+_OPENAI = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "n", "max_tokens",
+           "max_completion_tokens", "logprobs", "top_logprobs")
 _EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens")
 
 
@@ -39,14 +40,14 @@ class Request:
 
     def __init__(self, messages: list[dict[str, Any]], params: dict[str, Any], optional_params: Mapping[str, Any]):
         self.messages = messages
-        self.params = params  # SamplingParams fields, except max_tokens when the caller left it unset
+        self.params = params  # the OpenAI sampling parameters given (for SamplingParams.from_openai)
         self.tools = optional_params.get("tools") or None
         self.tool_choice = optional_params.get("tool_choice")
         self.response_format = _response_format(optional_params.get("response_format"))
 
     def sampling_params(self, context_length: int) -> SamplingParams:
         """The request's SamplingParams; without max_tokens it may run to the end of the context (as OpenAI)."""
-        return SamplingParams(**{"max_tokens": context_length, **self.params})
+        return SamplingParams.from_openai(self.params, context_length)
 
     def generate_kwargs(self) -> dict[str, Any]:
         return {"tools": self.tools, "tool_choice": self.tool_choice, "response_format": self.response_format}
@@ -59,28 +60,16 @@ def build_request(messages: Any, optional_params: Mapping[str, Any], stream: boo
     if not isinstance(extra_body, Mapping):
         raise InvalidRequestError("extra_body must be an object")
     given = {**extra_body, **{k: v for k, v in given.items() if k != "extra_body"}}
-    params: dict[str, Any] = {k: given[k] for k in (*_DIRECT, *_EXTRAS) if given.get(k) is not None}
-    max_tokens = given.get("max_completion_tokens")
-    max_tokens = given.get("max_tokens") if max_tokens is None else max_tokens
-    if max_tokens is not None:
-        params["max_tokens"] = max_tokens
-    stop = given.get("stop")
-    if stop:
-        params["stop"] = [stop] if isinstance(stop, str) else list(stop)
-    if given.get("n") is not None:
-        params["n"] = given["n"]
-    if given.get("top_logprobs") is not None and not given.get("logprobs"):
-        raise InvalidRequestError("top_logprobs needs logprobs=true")
-    if given.get("logprobs"):
-        params["logprobs"] = int(given.get("top_logprobs") or 0)
+    params: dict[str, Any] = {k: given[k] for k in (*_OPENAI, *_EXTRAS) if given.get(k) is not None}
+    if "logprobs" in params:
+        params["logprobs"] = bool(params["logprobs"])  # a chat API: logprobs is a switch, top_logprobs the count
+    if given.get("stop"):
+        params["stop"] = given["stop"]
     if stream and params.get("n", 1) != 1:
         raise InvalidRequestError("n > 1 cannot be streamed through LiteLLM's provider interface: use stream=False")
-    if stream and "logprobs" in params:
+    if stream and params.get("logprobs"):
         raise InvalidRequestError("logprobs are returned only with stream=False")
-    try:
-        SamplingParams(**{"max_tokens": 1, **params})  # validate now, with the messages SamplingParams gives
-    except TypeError as e:  # a value of the wrong type (e.g. temperature="hot")
-        raise InvalidRequestError(f"invalid SamplingParams: {e}") from e
+    SamplingParams.from_openai(params, context_length=1)  # validate now, before a daemon is found or started
     return Request(chat_messages(messages), params, given)
 
 
@@ -138,13 +127,6 @@ def usage_dict(usage: Any) -> dict[str, Any]:
     }
 
 
-def _finish_reason(reason: str | None, called: bool) -> str:
-    # A sequence that called tools and then stopped finished "because of" the calls (OpenAI's convention).
-    if reason == "stop" and called:
-        return "tool_calls"
-    return reason or "stop"
-
-
 def _token_logprob(entry: dict[str, Any]) -> dict[str, Any]:
     token = entry["token"]
     return {"token": token, "logprob": entry["logprob"], "bytes": list(token.encode("utf-8", "replace"))}
@@ -165,7 +147,7 @@ def to_model_response(result: Any, model_response: ModelResponse, model: str) ->
     for out in result.outputs:
         calls = out.tool_calls or None
         message = Message(role="assistant", content=out.text if (out.text or not calls) else None, tool_calls=calls)
-        choice = Choices(index=out.index, message=message, finish_reason=_finish_reason(out.finish_reason, bool(calls)))
+        choice = Choices(index=out.index, message=message, finish_reason=out.finish_reason or "stop")
         logprobs = _logprobs(out.logprobs)
         if logprobs is not None:
             choice.logprobs = logprobs
@@ -178,15 +160,12 @@ def to_model_response(result: Any, model_response: ModelResponse, model: str) ->
     return model_response
 
 
-def stream_chunks(chunk: Any, called: set[int]) -> Iterator[GenericStreamingChunk]:
-    """The GenericStreamingChunks of one daemon Chunk: its text, one per tool-call delta, then the finish.
-
-    `called` collects the sequence indexes that emitted tool calls (their "stop" becomes "tool_calls").
-    """
+def stream_chunks(chunk: Any) -> Iterator[GenericStreamingChunk]:
+    """The GenericStreamingChunks of one daemon Chunk: its text, one per tool-call delta, then the finish
+    (the daemon already reports a sequence that called tools and stopped as "tool_calls")."""
     index = int(chunk.index)
     text = chunk.text
     for delta in chunk.tool_calls or []:
-        called.add(index)
         fn = delta.get("function") or {}
         tool_use = {
             "id": delta.get("id"), "type": "function", "index": int(delta.get("index", 0)),
@@ -198,7 +177,7 @@ def stream_chunks(chunk: Any, called: set[int]) -> Iterator[GenericStreamingChun
     if chunk.finish_reason is not None or chunk.usage is not None:
         usage = usage_dict(chunk.usage) if chunk.usage is not None else None
         yield GenericStreamingChunk(text=text, tool_use=None, is_finished=True,
-                                    finish_reason=_finish_reason(chunk.finish_reason, index in called), usage=usage,
+                                    finish_reason=chunk.finish_reason or "stop", usage=usage,
                                     index=index)
     elif text:
         yield GenericStreamingChunk(text=text, tool_use=None, is_finished=False, finish_reason="", usage=None,

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from minisgl.core import SamplingParams
+from minisgl.core import CompletionOutput, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "Client", "AsyncClient", "__version__"]
+__all__ = [
+    "LLM", "SamplingParams", "Client", "AsyncClient", "CompletionOutput", "GenerateResult", "Chunk", "Usage",
+    "__version__",
+]
 
-_LAZY = {"LLM": "minisgl.llm", "Client": "minisgl.client", "AsyncClient": "minisgl.client"}
+_LAZY = {
+    "LLM": "minisgl.llm", "Client": "minisgl.client", "AsyncClient": "minisgl.client",
+    "GenerateResult": "minisgl.client", "Chunk": "minisgl.client", "Usage": "minisgl.client",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -26,12 +26,14 @@ import asyncio
 import threading
 import uuid
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence, TypeVar, Union
 
 import zmq
 
-from minisgl.core import FirstOutputShortcuts, SamplingParams
+from minisgl.core import CompletionOutput, FirstOutputShortcuts, SamplingParams
 from minisgl.errors import DaemonError, DaemonTimeoutError, InvalidRequestError
 from minisgl.runtime.auth import ClientCurve
 from minisgl.runtime.connection import AsyncConnection, SyncConnection, as_exception
@@ -51,21 +53,9 @@ from minisgl.runtime.protocol import (
 Prompt = Union[str, Sequence[int], Sequence[dict[str, Any]]]
 DEFAULT_TIMEOUT_S = 300.0
 _UNSET: Any = object()
+_R = TypeVar("_R")
 
 __all__ = ["AsyncClient", "AsyncStream", "Chunk", "Client", "CompletionOutput", "GenerateResult", "Stream", "Usage"]
-
-
-@dataclass
-class CompletionOutput:
-    """One of the n sampled sequences of a request."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "tool_calls"
-    matched_stop: str | int | None = None  # the stop string or token id that ended it
-    tool_calls: list[dict[str, Any]] | None = None  # OpenAI-shaped {id, type, function: {name, arguments}}
-    logprobs: list[dict[str, Any]] | None = None  # per token: {token_id, token, logprob, top_logprobs}
 
 
 @dataclass
@@ -155,16 +145,21 @@ def _generate_message(
     )
 
 
-def _timeout_error(e: DaemonTimeoutError) -> DaemonTimeoutError:
-    return DaemonTimeoutError(f"{e}; the request was aborted (raise the client's timeout for slower requests)")
-
-
 def _unexpected(reply: Any) -> ProtocolError:
     return ProtocolError(f"unexpected {type(reply).__name__} reply from the daemon")
 
 
-class _Options:
-    """What Client and AsyncClient share: where the daemon is and how to reach it."""
+def _expect(reply: Any, expected: type[_R]) -> _R:
+    """The reply of a one-shot call: an Error reply raises its typed exception, another type ProtocolError."""
+    if isinstance(reply, Error):
+        raise as_exception(reply)
+    if not isinstance(reply, expected):
+        raise _unexpected(reply)
+    return reply
+
+
+class _ClientCore:
+    """What Client and AsyncClient share: where the daemon is, how to reach it, what a request sends."""
 
     def __init__(
         self, model: str, address: str | None, auto_start: bool, timeout: float | None,
@@ -176,8 +171,9 @@ class _Options:
         self.timeout = timeout
         self.curve = ClientCurve.resolve(curve_client_key, curve_server_key)
         self.engine_kwargs = engine_kwargs
+        self._model_info: dict[str, Any] | None = None
 
-    def locate(self) -> str:
+    def _locate(self) -> str:
         from minisgl.runtime.launcher import locate_daemon
 
         start_timeout = self.timeout if self.timeout is not None else 3600.0
@@ -186,8 +182,63 @@ class _Options:
             engine_kwargs=self.engine_kwargs, curve=self.curve,
         )
 
+    def _request(
+        self, prompt: Prompt, sampling_params: SamplingParams | None, tools: Any, tool_choice: Any,
+        response_format: Any, rid: str | None, timeout: float | None,
+    ) -> tuple[Generate, float | None]:
+        """The Generate message of a request and the timeout its replies get."""
+        msg = _generate_message(prompt, sampling_params, tools, tool_choice, response_format, rid)
+        return msg, self.timeout if timeout is _UNSET else timeout
 
-class Stream:
+    def _keep_model_info(self, reply: Any) -> dict[str, Any]:
+        self._model_info = dict(_expect(reply, ModelInfoReply).info)
+        return dict(self._model_info)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(model={self.model!r}, address={self.address!r})"  # type: ignore[attr-defined]
+
+
+class _StreamCore(ABC):
+    """What Stream and AsyncStream share: how a reply ends, continues or fails the request."""
+
+    rid: str
+    _open: bool
+
+    @abstractmethod
+    def _end(self) -> None:
+        """The request is over (finished or failed in the daemon): stop reading its replies."""
+
+    @abstractmethod
+    def _abort(self) -> None:
+        """Unless it is over, end the request and ask the daemon to abort it."""
+
+    @contextmanager
+    def _aborting(self) -> Iterator[None]:
+        """Waiting for a reply: a timeout, a cancellation or any failure aborts the request."""
+        try:
+            yield
+        except DaemonTimeoutError as e:
+            self._abort()
+            raise DaemonTimeoutError(
+                f"{e}; the request was aborted (raise the client's timeout for slower requests)"
+            ) from None
+        except BaseException:
+            self._abort()
+            raise
+
+    def _chunk(self, reply: Any) -> Chunk:
+        if isinstance(reply, Error):  # the daemon dropped the request itself
+            self._end()
+            raise as_exception(reply)
+        if not isinstance(reply, Chunk):
+            self._abort()
+            raise _unexpected(reply)
+        if reply.done:
+            self._end()
+        return reply
+
+
+class Stream(_StreamCore):
     """Chunks of one request, as they come; close() (or leaving a `with` block / a for loop early) aborts it."""
 
     def __init__(self, client: "Client", conn: SyncConnection, rid: str, timeout: float | None) -> None:
@@ -203,33 +254,22 @@ class Stream:
     def __next__(self) -> Chunk:
         if not self._open:
             raise StopIteration
-        try:
+        with self._aborting():
             reply = self._conn.next(self.rid, self._timeout)
-        except DaemonTimeoutError as e:
-            self.close()
-            raise _timeout_error(e) from None
-        except BaseException:
-            self.close()
-            raise
-        if isinstance(reply, Error):
-            self._end()
-            raise as_exception(reply)
-        if not isinstance(reply, Chunk):
-            self.close()
-            raise _unexpected(reply)
-        if reply.done:
-            self._end()
-        return reply
+        return self._chunk(reply)
 
     def _end(self) -> None:
         self._open = False
         self._conn.forget(self.rid)
 
-    def close(self) -> None:
-        """Abort the request unless it already finished."""
+    def _abort(self) -> None:
         if self._open:
             self._end()
             self._client.abort(self.rid)
+
+    def close(self) -> None:
+        """Abort the request unless it already finished."""
+        self._abort()
 
     def __enter__(self) -> "Stream":
         return self
@@ -249,7 +289,7 @@ def _close_connections(conns: list[SyncConnection]) -> None:
         conns.pop().close()
 
 
-class Client:
+class Client(_ClientCore):
     """A synchronous client of the daemon serving `model`; safe to share between threads.
 
     model: a model name/path as `minisgl serve --model` takes it. address: ipc:///path or
@@ -272,16 +312,13 @@ class Client:
         curve_server_key: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        self._options = _Options(model, address, auto_start, timeout, curve_client_key, curve_server_key, engine_kwargs)
-        self.model = model
-        self.timeout = timeout
-        self.address = self._options.locate()
+        super().__init__(model, address, auto_start, timeout, curve_client_key, curve_server_key, engine_kwargs)
+        self.address = self._locate()
         self._ctx = zmq.Context.instance()
         self._local = threading.local()
         self._lock = threading.Lock()
         self._conns: list[SyncConnection] = []
         self._closed = False
-        self._model_info: dict[str, Any] | None = None
         # A Client dropped without close() (or alive at exit) still closes its sockets.
         self._finalizer = weakref.finalize(self, _close_connections, self._conns)
 
@@ -291,7 +328,7 @@ class Client:
             with self._lock:
                 if self._closed:
                     raise DaemonError("this Client is closed")
-                conn = SyncConnection(self._ctx, self.address, self._options.curve)
+                conn = SyncConnection(self._ctx, self.address, self.curve)
                 self._conns.append(conn)
             self._local.conn = conn
         return conn
@@ -308,11 +345,11 @@ class Client:
         timeout: float | None = _UNSET,
     ) -> Stream:
         """Send the request now; iterate the returned Stream (in this thread) for its Chunks."""
-        msg = _generate_message(prompt, sampling_params, tools, tool_choice, response_format, rid)
+        msg, timeout = self._request(prompt, sampling_params, tools, tool_choice, response_format, rid, timeout)
         conn = self._conn()
         conn.open(msg.rid)
         conn.send(msg)
-        return Stream(self, conn, msg.rid, self.timeout if timeout is _UNSET else timeout)
+        return Stream(self, conn, msg.rid, timeout)
 
     def generate(
         self,
@@ -345,28 +382,19 @@ class Client:
         conn.open(msg.rid)
         try:
             conn.send(msg)
-            reply = conn.next(msg.rid, self.timeout)
+            return conn.next(msg.rid, self.timeout)
         finally:
             conn.forget(msg.rid)
-        if isinstance(reply, Error):
-            raise as_exception(reply)
-        return reply
 
     def model_info(self) -> dict[str, Any]:
         """name, path, architecture, context_length, eos_token_ids, vocab_size, dtype, device, tp, page_size, ..."""
         if self._model_info is None:
-            reply = self._call(GetModelInfo(uuid.uuid4().hex))
-            if not isinstance(reply, ModelInfoReply):
-                raise _unexpected(reply)
-            self._model_info = dict(reply.info)
+            return self._keep_model_info(self._call(GetModelInfo(uuid.uuid4().hex)))
         return dict(self._model_info)
 
     def stats(self) -> dict[str, Any]:
         """The daemon's counters: total/free/cached/req pages, waiting/running/inflight requests, uptime."""
-        reply = self._call(GetStats(uuid.uuid4().hex))
-        if not isinstance(reply, StatsReply):
-            raise _unexpected(reply)
-        return dict(reply.stats)
+        return dict(_expect(self._call(GetStats(uuid.uuid4().hex)), StatsReply).stats)
 
     def close(self) -> None:
         with self._lock:
@@ -379,11 +407,8 @@ class Client:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __repr__(self) -> str:
-        return f"Client(model={self.model!r}, address={self.address!r})"
 
-
-class AsyncStream:
+class AsyncStream(_StreamCore):
     """Chunks of one request; the request is sent on the first step. aclose(), leaving an
     `async with` block or cancelling the task that iterates it aborts the request."""
 
@@ -401,27 +426,13 @@ class AsyncStream:
     async def __anext__(self) -> Chunk:
         if not self._open:
             raise StopAsyncIteration
-        try:
+        with self._aborting():
             if self._conn is None:
                 self._conn = await self._client._connection()
                 self._conn.open(self.rid)
                 self._conn.send(self._msg)
             reply = await self._conn.next(self.rid, self._timeout)
-        except DaemonTimeoutError as e:
-            self._abort()
-            raise _timeout_error(e) from None
-        except BaseException:
-            self._abort()
-            raise
-        if isinstance(reply, Error):
-            self._end()
-            raise as_exception(reply)
-        if not isinstance(reply, Chunk):
-            self._abort()
-            raise _unexpected(reply)
-        if reply.done:
-            self._end()
-        return reply
+        return self._chunk(reply)
 
     def _end(self) -> None:
         self._open = False
@@ -450,7 +461,7 @@ class AsyncStream:
             pass
 
 
-class AsyncClient:
+class AsyncClient(_ClientCore):
     """The asyncio client (zmq.asyncio): one socket and one reader task serve any number of
     concurrent requests. Same arguments as Client; connects (finding or starting the daemon) on
     `async with` or on first use, and belongs to the event loop it connected in."""
@@ -466,13 +477,10 @@ class AsyncClient:
         curve_server_key: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        self._options = _Options(model, address, auto_start, timeout, curve_client_key, curve_server_key, engine_kwargs)
-        self.model = model
-        self.timeout = timeout
+        super().__init__(model, address, auto_start, timeout, curve_client_key, curve_server_key, engine_kwargs)
         self.address: str | None = None
         self._conn: AsyncConnection | None = None
         self._connecting: asyncio.Future | None = None
-        self._model_info: dict[str, Any] | None = None
 
     async def connect(self) -> "AsyncClient":
         await self._connection()
@@ -489,8 +497,8 @@ class AsyncClient:
     async def _open(self) -> None:
         try:
             # Finding or starting the daemon blocks (file locks, a subprocess); the requests do not.
-            self.address = await asyncio.to_thread(self._options.locate)
-            self._conn = AsyncConnection(self.address, self._options.curve)
+            self.address = await asyncio.to_thread(self._locate)
+            self._conn = AsyncConnection(self.address, self.curve)
         finally:
             if self._conn is None:
                 self._connecting = None
@@ -507,8 +515,7 @@ class AsyncClient:
         timeout: float | None = _UNSET,
     ) -> AsyncStream:
         """`async for chunk in client.stream(...)`; arguments as Client.stream."""
-        msg = _generate_message(prompt, sampling_params, tools, tool_choice, response_format, rid)
-        return AsyncStream(self, msg, self.timeout if timeout is _UNSET else timeout)
+        return AsyncStream(self, *self._request(prompt, sampling_params, tools, tool_choice, response_format, rid, timeout))
 
     async def generate(
         self,
@@ -539,26 +546,17 @@ class AsyncClient:
         conn.open(msg.rid)
         try:
             conn.send(msg)
-            reply = await conn.next(msg.rid, self.timeout)
+            return await conn.next(msg.rid, self.timeout)
         finally:
             conn.forget(msg.rid)
-        if isinstance(reply, Error):
-            raise as_exception(reply)
-        return reply
 
     async def model_info(self) -> dict[str, Any]:
         if self._model_info is None:
-            reply = await self._call(GetModelInfo(uuid.uuid4().hex))
-            if not isinstance(reply, ModelInfoReply):
-                raise _unexpected(reply)
-            self._model_info = dict(reply.info)
+            return self._keep_model_info(await self._call(GetModelInfo(uuid.uuid4().hex)))
         return dict(self._model_info)
 
     async def stats(self) -> dict[str, Any]:
-        reply = await self._call(GetStats(uuid.uuid4().hex))
-        if not isinstance(reply, StatsReply):
-            raise _unexpected(reply)
-        return dict(reply.stats)
+        return dict(_expect(await self._call(GetStats(uuid.uuid4().hex)), StatsReply).stats)
 
     async def close(self) -> None:
         conn, self._conn, self._connecting = self._conn, None, None
@@ -570,7 +568,4 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
-
-    def __repr__(self) -> str:
-        return f"AsyncClient(model={self.model!r}, address={self.address!r})"
 

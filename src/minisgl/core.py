@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple, Sequence
 
 from minisgl.errors import GrammarError, InvalidRequestError
 
@@ -97,12 +98,66 @@ class SamplingParams:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
+    def from_dict(cls, d: Any) -> "SamplingParams":
+        """Validated params from a mapping of field names (what a client sends); None: the defaults."""
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise InvalidRequestError(f"sampling params must be a mapping, got {type(d).__name__}")
+        unknown = set(d) - _FIELD_NAMES
         if unknown:
             raise InvalidRequestError(f"unknown sampling parameters: {sorted(unknown)}")
-        return cls(**d)
+        try:
+            return cls(**d)
+        except TypeError as e:  # a value of the wrong type (e.g. temperature="hot")
+            raise InvalidRequestError(f"invalid SamplingParams: {e}") from e
+
+    @classmethod
+    def from_validated(cls, d: dict[str, Any]) -> "SamplingParams":
+        """Params that to_dict() wrote after validation, inside the daemon (tokenizer -> scheduler): not checked again."""
+        params = cls.__new__(cls)
+        params.__dict__.update(d)
+        return params
+
+    @classmethod
+    def from_openai(cls, request: Mapping[str, Any], context_length: int | None = None) -> "SamplingParams":
+        """SamplingParams of an OpenAI-style request (chat or text completion, plus vLLM/SGLang extras).
+
+        Keys that are not sampling parameters (model, messages, tools, ...) are ignored; None means
+        "not given". max_completion_tokens wins over max_tokens; without either, the answer may run
+        to the end of the context window when context_length is given (OpenAI's chat default), else
+        SamplingParams' default. logprobs: True/False (chat, with top_logprobs alternatives) or a
+        number of alternatives (text completions).
+        """
+        given = {k: v for k, v in request.items() if v is not None}
+        d = {k: v for k, v in given.items() if k in _FIELD_NAMES}
+        d.pop("max_tokens", None)
+        max_tokens = given.get("max_completion_tokens", given.get("max_tokens"))
+        if max_tokens is None and context_length is not None:
+            max_tokens = context_length
+        if max_tokens is not None:
+            d["max_tokens"] = max_tokens
+        if isinstance(d.get("stop"), str):
+            d["stop"] = [d["stop"]]
+        logprobs = given.get("logprobs")
+        if isinstance(logprobs, bool) or "top_logprobs" in given:
+            if "top_logprobs" in given and not logprobs:
+                raise InvalidRequestError("top_logprobs needs logprobs=true")
+            d["logprobs"] = int(given.get("top_logprobs") or 0) if logprobs else None
+        return cls.from_dict(d)
+
+    def with_grammar(self, **grammar: Any) -> "SamplingParams":
+        """A copy constrained by one grammar field (json_schema, regex or ebnf); these params have none."""
+        if self.has_grammar:
+            raise GrammarError("give at most one of json_schema, regex and ebnf")
+        (name, value), = grammar.items()
+        assert name in ("json_schema", "regex", "ebnf"), name
+        params = copy.copy(self)
+        setattr(params, name, value)
+        return params
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
 
 
 class TokenOutput(NamedTuple):
@@ -119,6 +174,7 @@ class TokenOutput(NamedTuple):
     cached_tokens: int  # prompt tokens served from the prefix cache
     completion_tokens: int
     error: str | None = None  # set when finish_reason is "abort" because of a failure
+    error_type: str | None = None  # the minisgl.errors class of that failure (default RequestAbortedError)
 
 
 class Phase(enum.Enum):
@@ -245,6 +301,19 @@ def get_context() -> Context:
 
 def flatten(xs: Sequence[Sequence[int]]) -> list[int]:
     return [x for seq in xs for x in seq]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n sampled sequences of a request (offline LLM and daemon clients alike)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "tool_calls"
+    matched_stop: str | int | None = None  # the stop string or token id that ended it
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI-shaped {id, type, function: {name, arguments}}
+    logprobs: list[Any] | None = None  # per token; the client's are {token_id, token, logprob, top_logprobs}
 
 
 class FirstOutputShortcuts:

@@ -43,6 +43,11 @@ class OutOfMemoryError(MiniSGLError, MemoryError):
     """The KV pool cannot hold even a single request of this size."""
 
 
+class EngineError(MiniSGLError, RuntimeError):
+    """A forward pass failed: at start-up (a dtype or kernel this machine cannot run), or for one batch,
+    whose requests fail with this error while the engine keeps serving the others."""
+
+
 class DaemonError(MiniSGLError):
     """Base class for errors talking to the minisgl daemon."""
 

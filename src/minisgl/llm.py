@@ -7,20 +7,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from minisgl.config import EngineConfig
-from minisgl.core import FirstOutputShortcuts, SamplingParams, TokenOutput
-from minisgl.errors import InvalidRequestError
+from minisgl.core import CompletionOutput, FirstOutputShortcuts, SamplingParams, TokenOutput
+from minisgl.errors import EngineError, InvalidRequestError
 from minisgl.tokenizer import IncrementalDetokenizer, apply_chat_template, encode_prompt
-
-@dataclass
-class CompletionOutput:
-    """One sampled sequence."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    matched_stop: str | int | None = None
-    logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -85,7 +74,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (str or token ids), batched by the scheduler; outputs keep prompt order."""
+        """Generate for every prompt (str or token ids), batched by the scheduler; outputs keep prompt order.
+
+        Raises EngineError when a forward pass fails (the engine stays usable; nothing is left in flight).
+        """
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -139,6 +131,8 @@ class LLM:
                 self.scheduler.add_request(rid, ids, params)
             while any(remaining.values()):
                 for out in self.scheduler.step():
+                    if out.error_type == EngineError.__name__:  # a failed forward: no output for this prompt
+                        raise EngineError(out.error)
                     collected[out.rid].setdefault(out.index, []).append(out)
                     if out.finished:
                         remaining[out.rid] -= 1
@@ -171,7 +165,9 @@ class LLM:
                 detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
                 text = detok.add(token_ids) + detok.finish()
             logprobs = [lp for c in chunks for lp in (c.new_logprobs or [])] if params.logprobs is not None else None
-            outputs.append(CompletionOutput(index, text, token_ids, last.finish_reason, last.matched_stop, logprobs))
+            outputs.append(CompletionOutput(
+                index, text, token_ids, last.finish_reason, last.matched_stop, logprobs=logprobs,
+            ))
         assert last is not None
         return RequestOutput(
             request_id=rid, prompt_token_ids=prompt_ids, outputs=outputs, prompt_tokens=last.prompt_tokens,

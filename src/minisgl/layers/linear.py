@@ -39,6 +39,25 @@ def _onednn_available() -> bool:
         return False
 
 
+def _torch_says_packable(dtype: torch.dtype) -> bool:
+    """torch's own answer: oneDNN's bf16 path needs AVX-512 (bw/vl/dq) or AVX-NE-CONVERT."""
+    if dtype == torch.bfloat16:
+        query = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        return bool(query()) if query is not None else True  # no query in this build: the probe decides
+    return dtype == torch.float32
+
+
+def _probe_packable(dtype: torch.dtype) -> bool:
+    """Pack and run a tiny weight: what the capability query cannot see (a build without the kernel)."""
+    try:
+        w = torch.ones(4, 4, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, CpuGemm.PACK_BATCH_HINT)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4, dtype=dtype), packed, None, "none", [], "")
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool(torch.equal(y.float(), torch.full((2, 4), 4.0)))
+
+
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -47,21 +66,33 @@ class CpuGemm:
 
     PyTorch's CPU F.linear goes to MKL, which repacks W on every call; oneDNN with a prepacked
     weight was 1.1-2.4x faster on SmolLM2's shapes on the project's AVX-512 CPU, most at decode
-    sizes and on the LM head (scripts/profile_cpu.py gemm, docs/benchmarks.md). The packed copy
+    sizes and on the LM head (`minisgl bench profile cpu-gemm`, docs/benchmarks.md). The packed copy
     follows the weight: it is rebuilt when the weight's storage or version counter changes
     (load_weights, any in-place edit), and it is a second copy of the weights in memory (0.5 GiB for
-    SmolLM2 in fp32). Other devices and dtypes, or a build without oneDNN, use F.linear.
+    SmolLM2 in fp32). Other devices, a dtype this CPU cannot pack (bf16 without AVX-512 or
+    AVX-NE-CONVERT), or a build without oneDNN use F.linear.
     """
 
     enabled = _onednn_available()
     PACK_BATCH_HINT = 32  # oneDNN picks a blocking for this many rows; any row count works
+    # dtype -> whether this CPU packs it: asked once per process (torch's query, then a tiny probe).
+    packable: dict[torch.dtype, bool] = {}
 
     def __init__(self) -> None:
         self._key: tuple[int, int, torch.dtype] | None = None
         self._packed: torch.Tensor | None = None
 
+    @classmethod
+    def packs(cls, dtype: torch.dtype) -> bool:
+        """Whether weights of this dtype go through the packed oneDNN path on this CPU."""
+        known = cls.packable.get(dtype)
+        if known is None:
+            known = cls.enabled and dtype in _ONEDNN_DTYPES and _torch_says_packable(dtype) and _probe_packable(dtype)
+            cls.packable[dtype] = known
+        return known
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not (self.enabled and weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES and x.dtype == weight.dtype):
+        if not (weight.device.type == "cpu" and x.dtype == weight.dtype and self.packs(weight.dtype)):
             return F.linear(x, weight, bias)
         key = (weight.data_ptr(), weight._version, weight.dtype)
         if key != self._key:

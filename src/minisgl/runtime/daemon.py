@@ -1,8 +1,9 @@
 """The daemon process: the frontend ROUTER, the worker processes it starts, start-up and shutdown.
 
-    clients ──DEALER──▶ ROUTER (this process) ──▶ tokenizer ──▶ scheduler = TP rank 0 (──▶ ranks 1..N-1)
-                           ▲                         │               │
-                           └──────── frontend PULL ◀─┴── detokenizer ◀┘
+    clients ──DEALER──▶ ROUTER (this process) ──▶ text worker ──▶ scheduler = TP rank 0 (──▶ ranks 1..N-1)
+                           ▲                         (tokenize)         │
+                           └──────── frontend PULL ◀── text worker ◀───┘
+                                                     (detokenize)
 
 The frontend remembers which client (ZMQ identity) owns each request id and routes every
 reply back to it. A reply that cannot be routed (the client's connection is gone) aborts all of
@@ -47,7 +48,6 @@ from minisgl.runtime.protocol import (
     Shutdown,
     StatsReply,
     WorkerFailed,
-    WorkerInit,
     WorkerReady,
     decode,
     encode,
@@ -63,7 +63,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
 STARTUP_FAILED = "minisgl: start-up failed: "
 STOP_GRACE_S = 5.0  # after Shutdown is sent, how long workers get to exit before they are terminated
 FAILED_STOP_GRACE_S = 1.0  # the same after a worker failed (the Shutdown pipeline may be broken)
-WORKERS = ("tokenizer", "detokenizer")
+WORKERS = ("text",)  # besides the scheduler
 
 
 class HttpOptions(NamedTuple):
@@ -202,16 +202,14 @@ class Daemon:
         logger.info("listening at %s%s; starting %s", self.address.url, auth, self.config.model)
 
     def _spawn_workers(self) -> None:
-        from minisgl.runtime.detokenizer_worker import run_detokenizer
         from minisgl.runtime.scheduler_worker import run_scheduler
-        from minisgl.runtime.tokenizer_worker import run_tokenizer
+        from minisgl.runtime.text_worker import run_text_worker
 
         mp = multiprocessing.get_context("spawn")
         # With tp > 1 the scheduler process is rank 0 and starts the other ranks itself.
         args = (self.config, self.endpoints, self.log_level)
         self._start(mp.Process(target=run_scheduler, args=args, name="scheduler"))
-        self._start(mp.Process(target=run_tokenizer, args=(self.endpoints, self.log_level), name="tokenizer"))
-        self._start(mp.Process(target=run_detokenizer, args=(self.endpoints, self.log_level), name="detokenizer"))
+        self._start(mp.Process(target=run_text_worker, args=(self.endpoints, self.log_level), name="text"))
 
     def _start(self, proc: multiprocessing.process.BaseProcess) -> None:
         proc.start()
@@ -399,7 +397,6 @@ class Daemon:
                 self.config.model, msg.model_info["architecture"], msg.model_info["context_length"],
                 stats["total_pages"], self.config.page_size,
             )
-            self.tokenizer.send(encode(WorkerInit(msg.model_info, msg.tokenizer)))
             self._on_ready("scheduler")
         elif isinstance(msg, WorkerReady):
             self._on_ready(msg.worker)

@@ -1,32 +1,13 @@
-"""The detokenizer process: token ids -> text deltas (UTF-8 safe, stop strings trimmed), usage, tool calls."""
+"""The text worker's output side: token ids -> text deltas (UTF-8 safe, stop strings trimmed), usage,
+tool calls, and the "tool_calls" finish reason (the one place it is decided)."""
 
 from __future__ import annotations
 
-import logging
-import pickle
-import sys
 from typing import Any
 
-import zmq
-
 from minisgl.core import TokenOutput
-from minisgl.runtime.protocol import (
-    Chunk,
-    Chunks,
-    Error,
-    RequestMeta,
-    Shutdown,
-    TokenOutputs,
-    Usage,
-    WorkerInit,
-    WorkerReady,
-    decode,
-    encode,
-)
-from minisgl.runtime.transport import Endpoints, ParentWatch, preload_tokenizer_modules, pull, push, worker_setup
+from minisgl.runtime.protocol import Chunk, Error, Usage
 from minisgl.tokenizer import IncrementalDetokenizer
-
-logger = logging.getLogger("minisgl")
 
 
 class RequestState:
@@ -77,7 +58,7 @@ class Detokenizer:
                 continue  # already failed (a sibling sequence's error ended the request)
             if out.error is not None and out.finish_reason == "abort":
                 del self.states[out.rid]
-                errors.append(Error(out.rid, "RequestAbortedError", out.error))
+                errors.append(Error(out.rid, out.error_type or "RequestAbortedError", out.error))
                 continue
             chunks.append(self._chunk(state, out))
         return chunks, errors
@@ -131,44 +112,3 @@ class Detokenizer:
             })
         return entries
 
-
-def run_detokenizer(endpoints: Endpoints, log_level: int) -> None:
-    """Process entry: wait for WorkerInit, then detokenize until Shutdown."""
-    worker_setup(log_level)
-    ctx = zmq.Context()
-    inbox = pull(ctx, endpoints.detokenizer)
-    frontend = push(ctx, endpoints.frontend)
-    parent = ParentWatch()
-    preload_tokenizer_modules()
-    try:
-        detokenizer: Detokenizer | None = None
-        while True:
-            if not inbox.poll(1000):
-                if parent.gone:
-                    logger.error("the daemon process is gone; detokenizer exiting")
-                    return
-                continue
-            msg = decode(inbox.recv())
-            if isinstance(msg, TokenOutputs):
-                assert detokenizer is not None, "the scheduler sends WorkerInit first"
-                chunks, errors = detokenizer.process(msg.items)
-                if chunks:
-                    frontend.send(encode(Chunks(chunks)))
-                for error in errors:
-                    frontend.send(encode(error))
-            elif isinstance(msg, RequestMeta):
-                assert detokenizer is not None, "the scheduler sends WorkerInit first"
-                detokenizer.add_request(msg.rid, msg.detok)
-            elif isinstance(msg, WorkerInit):
-                detokenizer = Detokenizer(pickle.loads(msg.tokenizer))
-                frontend.send(encode(WorkerReady("detokenizer")))
-                logger.info("detokenizer worker ready")
-            elif isinstance(msg, Shutdown):
-                return
-    except Exception:  # noqa: BLE001 - log it; the daemon notices this process is gone and shuts down
-        logger.exception("detokenizer worker failed")
-        sys.exit(1)
-    finally:
-        inbox.close()
-        frontend.close()
-        ctx.term()

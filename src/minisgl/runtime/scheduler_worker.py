@@ -130,7 +130,7 @@ class SchedulerLoop:
     def _apply(self, msg: Any) -> None:
         if isinstance(msg, AddRequest):
             try:
-                params = SamplingParams.from_dict(msg.params)
+                params = SamplingParams.from_validated(msg.params)  # the tokenizer worker validated them
                 self.sched.add_request(msg.rid, msg.input_ids, params)
             except Exception as e:  # noqa: BLE001 - a bad request fails alone, with its error type
                 self._send_frontend(error_reply(msg.rid, e))

@@ -1,48 +1,17 @@
-"""The tokenizer process: chat templates (with tools), tokenization and validation.
+"""The text worker's request side: chat templates (with tools), tokenization and the one validation.
 
-A request that cannot be served is answered here with a typed error and never reaches the
-scheduler; the rest go on as AddRequest, in arrival order (aborts follow the same path so an
-abort can never overtake the request it cancels).
+A request that cannot be served is answered with a typed error and never reaches the scheduler;
+the rest go on as AddRequest, whose params the scheduler takes as they are (already validated).
 """
 
 from __future__ import annotations
 
-import logging
-import pickle
-import sys
 from typing import Any
-
-import zmq
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError, PromptTooLongError
-from minisgl.runtime.protocol import (
-    Abort,
-    AddRequest,
-    Generate,
-    GetStats,
-    Shutdown,
-    WorkerInit,
-    WorkerReady,
-    decode,
-    encode,
-    error_reply,
-)
-from minisgl.runtime.transport import Endpoints, ParentWatch, preload_tokenizer_modules, pull, push, worker_setup
+from minisgl.runtime.protocol import AddRequest, Generate
 from minisgl.tokenizer import apply_chat_template, encode_prompt
-
-logger = logging.getLogger("minisgl")
-
-
-def _sampling_params(d: Any) -> SamplingParams:
-    if d is None:
-        return SamplingParams()
-    if not isinstance(d, dict):
-        raise InvalidRequestError(f"sampling params must be a mapping, got {type(d).__name__}")
-    try:
-        return SamplingParams.from_dict(d)
-    except TypeError as e:  # a value of the wrong type (e.g. temperature="hot")
-        raise InvalidRequestError(f"invalid SamplingParams: {e}") from e
 
 
 def apply_response_format(params: SamplingParams, response_format: Any) -> SamplingParams:
@@ -65,7 +34,7 @@ def apply_response_format(params: SamplingParams, response_format: Any) -> Sampl
         schema = spec.get("schema", {})
     else:
         raise InvalidRequestError(f"unknown response_format type {kind!r}: use text, json_object or json_schema")
-    return SamplingParams.from_dict({**params.to_dict(), "json_schema": schema})
+    return params.with_grammar(json_schema=schema)
 
 
 class RequestPreparer:
@@ -78,7 +47,7 @@ class RequestPreparer:
         self._tool_format: str | None = None
 
     def prepare(self, msg: Generate) -> AddRequest:
-        params = _sampling_params(msg.params)
+        params = SamplingParams.from_dict(msg.params)  # the one validation: the scheduler trusts AddRequest
         given = [name for name in ("prompt", "input_ids", "messages") if getattr(msg, name) is not None]
         if len(given) != 1:
             raise InvalidRequestError(f"give exactly one of prompt, input_ids and messages (got {given or 'none'})")
@@ -89,7 +58,7 @@ class RequestPreparer:
         if forced:
             if params.has_grammar:
                 raise InvalidRequestError("a forced tool call cannot be combined with response_format or a grammar")
-            params = SamplingParams.from_dict({**params.to_dict(), **forced})
+            params = params.with_grammar(**forced)
         if msg.messages is not None:
             input_ids = apply_chat_template(
                 self.tokenizer, msg.messages, tools=tools or None, tool_choice=msg.tool_choice or "auto"
@@ -138,47 +107,3 @@ class RequestPreparer:
         # A forced call is one call: weak models otherwise repeat it until max_tokens.
         return tools, tool_call_constraint(tools, choice, self.tool_format, parallel_tool_calls=False)
 
-
-def run_tokenizer(endpoints: Endpoints, log_level: int) -> None:
-    """Process entry: wait for WorkerInit, then tokenize until Shutdown."""
-    worker_setup(log_level)
-    ctx = zmq.Context()
-    inbox = pull(ctx, endpoints.tokenizer)
-    scheduler = push(ctx, endpoints.scheduler)
-    frontend = push(ctx, endpoints.frontend)
-    parent = ParentWatch()
-    preload_tokenizer_modules()
-    try:
-        preparer: RequestPreparer | None = None
-        while True:
-            if not inbox.poll(1000):
-                if parent.gone:
-                    logger.error("the daemon process is gone; tokenizer exiting")
-                    return
-                continue
-            raw = inbox.recv()
-            msg = decode(raw)
-            if isinstance(msg, WorkerInit):
-                preparer = RequestPreparer(pickle.loads(msg.tokenizer), msg.model_info)
-                frontend.send(encode(WorkerReady("tokenizer")))
-                logger.info("tokenizer worker ready")
-            elif isinstance(msg, Generate):
-                assert preparer is not None, "the daemon forwards requests only after start-up"
-                try:
-                    add = preparer.prepare(msg)
-                except Exception as e:  # noqa: BLE001 - a bad request fails alone, with its error type
-                    frontend.send(encode(error_reply(msg.rid, e)))
-                    continue
-                scheduler.send(encode(add))
-            elif isinstance(msg, (Abort, GetStats)):
-                scheduler.send(raw)
-            elif isinstance(msg, Shutdown):
-                scheduler.send(raw)
-                return
-    except Exception:  # noqa: BLE001 - log it; the daemon notices this process is gone and shuts down
-        logger.exception("tokenizer worker failed")
-        sys.exit(1)
-    finally:
-        for sock in (inbox, scheduler, frontend):
-            sock.close()
-        ctx.term()

@@ -19,7 +19,8 @@ import torch
 from minisgl import plugins
 from minisgl.config import EngineConfig
 from minisgl.core import Batch, Phase, Req, SamplingParams, TokenOutput
-from minisgl.errors import InvalidRequestError, OutOfMemoryError, PromptTooLongError
+from minisgl.distributed import get_tp_info
+from minisgl.errors import EngineError, InvalidRequestError, OutOfMemoryError, PromptTooLongError
 
 logger = logging.getLogger("minisgl")
 
@@ -87,7 +88,42 @@ class Scheduler:
         self._inflight: LaunchedStep | None = None
         # Each row's last sampled token, on the device: the next decode step's input without a host round trip.
         self._last_tokens = torch.zeros(self.table.max_rows, dtype=torch.int64, device=self.device)
+        self._warmup()
         logger.info("scheduler ready: cache=%s page_size=%d pages=%d", config.cache, self.page_size, self.cache.num_pages)
+
+    @torch.inference_mode()
+    def _warmup(self) -> None:
+        """One prefill and one decode of a 1-token prompt, outside the books, before anything is served.
+
+        A dtype or kernel this machine cannot run then fails the start-up with a clear error
+        instead of the first request. Nothing is cached; every page and row is given back.
+        """
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        req = Req(rid="warmup", input_ids=[0], sampling_params=params, prompt_len=1, eos_token_ids=self.eos_token_ids)
+        if not self._admit(req):
+            return
+        assert req.matched_len == 0, "the prefix cache is empty at start-up"
+        reserved = 0
+        try:
+            for phase in (Phase.PREFILL, Phase.DECODE):
+                if not self._reserve(req, 1):
+                    break  # a pool too small for two tokens still serves one-token requests
+                reserved = 1
+                next_ids, _ = self._forward_and_sample(self._make_batch(phase, [(req, 1)]), [req])
+                assert next_ids is not None
+                self._last_tokens[req.table_idx] = next_ids[0]
+                req.cached_len, reserved = req.cached_len + 1, 0
+                req.input_ids.append(int(next_ids[0]))
+        except Exception as e:
+            what = f"{self.config.model} in {str(self.engine.dtype).removeprefix('torch.')} on {self.device}"
+            raise EngineError(
+                f"{what} cannot run on this machine: a test forward pass failed with {type(e).__name__}: {e}. "
+                "Pick another --dtype (float32 runs on every CPU) or --device"
+            ) from e
+        finally:
+            row = self.page_table[req.table_idx]
+            self.cache.release(req.input_ids, row, 0, 0, req.cache_handle, alloc_len=req.cached_len + reserved)
+            self.table.free(req.table_idx)
 
     # ------------------------------------------------------------------ requests in
 
@@ -170,7 +206,8 @@ class Scheduler:
 
         With overlap the forward is only launched here and its tokens are read in the next step,
         after that step's forward is queued: the GPU never waits for the host. Finish checks
-        then land one step late; a request's extra token from that step is dropped.
+        then land one step late; a request's extra token from that step is dropped. A forward that
+        raises fails the requests of its batch (EngineError) and the loop goes on.
         """
         if self._inflight is not None and self._needs_host_state(self._inflight):
             # Grammar masks and penalties need the previous token on the host first (min_tokens
@@ -178,7 +215,12 @@ class Scheduler:
             previous, self._inflight = self._inflight, None
             self._process(previous)
         batch = self._schedule_prefill() or self._schedule_decode()
-        launched = self._launch(batch) if batch is not None else None
+        launched = None
+        if batch is not None:
+            try:
+                launched = self._launch(batch)
+            except Exception as e:  # noqa: BLE001 - the batch fails, the engine keeps serving
+                self._fail(batch.reqs, e, batch.extend_lens)
         if self.overlap:
             previous, self._inflight = self._inflight, launched
             if previous is not None:
@@ -422,15 +464,30 @@ class Scheduler:
             sample_mask=[True] * len(reqs) if decode else [p + e == r.seq_len for r, p, e in zip(reqs, prefix_lens, extend_lens)],
         )
 
-    def _launch(self, batch: Batch) -> LaunchedStep:
-        """Queue the forward and the sampling; update everything that does not need the new tokens."""
+    def _forward_and_sample(self, batch: Batch, sampled: list[Req]) -> tuple[torch.Tensor | None, list[Any] | None]:
+        """Queue the forward and the sampling of `sampled` (next ids on the device, logprobs); changes no request.
+
+        (None, None) when nothing is sampled (a middle chunk of a prompt: its KV only).
+        """
         from minisgl.engine.sampler import SamplingInfo
 
         logits = self.engine.forward(batch)
+        if not sampled:
+            return None, None
+        info = SamplingInfo.from_reqs(sampled, self.model_config.vocab_size, self.device)
+        return self.engine.sampler.sample(logits, sampled, info, self._bitmask_fn(sampled))
+
+    def _launch(self, batch: Batch) -> LaunchedStep:
+        """Queue the forward and the sampling; update everything that does not need the new tokens.
+
+        Requests change only after the forward and the sampling were queued: when those raise,
+        the batch is as it was scheduled (see _fail).
+        """
+        sampled = [r for r, m in zip(batch.reqs, batch.sample_mask) if m]
+        next_ids, logprobs = self._forward_and_sample(batch, sampled)
         self.num_steps += 1
         for req, extend in zip(batch.reqs, batch.extend_lens):
             req.cached_len += extend
-        sampled = [r for r, m in zip(batch.reqs, batch.sample_mask) if m]
         if batch.is_prefill:
             for req in batch.reqs:
                 if self.config.cache == "radix":
@@ -438,11 +495,8 @@ class Scheduler:
                 if req.cached_len < req.seq_len:
                     self.chunked = req
             self.running.extend(sampled)  # decodes from the next step on, its first token read from the device
-        tokens = logprobs = ready = None
-        if sampled:
-            info = SamplingInfo.from_reqs(sampled, self.model_config.vocab_size, self.device)
-            bitmask_fn = self._bitmask_fn(sampled)
-            next_ids, logprobs = self.engine.sampler.sample(logits, sampled, info, bitmask_fn)
+        tokens = ready = None
+        if next_ids is not None:
             for req in sampled:
                 req.tokens_in_flight += 1
             rows = torch.tensor([r.table_idx for r in sampled], dtype=torch.int64).to(self.device, non_blocking=True)
@@ -457,7 +511,16 @@ class Scheduler:
         return LaunchedStep(batch, sampled, tokens, logprobs, ready, frozenset(map(id, sampled)))
 
     def _process(self, step: LaunchedStep) -> None:
-        """Read a launched step's tokens on the host: append them, check stops, report."""
+        """Read a launched step's tokens on the host: append them, check stops, report.
+
+        An error here (the device reporting a failed kernel, a plugin's batch hook) fails the step's requests.
+        """
+        try:
+            self._read_tokens(step)
+        except Exception as e:  # noqa: BLE001 - the batch fails, the engine keeps serving
+            self._fail(step.batch.reqs, e)
+
+    def _read_tokens(self, step: LaunchedStep) -> None:
         if step.tokens is not None:
             if step.ready is not None:
                 step.ready.synchronize()
@@ -469,6 +532,23 @@ class Scheduler:
                 self._append_token(req, next_list[i], step.logprobs[i] if step.logprobs else None)
         if self._hook_step:
             plugins.get_plugin_manager().hook.minisgl_batch_step(batch=step.batch)
+
+    def _fail(self, reqs: list[Req], exc: Exception, extend_lens: list[int] | None = None) -> None:
+        """A step raised: finish every sequence of its requests with EngineError and free their pages.
+
+        extend_lens: the slots the step had reserved past each request's cached_len (freed, never cached).
+        With tensor parallelism the ranks may have stopped at different collectives, so no rank can go
+        on alone: the engine stops instead.
+        """
+        if get_tp_info().size > 1:
+            raise EngineError(f"a forward pass failed on this tensor-parallel rank: {type(exc).__name__}: {exc}") from exc
+        logger.error("a step failed; failing its %d sequence(s)", len(reqs), exc_info=exc)
+        for req, extend in zip(reqs, extend_lens or [0] * len(reqs)):
+            self._release(req, alloc_len=req.cached_len + extend)
+        message = f"the forward pass of this request's batch failed ({type(exc).__name__}: {exc}); the engine goes on"
+        rids = {r.rid for r in reqs}
+        for key in [k for k in self.reqs if k[0] in rids]:  # with n > 1, the request's other sequences too
+            self._finish(self.reqs[key], "abort", None, error=message, error_type=EngineError.__name__)
 
     def _bitmask_fn(self, reqs: list[Req]) -> Any:
         if not any(r.grammar is not None for r in reqs):
@@ -517,25 +597,31 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests out
 
-    def _output(self, req: Req, new: list[int], logprobs: Any, finished: bool, error: str | None = None) -> TokenOutput:
+    def _output(
+        self, req: Req, new: list[int], logprobs: Any, finished: bool, error: str | None = None,
+        error_type: str | None = None,
+    ) -> TokenOutput:
         return TokenOutput(
             rid=req.rid, index=req.index, new_token_ids=new, new_logprobs=logprobs, finished=finished,
             finish_reason=req.finish_reason, matched_stop=req.matched_stop, prompt_tokens=req.prompt_len,
-            cached_tokens=req.prefix_hit_len, completion_tokens=req.num_output, error=error,
+            cached_tokens=req.prefix_hit_len, completion_tokens=req.num_output, error=error, error_type=error_type,
         )
 
-    def _release(self, req: Req) -> None:
-        """Give the request's KV back: page-aligned part to the prefix cache, the rest to the free list."""
+    def _release(self, req: Req, alloc_len: int | None = None) -> None:
+        """Give the request's KV back: page-aligned part to the prefix cache, the rest to the free list.
+
+        alloc_len: positions with slots when more were reserved than computed (a failed step).
+        """
         if req.table_idx < 0:
             return
         row = self.page_table[req.table_idx]
-        self.cache.release(req.input_ids, row, req.cached_len, req.matched_len, req.cache_handle)
+        self.cache.release(req.input_ids, row, req.cached_len, req.matched_len, req.cache_handle, alloc_len)
         self.table.free(req.table_idx)
         req.table_idx, req.cache_handle, req.cached_len, req.matched_len = -1, None, 0, 0
 
     def _finish(
         self, req: Req, reason: str, matched: Any, new_tokens: list[int] | None = None,
-        new_logprobs: Any = None, error: str | None = None,
+        new_logprobs: Any = None, error: str | None = None, error_type: str | None = None,
     ) -> None:
         if req.finished:
             return
@@ -549,7 +635,7 @@ class Scheduler:
             self.waiting.remove(req)
         self._release(req)
         self.reqs.pop((req.rid, req.index), None)
-        self.pending_outputs.append(self._output(req, new_tokens or [], new_logprobs, True, error))
+        self.pending_outputs.append(self._output(req, new_tokens or [], new_logprobs, True, error, error_type))
         if self._hook_finished:
             plugins.get_plugin_manager().hook.minisgl_request_finished(req=req)
 

@@ -471,10 +471,9 @@ def _chat_response(out: Any, rid: str, model: str) -> ChatCompletionResponse:
     choices = []
     for o in out.outputs:
         calls = [ToolCall.model_validate(c) for c in o.tool_calls or []] or None
-        finish = "tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason
         message = ChatMessage(content=o.text if (o.text or not calls) else None, tool_calls=calls)
         choices.append(ChatChoice(index=o.index, message=message, logprobs=chat_logprobs(o.logprobs),
-                                  finish_reason=finish))
+                                  finish_reason=o.finish_reason))
     return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage(out.usage))
 
 
@@ -496,7 +495,6 @@ async def _chat_events(
 ) -> AsyncIterator[str]:
     model, include_usage = server.model_name, body.include_usage
     started: set[int] = set()
-    called: set[int] = set()
     usage: Usage | None = None
     status = 200
 
@@ -511,12 +509,7 @@ async def _chat_events(
             if index not in started:
                 started.add(index)
                 yield event(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
-            tool_deltas = chunk.tool_calls
-            if tool_deltas:
-                called.add(index)
-            finish = chunk.finish_reason
-            if finish == "stop" and index in called:
-                finish = "tool_calls"
+            tool_deltas, finish = chunk.tool_calls, chunk.finish_reason  # the daemon says "tool_calls" itself
             logprobs = chat_logprobs(chunk.logprobs) if body.logprobs else None
             if chunk.text or tool_deltas or logprobs or finish:
                 delta = DeltaMessage(content=chunk.text or None, tool_calls=tool_deltas or None)

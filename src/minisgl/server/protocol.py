@@ -53,28 +53,6 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for this request; OpenAI's defaults where a field is absent."""
-        extras: dict[str, Any] = {}
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            value = getattr(self, name)
-            if value is not None:
-                extras[name] = value
-        return SamplingParams(
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            n=self.n,
-            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            stop_token_ids=self.stop_token_ids or [],
-            seed=self.seed,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
-            logprobs=logprobs,
-            **extras,
-        )
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -91,12 +69,9 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        if self.top_logprobs is not None and not self.logprobs:
-            raise InvalidRequestError("top_logprobs needs logprobs=true")
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(default_max_tokens if max_tokens is None else max_tokens, logprobs)
+    def to_sampling_params(self, context_length: int) -> SamplingParams:
+        """Without max_tokens the answer may run to the end of the context window (as OpenAI's)."""
+        return SamplingParams.from_openai(dict(self), context_length)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The messages with OpenAI content parts flattened to text, as chat templates expect."""
@@ -128,7 +103,7 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported (leave it unset or equal to n)")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return SamplingParams.from_openai(dict(self))
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt (text or token ids) per entry of a batched request."""
