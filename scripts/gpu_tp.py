@@ -15,7 +15,7 @@ Stages of `all` (each engine in its own process, so each sizes its KV pool from 
   tput     the issue-8 offline workload (scripts/gpu_bench.py: workload()) on a Qwen3-14B-shaped dummy
            model (40 layers, hidden 5120, 40 q / 8 kv heads, intermediate 17408, vocab 151936, untied),
            bf16, TP=1 (one GPU) vs TP=2.
-  hfpatch  scripts/bench_hf_patch.py --num-prompts 256 --device cuda on a Qwen3-0.6B-shaped HF checkpoint.
+  hfpatch  `minisgl bench hf-generate` --num-prompts 256 --device cuda on a Qwen3-0.6B-shaped HF checkpoint.
   agents   `minisgl bench agents` -k 64 -t 6 on the Qwen3-0.6B-shaped dummy model, radix and naive each in
            its own process (the first engine's KV pool is not given back inside one process).
 """
@@ -366,10 +366,10 @@ def stage_hfpatch(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], 
                  max_position_embeddings=c["max_position_embeddings"], rope_theta=c["rope_theta"],
                  rms_norm_eps=c["rms_norm_eps"], tie_word_embeddings=True)
     ckpt = write_hf_checkpoint(Path(args.tokenizer_dir), "qwen3-0.6b-hf-", args.device, **shape)
-    runs = args.hfpatch_args.split(";")  # one bench_hf_patch.py run per ";"-separated argument list
+    runs = args.hfpatch_args.split(";")  # one `bench hf-generate` run per ";"-separated argument list
     for i, extra in enumerate(runs):
         path = out_dir / ("hfpatch.json" if len(runs) == 1 else f"hfpatch_{i}.json")
-        code, _ = run([sys.executable, str(ROOT / "scripts" / "bench_hf_patch.py"), "--model", str(ckpt),
+        code, _ = run([sys.executable, "-m", "minisgl", "bench", "hf-generate", "--model", str(ckpt),
                        "--num-prompts", "256", "--device", "cuda", "--json", str(path), *extra.split()], 300, log=log)
         h = json.loads(path.read_text()) if path.exists() else {"error": f"exit {code}"}
         if "speedup" in h:
@@ -489,7 +489,7 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--stages", default="parity,nodes,tput,hfpatch,agents")
     p.add_argument("--agents-prefill", default="8192", help="agents: max_prefill_tokens values, comma-separated")
-    p.add_argument("--hfpatch-args", default="", help="hfpatch: more bench_hf_patch.py arguments")
+    p.add_argument("--hfpatch-args", default="", help="hfpatch: more `minisgl bench hf-generate` arguments")
     p.add_argument("--deadline", type=float, default=540, help="seconds: later stages are skipped past it")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")

@@ -1,18 +1,39 @@
-"""Benchmarks: `minisgl bench offline | agents` (each prints its figures; see docs/benchmarks.md)."""
+"""Benchmarks: `minisgl bench <name>` (each prints its figures; see docs/benchmarks.md).
+
+Every module has add_arguments(parser) and a run(args); heavy or optional imports (zmq, litellm,
+flashinfer, transformers) happen inside run, so `minisgl bench --help` works on any machine.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+SUBCOMMANDS = {  # name -> (module under minisgl.bench, one-line help)
+    "offline": ("offline", "offline throughput (LLM.generate), optionally vs HF generate"),
+    "online": ("online", "Poisson arrivals against a daemon: TTFT, TPOT, throughput"),
+    "agents": ("agents", "shared-prefix agent workload, radix vs naive"),
+    "hf-generate": ("hf_generate", "HF model.generate, unpatched vs patched with transformers_minisgl"),
+    "routing": ("routing", "cache-aware vs round-robin routing across two daemons behind a LiteLLM Router"),
+    "throughput": ("throughput", "GPU: issue 8's offline workload (256 requests, Qwen3-0.6B-shaped dummy model)"),
+    "tp": ("tp", "GPU: tensor-parallel parity, TP=2 vs TP=1 throughput, two nodes (2 GPUs)"),
+    "profile": ("profile", "where the time goes: CPU GEMMs, a CPU decode step, GPU decode steps"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = argparse.ArgumentParser(prog="minisgl bench", description="minisgl benchmarks")
+    sub = parser.add_subparsers(dest="kind", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        bench = importlib.import_module(f"minisgl.bench.{module}")
+        bench.add_arguments(sub.add_parser(
+            name, help=help_text, description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        ))
+    return parser
+
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="minisgl bench", description="minisgl benchmarks")
-    sub = parser.add_subparsers(dest="kind", required=True)
-    from minisgl.bench import agents, offline, online
-
-    offline.add_arguments(sub.add_parser("offline", help="offline throughput (LLM.generate), optionally vs HF generate"))
-    online.add_arguments(sub.add_parser("online", help="Poisson arrivals against a daemon: TTFT, TPOT, throughput"))
-    agents.add_arguments(sub.add_parser("agents", help="shared-prefix agent workload, radix vs naive"))
-    args = parser.parse_args(argv if argv is not None else sys.argv[1:])
+    args = build_parser().parse_args(argv if argv is not None else sys.argv[1:])
     args.func(args)

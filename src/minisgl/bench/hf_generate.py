@@ -11,11 +11,11 @@ Two prompt sets, both greedy and one left-padded batch, as a transformers user w
   stopping at EOS, so the answers end at different lengths (what transformers' static batch keeps
   computing, as padding, until the longest answer ends).
 
-    python scripts/bench_hf_patch.py                                    # 32 random prompts, SmolLM2, CPU fp32
-    python scripts/bench_hf_patch.py --prompt-set chat --output-len 256 # 32 chat questions, CPU fp32
-    python scripts/bench_hf_patch.py --repeat 3                         # alternate 3 timed runs each, keep the best
-    python scripts/bench_hf_patch.py --num-prompts 256 --device cuda    # GPU, bf16
-    python scripts/bench_hf_patch.py --num-prompts 256 --device cuda --prompt-set offline --output-len 256
+    minisgl bench hf-generate                                    # 32 random prompts, SmolLM2, CPU fp32
+    minisgl bench hf-generate --prompt-set chat --output-len 256 # 32 chat questions, CPU fp32
+    minisgl bench hf-generate --repeat 3                         # alternate 3 timed runs each, keep the best
+    minisgl bench hf-generate --num-prompts 256 --device cuda    # GPU, bf16
+    minisgl bench hf-generate --num-prompts 256 --device cuda --prompt-set offline --output-len 256
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import json
 import random
 import time
+from typing import Any
 
 import torch
 
@@ -75,8 +76,7 @@ def engine_alone(model: object, prompts: list[list[int]], output_len: int, on_cu
     print(f"engine alone (LLM.generate, ignore_eos): {len(prompts) * output_len / elapsed:.1f} tok/s in {elapsed:.2f}s")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="model dir, .gguf, alias or hub id")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
@@ -91,8 +91,10 @@ def main() -> None:
                    help="timed runs per side, alternating transformers and minisgl; the best of each is reported "
                         "(a shared machine's noise only ever slows a run down)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
-    args = p.parse_args()
+    p.set_defaults(func=run)
 
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from minisgl.bench.offline import make_prompts
@@ -177,7 +179,4 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     print(json.dumps(result))
-
-
-if __name__ == "__main__":
-    main()
+    return result

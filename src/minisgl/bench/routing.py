@@ -1,8 +1,8 @@
 """Cache-aware vs round-robin routing across two minisgl daemons behind a LiteLLM Router.
 
-    python scripts/bench_routing.py                          # starts two SmolLM2 daemons, runs both policies
-    python scripts/bench_routing.py --addresses tcp://127.0.0.1:30001 tcp://127.0.0.1:30002
-    python scripts/bench_routing.py --policies round-robin,cache-aware,shuffle,single --json out.json
+    minisgl bench routing                          # starts two SmolLM2 daemons, runs both policies
+    minisgl bench routing --addresses tcp://127.0.0.1:30001 tcp://127.0.0.1:30002
+    minisgl bench routing --policies round-robin,cache-aware,shuffle,single --json out.json
 
 Workload (shared-prefix agents): --agent-types distinct system prompts (a role plus its tool
 docs, ~--system-words words each); --agents agents take them in turn, each with its own task, and
@@ -48,8 +48,6 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
-
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # offline: LiteLLM's bundled cost map
 
 WORDS = (
     "account address agent answer archive batch budget buffer cache call check city client cluster code column "
@@ -161,8 +159,7 @@ def stop_daemons(addresses: list[str], procs: list[subprocess.Popen]) -> None:
         proc.wait(30)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--addresses", nargs=2, default=None, help="two running daemons (default: start two)")
     p.add_argument("--num-pages", type=int, default=16384, help="KV pool (tokens) of each started daemon")
@@ -176,10 +173,14 @@ def main() -> None:
     p.add_argument("--think-ms", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
-    args = p.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the daemons it started are stopped too
+    p.set_defaults(func=run)
 
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # offline: LiteLLM's bundled cost map
+    on_sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the daemons it started are stopped too
     procs: list[subprocess.Popen] = []
+    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="msgl-bench-") as tmp:
         if args.addresses:
             addresses = list(args.addresses)
@@ -187,7 +188,6 @@ def main() -> None:
             print(f"starting two {args.model} daemons ...", flush=True)
             addresses, procs = start_daemons(args, Path(tmp))
         try:
-            results = []
             for policy in args.policies.split(","):
                 result = asyncio.run(run_policy(policy.strip(), addresses, args))
                 results.append(result)
@@ -197,8 +197,9 @@ def main() -> None:
         finally:
             if procs:
                 stop_daemons(addresses, procs)
+            signal.signal(signal.SIGTERM, on_sigterm)
     by_policy = {r["policy"]: r for r in results}
-    summary: dict[str, Any] = {"workload": {k: v for k, v in vars(args).items() if k not in ("json", "addresses")},
+    summary: dict[str, Any] = {"workload": {k: v for k, v in vars(args).items() if k not in ("json", "addresses", "func", "kind")},
                                "results": results}
     if "cache-aware" in by_policy and "round-robin" in by_policy:
         ratio = by_policy["cache-aware"]["hit_ratio"] / max(1e-9, by_policy["round-robin"]["hit_ratio"])
@@ -206,7 +207,4 @@ def main() -> None:
         print(f"cache-aware / round-robin hit ratio: {ratio:.2f}x (target >= 1.5x)")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return summary

@@ -1,0 +1,182 @@
+"""Where the time goes: CPU GEMM throughput per backend, a profile of one CPU decode step, GPU decode steps.
+
+    minisgl bench profile cpu-gemm     # GFLOP/s of F.linear (MKL) vs oneDNN, plain and packed weight
+    minisgl bench profile cpu-step     # SmolLM2 fp32: one batch-32 decode step replayed, then profiled
+    minisgl bench profile gpu [--disable-overlap] [--disable-cuda-graph]   # issue 8's workload on a GPU
+
+`cpu-gemm` uses SmolLM2's shapes (hidden 576, qkv 960, gate_up 3072, down 1536 -> 576, LM head 49,152)
+at decode (1-64 rows) and prefill (256-3,183 rows) sizes. `cpu-step` runs the offline benchmark's 32
+prompts for 48 tokens, keeps the 30th decode batch and calls Engine.forward on it again (idempotent:
+it rewrites the same KV slots), timing 40 replays and profiling 10 with torch.profiler. Each replay
+is a steady decode step: the attention backend's dense KV copy is told it holds everything but the
+batch's new tokens, so it appends them (`--rebuild`: every replay rebuilds the copy from the pool,
+as the first step after the batch changed does).
+
+`gpu` runs the 256-request workload of `minisgl bench throughput` (Qwen3-0.6B-shaped dummy model,
+bf16) step by step and reports, over the steady decode phase: wall time per step, the time the host
+waits for the GPU (event syncs), the GPU kernels by total time (torch.profiler), and the host's
+Python hot spots (cProfile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # (in, out) features
+
+
+def sorted_seconds(fn: Callable[[], object], reps: int, warmup: int = 3) -> list[float]:
+    """Wall time of reps calls of fn after warmup calls, fastest first."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)
+
+
+def gemm(rows: list[int]) -> None:
+    print(f"{'rows':>5} {'in x out':>11}  {'F.linear':>9} {'oneDNN':>9} {'packed':>9}  GFLOP/s (best of reps)")
+    for m in rows:
+        for k, n in SHAPES:
+            x, w = torch.randn(m, k), torch.randn(n, k) * 0.02
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+            reps = 100 if m <= 64 else 8
+            figures = [
+                2 * m * k * n / sorted_seconds(fn, reps)[0] / 1e9
+                for fn in (
+                    lambda: F.linear(x, w),
+                    lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                    lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                )
+            ]
+            print(f"{m:>5} {k:>5}x{n:<5}  " + " ".join(f"{f:>9.1f}" for f in figures), flush=True)
+
+
+def step(model: str, replays: int, rebuild: bool) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from minisgl import LLM, SamplingParams
+    from minisgl.bench.offline import make_prompts
+    from minisgl.engine.engine import Engine
+
+    decode_batches = []
+    forward = Engine.forward
+
+    def keep(self: Engine, batch: object) -> torch.Tensor:
+        if batch.is_decode:  # type: ignore[attr-defined]
+            decode_batches.append(batch)
+        return forward(self, batch)
+
+    llm = LLM(model)
+    Engine.forward = keep  # type: ignore[method-assign]
+    try:
+        llm.generate(make_prompts(llm.model_config.vocab_size, 32, 128, 0), SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+                     use_tqdm=False)
+    finally:
+        Engine.forward = forward  # type: ignore[method-assign]
+    batch, engine = decode_batches[30], llm.scheduler.engine
+    mirror = engine.attn_backend.mirror
+
+    def replay() -> None:
+        if not rebuild:  # the copy holds all but the new token of every request: this step appends
+            mirror.rows, mirror.seq_lens = [r.table_idx for r in batch.reqs], [s - 1 for s in batch.seq_lens]
+        engine.forward(batch)
+
+    times = sorted_seconds(replay, replays, warmup=1)
+    print(f"decode step, batch {batch.size}: best {times[0] * 1e3:.1f} ms, median {times[len(times) // 2] * 1e3:.1f} ms")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(10):
+            replay()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
+
+
+def gpu(args: argparse.Namespace) -> None:
+    from minisgl import LLM, SamplingParams
+    from minisgl.bench.throughput import workload, write_model_dir
+
+    llm = LLM(str(write_model_dir(Path(args.tokenizer_dir))), dtype="bfloat16", load_format="dummy",
+              max_prefill_tokens=args.max_prefill_tokens, disable_overlap=args.disable_overlap,
+              disable_cuda_graph=args.disable_cuda_graph)
+    sched = llm.scheduler
+    prompts, max_tokens = workload()
+    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
+        sched.add_request(f"r{i}", prompt, SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True))
+
+    waited = [0.0]
+    sync = torch.cuda.Event.synchronize
+
+    def timed_sync(self: torch.cuda.Event) -> None:
+        t0 = time.perf_counter()
+        sync(self)
+        waited[0] += time.perf_counter() - t0
+
+    torch.cuda.Event.synchronize = timed_sync  # type: ignore[method-assign]
+    walls, waits, sizes = [], [], []
+    num_steps = 0
+    t_start = time.perf_counter()
+    while sched.has_work:
+        num_steps += 1
+        if num_steps == 150:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+        if num_steps == 170:
+            prof.__exit__(None, None, None)
+            cpu = cProfile.Profile()
+            cpu.enable()
+        if num_steps == 190:
+            cpu.disable()
+        waited[0] = 0.0
+        t0 = time.perf_counter()
+        sched.step()
+        walls.append(time.perf_counter() - t0)
+        waits.append(waited[0])
+        sizes.append(len(sched.running))
+    total = time.perf_counter() - t_start
+    torch.cuda.Event.synchronize = sync  # type: ignore[method-assign]
+
+    print(f"\n{num_steps} steps in {total:.2f}s")
+    for lo, hi in ((20, 120), (120, 150), (400, 500), (800, 900)):
+        w, s = walls[lo:hi], waits[lo:hi]
+        if w:
+            print(f"steps {lo}-{hi}: running ~{sizes[lo]:3d}, wall {1000 * sum(w) / len(w):6.2f} ms/step, "
+                  f"waiting for the GPU {1000 * sum(s) / len(s):6.2f} ms/step")
+    print("\nGPU kernels over 20 decode steps (bs ~256):")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
+    out = io.StringIO()
+    pstats.Stats(cpu, stream=out).sort_stats("tottime").print_stats(22)
+    print("\nhost hot spots over 20 steps (cProfile, tottime):")
+    print("\n".join(out.getvalue().splitlines()[:45]))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", choices=["cpu-gemm", "cpu-step", "gpu"])
+    p.add_argument("--rows", default="1,32,64,256,3183", help="cpu-gemm: comma-separated row counts")
+    p.add_argument("--model", default="smollm2", help="cpu-step: the model (its decode step is replayed)")
+    p.add_argument("--replays", type=int, default=40, help="cpu-step: timed replays")
+    p.add_argument("--rebuild", action="store_true", help="cpu-step: rebuild the dense KV copy on every replay")
+    p.add_argument("--tokenizer-dir", default=".carry/tok", help="gpu: tokenizer files for the dummy model")
+    p.add_argument("--disable-overlap", action="store_true", help="gpu")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="gpu")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384, help="gpu")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.what == "cpu-gemm":
+        gemm([int(r) for r in args.rows.split(",")])
+    elif args.what == "cpu-step":
+        step(args.model, args.replays, args.rebuild)
+    else:
+        gpu(args)

@@ -1,0 +1,265 @@
+"""GPU benchmark: the offline workload of issue 8 on a Qwen3-0.6B-shaped model with dummy weights.
+
+    minisgl bench throughput --out $OUT/bench.json            # everything, a table at the end
+    minisgl bench throughput run --model-dir D [--disable-overlap] [--disable-cuda-graph] [--latency]
+    minisgl bench throughput hf --model-dir D
+
+Workload (the nano-vllm / Mini-SGLang benchmark): random.seed(0); 256 prompts of randint(0, 10000)
+ids with lengths randint(100, 1024), then randint(100, 1024) max_tokens per request; temperature
+0.6, ignore_eos; one warm-up request first; only the batch is timed. Every engine configuration
+runs in its own process so that each sizes its KV pool from a clean GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+QWEN3_06B = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
+    intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    hidden_act="silu", attention_bias=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+)
+
+
+def workload(num: int = 256) -> tuple[list[list[int]], list[int]]:
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(num)]
+    max_tokens = [random.randint(100, 1024) for _ in range(num)]
+    return prompts, max_tokens
+
+
+def write_model_dir(tokenizer_dir: Path) -> Path:
+    out = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-dummy-"))
+    (out / "config.json").write_text(json.dumps(QWEN3_06B, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+# ---------------------------------------------------------------------------- one engine config
+
+
+def run_minisgl(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from minisgl import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        str(args.model_dir), dtype="bfloat16", load_format="dummy", max_prefill_tokens=args.max_prefill_tokens,
+        page_size=args.page_size, disable_overlap=args.disable_overlap, disable_cuda_graph=args.disable_cuda_graph,
+        attention_backend=args.attention_backend,
+    )
+    init_s = time.perf_counter() - t0
+    prompts, max_tokens = workload()
+    llm.generate([prompts[0]], SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    torch.cuda.synchronize()
+    steps0 = llm.scheduler.num_steps
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    assert out_tokens == sum(max_tokens), "a request stopped early"
+    llm.check_integrity()
+    result: dict[str, Any] = {
+        "seconds": round(elapsed, 3), "output_tok_s": round(out_tokens / elapsed, 1),
+        "total_tok_s": round((out_tokens + sum(map(len, prompts))) / elapsed, 1), "output_tokens": out_tokens,
+        "steps": llm.scheduler.num_steps - steps0, "init_s": round(init_s, 1),
+        "kv_pages": llm.scheduler.cache.num_pages,
+    }
+    if args.latency:
+        result.update(decode_latency(llm))
+    return result
+
+
+def decode_latency(llm: Any) -> dict[str, Any]:
+    """ms per output token of one request (prompt 128), from the difference of two lengths (no TTFT)."""
+    from minisgl import SamplingParams
+
+    prompt = [random.Random(1).randint(0, 10000) for _ in range(128)]
+
+    def timed(n: int) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    short, long_ = timed(1), timed(513)
+    return {"decode_ms_per_token_bs1": round((long_ - short) / 512 * 1000, 3), "ttft_ms_bs1": round(short * 1000, 2)}
+
+
+def run_hf(args: argparse.Namespace) -> dict[str, Any]:
+    """HF transformers generate (SDPA, bf16) in static left-padded batches over the first requests."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(args.model_dir)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    prompts, max_tokens = workload()
+    prompts, max_tokens = prompts[: args.hf_requests], max_tokens[: args.hf_requests]
+    kw = dict(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, pad_token_id=0)
+    elapsed, useful = 0.0, 0
+    with torch.inference_mode():
+        warm = torch.tensor([prompts[0][:32]], device="cuda")
+        model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=8, **kw)
+        for start in range(0, len(prompts), args.hf_batch):
+            batch, lens = prompts[start : start + args.hf_batch], max_tokens[start : start + args.hf_batch]
+            width = max(map(len, batch))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device="cuda")
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device="cuda")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens), **kw)
+            torch.cuda.synchronize()
+            elapsed += time.perf_counter() - t0
+            useful += sum(lens)  # a static batch computes max(lens) for everyone; only these are wanted
+    return {"seconds": round(elapsed, 3), "output_tok_s": round(useful / elapsed, 1), "requests": len(prompts),
+            "batch": args.hf_batch}
+
+
+# ---------------------------------------------------------------------------- the floor
+
+
+def hbm_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), over a 4 GiB buffer."""
+    import torch
+
+    n = 2 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1000
+    del src, dst
+    torch.cuda.empty_cache()  # the engines run in child processes and size their KV pools from free memory
+    return 2 * n * 20 / seconds
+
+
+def bandwidth_floor(bandwidth: float) -> dict[str, Any]:
+    c = QWEN3_06B
+    kv_per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 2
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    per_layer = h * (q + 2 * kv) + q * h + h * 2 * inter + inter * h + 2 * h + 2 * c["head_dim"]
+    weight_bytes = 2 * (c["num_hidden_layers"] * per_layer + c["vocab_size"] * h + h)
+    prompts, max_tokens = workload()
+    # decode step j (1..o-1) of a request reads the KV of its prompt and j generated tokens
+    kv_tokens = sum((o - 1) * len(p) + (o - 1) * o // 2 for p, o in zip(prompts, max_tokens))
+    decode_steps = max(max_tokens) - 1  # all 256 requests decode together
+    total = kv_tokens * kv_per_token + decode_steps * weight_bytes
+    seconds = total / bandwidth
+    return {
+        "hbm_bandwidth_gb_s": round(bandwidth / 1e9, 1), "kv_bytes_read_tb": round(kv_tokens * kv_per_token / 1e12, 2),
+        "weight_bytes_per_step_gb": round(weight_bytes / 1e9, 3), "decode_steps": decode_steps,
+        "floor_seconds": round(seconds, 3), "floor_output_tok_s": round(sum(max_tokens) / seconds, 1),
+    }
+
+
+# ---------------------------------------------------------------------------- orchestration
+
+
+def sub(model_dir: Path, *extra: str, timeout: int = 300) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "minisgl", "bench", "throughput", *extra, "--model-dir", str(model_dir)]
+    print("$", " ".join(cmd[1:]), flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout)
+    sys.stdout.write(proc.stdout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {"error": f"exit {proc.returncode}"}
+
+
+def main_all(args: argparse.Namespace) -> None:
+    import torch
+
+    model_dir = write_model_dir(Path(args.tokenizer_dir))
+    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+                               "max_prefill_tokens": args.max_prefill_tokens}
+    results["floor"] = bandwidth_floor(hbm_bandwidth())
+    common = ["--max-prefill-tokens", str(args.max_prefill_tokens)]
+    results["minisgl"] = sub(model_dir, "run", "--latency", *common)
+    if not args.quick:
+        results["no_overlap"] = sub(model_dir, "run", "--disable-overlap", *common)
+        results["no_cuda_graph"] = sub(model_dir, "run", "--disable-cuda-graph", *common)
+    if not args.skip_hf:
+        results["hf"] = sub(model_dir, "hf", "--hf-batch", str(args.hf_batch), "--hf-requests", str(args.hf_requests))
+    if args.report and Path(args.report).exists():
+        results["tests"] = json.loads(Path(args.report).read_text())
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print_table(results)
+
+
+def print_table(r: dict[str, Any]) -> None:
+    floor = r["floor"]["floor_output_tok_s"]
+    main = r.get("minisgl", {})
+    print(f"\n## {r['gpu']}, {r['date']}, Qwen3-0.6B-shaped dummy bf16, 256 requests (issue 8 workload)")
+    print(f"{'configuration':40s} {'output tok/s':>14s} {'seconds':>9s} {'of floor':>9s}")
+    for key, name in (("minisgl", "minisgl (overlap + CUDA graphs)"), ("no_overlap", "  --disable-overlap"),
+                      ("no_cuda_graph", "  --disable-cuda-graph"), ("hf", "HF generate (SDPA, static batches)")):
+        if key in r and "output_tok_s" in r[key]:
+            tps = r[key]["output_tok_s"]
+            print(f"{name:40s} {tps:14.1f} {r[key]['seconds']:9.2f} {tps / floor:9.1%}")
+        elif key in r:
+            print(f"{name:40s} {r[key]}")
+    print(f"{'bandwidth floor (decode KV + weights)':40s} {floor:14.1f} {r['floor']['floor_seconds']:9.2f}")
+    if "decode_ms_per_token_bs1" in main:
+        print(f"decode latency, batch 1: {main['decode_ms_per_token_bs1']} ms/token (TTFT {main['ttft_ms_bs1']} ms)")
+    if "hf" in r and "output_tok_s" in r["hf"] and "output_tok_s" in main:
+        print(f"speed-up vs HF generate: {main['output_tok_s'] / r['hf']['output_tok_s']:.1f}x "
+              f"(HF: {r['hf']['requests']} requests in batches of {r['hf']['batch']})")
+    print(f"HBM copy bandwidth {r['floor']['hbm_bandwidth_gb_s']} GB/s; KV read {r['floor']['kv_bytes_read_tb']} TB "
+          f"over {r['floor']['decode_steps']} decode steps")
+    for k, v in r.get("tests", {}).items():
+        print(f"test: {k} = {v}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("mode", nargs="?", default="all", choices=["all", "run", "hf"])
+    p.add_argument("--model-dir", type=Path)
+    p.add_argument("--tokenizer-dir", default=os.environ.get("MINISGL_TOKENIZER_DIR", ".carry/tok"))
+    p.add_argument("--out", default="bench.json")
+    p.add_argument("--report", default=os.environ.get("MINISGL_GPU_REPORT"))
+    p.add_argument("--max-prefill-tokens", type=int, default=16384)
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--disable-overlap", action="store_true")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--latency", action="store_true")
+    p.add_argument("--quick", action="store_true", help="skip the ablations")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--hf-batch", type=int, default=64)
+    p.add_argument("--hf-requests", type=int, default=64)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.mode == "all":
+        main_all(args)
+        return
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    result = run_minisgl(args) if args.mode == "run" else run_hf(args)
+    print("RESULT " + json.dumps(result), flush=True)
