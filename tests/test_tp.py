@@ -56,7 +56,7 @@ def test_a_dead_rank_stops_the_engine_with_a_clear_error(tiny_model_dir):
         t0 = time.monotonic()
         llm.shutdown()  # with a dead peer: bounded, and nothing of this engine outlives it
         assert time.monotonic() - t0 < 30
-        assert not llm.scheduler._pinger.is_alive()
+        assert not llm.scheduler._monitor.is_alive()
 
 
 def test_two_nodes_on_one_machine_match_single_node(tiny_model_dir):

@@ -44,6 +44,9 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
         return x
     import torch.distributed as dist
 
-    parts = [torch.empty_like(x) for _ in range(_TP.size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+    # One collective into one buffer [tp, ..., shard], then one copy into [..., tp * shard]: a list
+    # all_gather gathers into a flat buffer, copies it out per rank and torch.cat copies it again.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
+    gathered = x.new_empty((_TP.size * x.shape[0], *x.shape[1:]))  # gloo wants the ranks concatenated
+    gather(gathered, x.contiguous())
+    return gathered.view(_TP.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], _TP.size * x.shape[-1])

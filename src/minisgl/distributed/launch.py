@@ -1,8 +1,16 @@
-"""Tensor parallelism: one scheduler per rank; rank 0 takes requests and broadcasts them.
+"""Tensor parallelism: one scheduler per rank; rank 0 takes requests and sends each step's ops to the others.
 
-Every rank runs the same Scheduler on the same inputs, so every rank builds the same batches;
-the model's layers all-reduce / all-gather through torch.distributed (NCCL on CUDA, gloo on
-CPU). Requests cross ranks as a pickled op list on a gloo group, once per step.
+Every rank runs the same Scheduler on the same inputs in the same order, so every rank builds the same
+batches; the model's layers all-reduce / all-gather through torch.distributed (NCCL on CUDA, gloo on
+CPU). The ops (requests added or aborted, profiler start/stop) reach ranks > 0 through the rendezvous
+TCPStore that rank 0 hosts: one queue per rank, one small message per step. Rank 0 only appends to the
+queues and never waits for the others on the host; a rank > 0 waits on its queue, and the collectives
+of the forward keep the devices in step.
+
+Failures are loud and bounded. Rank 0 watches its local ranks and a "failed" key (set by a failing rank
+or by a node's launcher); on a failure it aborts the communicators (a collective with a dead peer waits
+forever on the GPU) and raises RankFailedError. Ranks > 0 watch the store from a thread: when rank 0 is
+gone (its store closes) or the key is set, they exit.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import datetime
 import json
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -24,11 +33,17 @@ import torch
 from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams, TokenOutput
 from minisgl.distributed import set_tp_info
+from minisgl.distributed.profile import active_profiler, apply_profile_op
 from minisgl.errors import MiniSGLError
 
 logger = logging.getLogger("minisgl")
 
-_OBJECT_GROUP: Any = None
+OPS_KEY = "minisgl/ops/{rank}"  # rank 0 -> rank: one pickled op list per step
+FAILED_KEY = "minisgl/failed"  # why the engine stops; set once by whoever sees a rank fail
+EXITED_KEY = "minisgl/exited"  # ranks that left cleanly after rank 0's "exit"
+WATCH_INTERVAL_S = 0.5  # how often rank 0 checks its ranks and ranks > 0 check on rank 0
+FAILURE_GRACE_S = 2.0  # after a collective errors out, how long rank 0 looks for the rank that failed
+EXIT_WAIT_S = 10.0  # how long a clean shutdown waits for the other ranks to leave
 
 
 class RankFailedError(MiniSGLError, RuntimeError):
@@ -41,61 +56,78 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(config: EngineConfig, rank: int, init_addr: str) -> None:
-    """Join the TP process group (tcp:// rendezvous at init_addr) and set this rank's device."""
+def connect_store(init_addr: str, is_master: bool, timeout: datetime.timedelta) -> Any:
+    """The TCPStore at init_addr ("host:port"): rank 0 hosts it, the others connect (retrying until timeout)."""
     import torch.distributed as dist
 
-    global _OBJECT_GROUP
-    timeout = datetime.timedelta(seconds=config.dist_timeout)
+    host, _, port = init_addr.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=is_master, timeout=timeout, wait_for_workers=False)
+
+
+def init_distributed(config: EngineConfig, rank: int, store: Any) -> None:
+    """Join the TP process group through `store` and set this rank's device."""
+    import torch.distributed as dist
+
     use_cuda = config.device != "cpu" and torch.cuda.is_available()
     if use_cuda:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        local_rank = rank % torch.cuda.device_count()
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        backend="nccl" if use_cuda else "gloo", init_method=f"tcp://{init_addr}",
-        rank=rank, world_size=config.tp, timeout=timeout,
+        backend="nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=config.tp,
+        timeout=datetime.timedelta(seconds=config.dist_timeout),
     )
-    _OBJECT_GROUP = dist.new_group(backend="gloo", timeout=timeout) if use_cuda else dist.group.WORLD
     set_tp_info(rank, config.tp)
 
 
-def broadcast_ops(ops: list[Any] | None, group: Any = None) -> list[Any]:
-    """Rank 0 sends its op list to every rank (over `group`, default this process's); the others receive it."""
+def abort_communicators() -> None:
+    """Abort this rank's NCCL communicators: kernels waiting for a dead peer return. Safe from any thread."""
     import torch.distributed as dist
 
-    box = [ops]
-    dist.broadcast_object_list(box, src=0, group=group if group is not None else _OBJECT_GROUP)
-    return box[0]
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return  # gloo fails a collective with a dead peer by itself
+    pg = dist.group.WORLD
+    abort = getattr(pg, "abort", None) or getattr(pg._get_backend(torch.device("cuda")), "abort", None)
+    if abort is None:
+        logger.warning("this torch cannot abort an NCCL communicator; a collective may wait until dist_timeout")
+        return
+    try:
+        abort()
+    except Exception as e:  # noqa: BLE001 - already aborted / torn down
+        logger.debug("NCCL abort: %s", e)
 
 
-def destroy_group(timeout: float) -> bool:
-    """Tear the process groups down, bounded: NCCL's teardown waits for the peer ranks to do the same.
+def close_groups(timeout: float = 30.0) -> None:
+    """Leave the process groups without waiting for the peers.
 
-    Every rank calls this at about the same time (after rank 0's "exit"); a rank that is gone must
-    not hang the others, so the teardown runs in a thread that is abandoned after `timeout` seconds.
+    Aborting is local and immediate; destroy_process_group waits for the peers' teardown (it took
+    over 30 s with NCCL), so it is only the fallback, in a thread abandoned after `timeout` seconds.
     """
     import torch.distributed as dist
 
-    global _OBJECT_GROUP
     if not dist.is_initialized():
-        return True
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        try:
+            abort()
+            return
+        except Exception as e:  # noqa: BLE001 - an older torch or a backend without abort
+            logger.debug("abort of the process groups failed (%s); destroying them instead", e)
     t = threading.Thread(target=dist.destroy_process_group, name="minisgl-tp-teardown", daemon=True)
     t.start()
     t.join(timeout)
-    _OBJECT_GROUP = None
     if t.is_alive():
         logger.warning("tensor-parallel teardown did not finish in %.0fs; leaving it", timeout)
-        return False
-    return True
 
 
-def _apply(sched: Any, ops: list[Any]) -> None:
+def _apply(sched: Any, ops: list[Any], rank: int) -> None:
     for op in ops:
         if op[0] == "add":
             sched.add_request(op[1], op[2], SamplingParams.from_dict(op[3]))
         elif op[0] == "abort":
             sched.abort(op[1])
+        elif op[0] == "profile":
+            apply_profile_op(op, rank)
 
 
 def spawn_worker(config: EngineConfig, rank: int, init_addr: str) -> subprocess.Popen:
@@ -104,28 +136,88 @@ def spawn_worker(config: EngineConfig, rank: int, init_addr: str) -> subprocess.
     return subprocess.Popen([sys.executable, "-m", "minisgl.distributed.launch", payload, str(rank), init_addr])
 
 
+# ---------------------------------------------------------------------------- ranks > 0
+
+
+class _RankZeroWatch:
+    """A thread of a rank > 0: exits the process when rank 0 is gone or a failure is flagged.
+
+    The main thread may be stuck in a collective whose peer died (on the GPU it never returns), so
+    the exit is os._exit from here. Its own store connection: the main thread's blocks in a queue pop.
+    """
+
+    def __init__(self, init_addr: str, timeout: datetime.timedelta, rank: int) -> None:
+        self.rank = rank
+        self.leaving = threading.Event()  # set on a clean exit: the store may close under us then
+        self.client = connect_store(init_addr, False, timeout)
+        threading.Thread(target=self._run, name="minisgl-tp-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self.leaving.wait(WATCH_INTERVAL_S):
+            try:
+                reason = self.client.get(FAILED_KEY).decode() if self.client.check([FAILED_KEY]) else None
+            except Exception as e:  # noqa: BLE001 - rank 0 hosts the store: it is gone or frozen
+                reason = f"lost rank 0 ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            if reason is not None and not self.leaving.is_set():
+                _leave(1, f"tensor-parallel rank {self.rank} stops: {reason}")
+
+
+def _leave(code: int, message: str) -> None:
+    logger.error("%s", message)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _next_ops(store: Any, key: str) -> list[Any]:
+    """Block until rank 0 sends the next step's ops; an idle rank 0 is not a failure (the watch decides)."""
+    import torch.distributed as dist
+
+    while True:
+        try:
+            return pickle.loads(store.queue_pop(key))
+        except dist.DistStoreError:  # the store's timeout: rank 0 is idle
+            continue
+
+
 def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
     """Ranks > 0: mirror rank 0's scheduler step by step until told to exit; returns an exit code."""
     from minisgl.scheduler.scheduler import Scheduler
 
     logging.basicConfig(level=logging.WARNING, format=f"[minisgl tp{rank}] %(levelname)s %(message)s")
-    init_distributed(config, rank, init_addr)
-    sched = Scheduler(config)
-    code = 0
+    timeout = datetime.timedelta(seconds=config.dist_timeout)
+    store = connect_store(init_addr, False, timeout)
+    watch = _RankZeroWatch(init_addr, timeout, rank)
+    key = OPS_KEY.format(rank=rank)
     try:
+        init_distributed(config, rank, store)
+        sched = Scheduler(config)
         while True:
-            ops = broadcast_ops(None)
+            t0 = time.perf_counter()
+            ops = _next_ops(store, key)
+            t1 = time.perf_counter()
             if ops and ops[0][0] == "exit":
-                break
-            if ops and ops[0][0] == "ping":  # rank 0 is idle but alive
-                continue
-            _apply(sched, ops)
+                watch.leaving.set()
+                if sched.device.type == "cuda":
+                    torch.cuda.synchronize()  # this rank's last collectives: rank 0 waits on them
+                store.add(EXITED_KEY, 1)
+                return 0
+            _apply(sched, ops, rank)
             sched.step()
-    except Exception as e:
-        logger.error("rank %d stops: %s", rank, e)
-        code = 1
-    destroy_group(30 if code == 0 else 5)
-    return code
+            prof = active_profiler()
+            if prof is not None:
+                prof.record_step(t1 - t0, time.perf_counter() - t1)
+    except Exception as e:  # noqa: BLE001 - any failure ends this rank, and so the engine
+        reason = f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}"
+        try:
+            store.set(FAILED_KEY, reason)  # rank 0 stops at once instead of on its next collective
+        except Exception:  # noqa: BLE001 - rank 0 hosts the store: rank 0 is what failed
+            reason = f"tensor-parallel rank {rank} stops: lost rank 0 (its store at {init_addr} is gone)"
+        _leave(1, reason)
+    return 1
+
+
+# ---------------------------------------------------------------------------- rank 0
 
 
 class TPScheduler:
@@ -134,40 +226,84 @@ class TPScheduler:
     def __init__(self, config: EngineConfig) -> None:
         from minisgl.scheduler.scheduler import Scheduler
 
+        self.config = config
         init_addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"
-        local = config.tp // config.nnodes
-        self.workers = [spawn_worker(config, rank, init_addr) for rank in range(1, local)]
-        init_distributed(config, 0, init_addr)
-        self.sched = Scheduler(config)
+        self.store = connect_store(init_addr, True, datetime.timedelta(seconds=config.dist_timeout))
+        self.workers = [spawn_worker(config, rank, init_addr) for rank in range(1, config.tp // config.nnodes)]
+        self._ops: list[Any] = []
+        self._failure: str | None = None
+        self._fail_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._closed = False
+        self._monitor = threading.Thread(target=self._monitor_loop, name="minisgl-tp-monitor", daemon=True)
+        self._monitor.start()
+        try:
+            init_distributed(config, 0, self.store)
+            self.sched = Scheduler(config)
+        except Exception as e:
+            error = self._as_rank_failure(e)
+            self._stop.set()
+            close_groups(5)
+            for w in self.workers:
+                w.kill()
+                w.wait()
+            raise error from e
         self.tokenizer = self.sched.tokenizer
         self.model_config = self.sched.model_config
         self.device = self.sched.device
         self.prefix_cache = self.sched.prefix_cache
         self.engine = self.sched.engine
-        # Bound now: a later engine in this process re-initialises the module's group.
-        self._group = _OBJECT_GROUP
-        self._ops: list[Any] = []
-        # The other ranks wait in a gloo broadcast that times out after dist_timeout: while rank 0 is
-        # idle (a daemon with no requests) a thread pings them so that they do not give up.
-        self._lock = threading.Lock()
-        self._last_broadcast = time.monotonic()
-        self._stop = threading.Event()
-        self._ping_error: BaseException | None = None
-        self._ping_interval = max(0.5, min(30.0, config.dist_timeout / 4))
-        self._pinger = threading.Thread(target=self._ping_loop, name="minisgl-tp-ping", daemon=True)
-        self._pinger.start()
 
-    def _ping_loop(self) -> None:
-        while not self._stop.wait(self._ping_interval / 2):
-            with self._lock:
-                if self._stop.is_set() or time.monotonic() - self._last_broadcast < self._ping_interval:
-                    continue
-                try:
-                    broadcast_ops([("ping",)], self._group)
-                except Exception as e:  # a dead peer (RuntimeError) or groups already torn down
-                    self._ping_error = e
-                    return
-                self._last_broadcast = time.monotonic()
+    # ------------------------------------------------------------------ failures
+
+    def _monitor_loop(self) -> None:
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            reason = self._find_failure()
+            if reason is not None:
+                self._fail(reason)
+                return
+
+    def _find_failure(self) -> str | None:
+        dead = [(rank, w.returncode) for rank, w in enumerate(self.workers, 1) if w.poll() is not None]
+        if dead:
+            return (f"tensor-parallel rank(s) {[r for r, _ in dead]} exited (codes {[c for _, c in dead]}): "
+                    "see the ranks' log lines above")
+        try:
+            return self.store.get(FAILED_KEY).decode() if self.store.check([FAILED_KEY]) else None
+        except Exception:  # noqa: BLE001 - this process hosts the store: only a shutdown gets here
+            return None
+
+    def _fail(self, reason: str) -> None:
+        with self._fail_lock:
+            if self._failure is not None:
+                return
+            self._failure = reason
+        logger.error("%s; the engine stops", reason)
+        try:
+            self.store.set(FAILED_KEY, reason)  # the other ranks (other nodes too) leave
+        except Exception:  # noqa: BLE001 - the store is closing
+            pass
+        abort_communicators()
+
+    def _as_rank_failure(self, error: Exception) -> Exception:
+        """The RankFailedError behind a failed step, if a rank failed (waiting a little to find it); else error."""
+        if self._failure is None and isinstance(error, RuntimeError):
+            deadline = time.monotonic() + FAILURE_GRACE_S
+            while self._failure is None and time.monotonic() < deadline:
+                reason = self._find_failure()
+                if reason is not None:
+                    self._fail(reason)
+                    break
+                time.sleep(0.05)
+        if self._failure is None:
+            return error
+        return RankFailedError(f"{self._failure}; the engine stops")
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise RankFailedError(f"{self._failure}; the engine stops")
+
+    # ------------------------------------------------------------------ the Scheduler API
 
     @property
     def has_work(self) -> bool:
@@ -177,33 +313,42 @@ class TPScheduler:
         self.sched.validate(input_ids, params)
 
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
-        self.sched.validate(input_ids, params)
+        # Rank 0 first: a request it rejects raises here and never reaches the other ranks.
+        self.sched.add_request(rid, input_ids, params)
         self._ops.append(("add", rid, list(input_ids), params.to_dict()))
 
     def abort(self, rid: str) -> None:
+        self.sched.abort(rid)
         self._ops.append(("abort", rid))
 
-    def _check_workers(self) -> None:
-        dead = [(rank, w.returncode) for rank, w in enumerate(self.workers, 1) if w.poll() is not None]
-        if dead:
-            raise RankFailedError(
-                f"tensor-parallel rank(s) {[r for r, _ in dead]} exited (codes {[c for _, c in dead]}): "
-                "the engine stops; see the ranks' log lines above"
-            )
+    def profile(self, action: str, out_dir: str | None = None) -> None:
+        """torch.profiler on every rank from the next step ("start", out_dir) until "stop" (see profile.py)."""
+        self._ops.append(("profile", action, out_dir))
+
+    def _send(self, ops: list[Any]) -> None:
+        payload = pickle.dumps(ops)
+        for rank in range(1, self.config.tp):
+            self.store.queue_push(OPS_KEY.format(rank=rank), payload)
 
     def step(self) -> list[TokenOutput]:
-        self._check_workers()
-        if self._ping_error is not None:
-            raise RankFailedError(f"a tensor-parallel rank stopped answering: {self._ping_error}")
+        self._raise_if_failed()
         ops, self._ops = self._ops, []
-        with self._lock:
-            try:
-                broadcast_ops(ops, self._group)
-            except RuntimeError as e:
-                raise RankFailedError(f"a tensor-parallel rank stopped answering: {e}") from e
-            self._last_broadcast = time.monotonic()
-        _apply(self.sched, ops)
-        return self.sched.step()
+        t0 = time.perf_counter()
+        try:
+            self._send(ops)
+            for op in ops:
+                if op[0] == "profile":
+                    apply_profile_op(op, 0)
+            t1 = time.perf_counter()
+            outputs = self.sched.step()
+        except Exception as e:
+            raise self._as_rank_failure(e) from e
+        # On the GPU a dead peer's collectives were aborted, not failed: these outputs are garbage.
+        self._raise_if_failed()
+        prof = active_profiler()
+        if prof is not None:
+            prof.record_step(t1 - t0, time.perf_counter() - t1)
+        return outputs
 
     def stats(self) -> dict[str, int]:
         return self.sched.stats()
@@ -214,25 +359,41 @@ class TPScheduler:
     def reset_prefix_cache(self) -> None:
         self.sched.reset_prefix_cache()
 
+    def _wait_exited(self) -> bool:
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while self.store.add(EXITED_KEY, 0) < self.config.tp - 1:
+            if self._failure is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
     def shutdown(self) -> None:
-        self._stop.set()
+        """Stop every rank: "exit" to each, wait until they confirm (bounded), then abort the groups."""
+        if self._closed:
+            return
+        self._closed = True
         self.sched.shutdown()
-        healthy = self._ping_error is None and all(w.poll() is None for w in self.workers)
-        with self._lock:
-            if healthy:
-                try:
-                    broadcast_ops([("exit",)], self._group)
-                except RuntimeError:
-                    healthy = False
-            # Every rank tears NCCL down now, together: its teardown waits for the peers.
-            destroy_group(30 if healthy else 5)
-        self._pinger.join(timeout=5)
+        clean = False
+        if self._failure is None:
+            try:
+                self._send([("exit",)])
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()  # the last steps' collectives, which the other ranks finish too
+                clean = self._wait_exited()
+            except Exception as e:  # noqa: BLE001 - a rank died during shutdown: the monitor reports it
+                logger.debug("tensor-parallel shutdown: %s", e)
+        if not clean:
+            self._fail(self._failure or "a tensor-parallel rank did not confirm the shutdown")
+        self._stop.set()
+        self._monitor.join(timeout=5)
+        close_groups()
         for w in self.workers:
             try:
-                w.wait(timeout=10)
+                w.wait(timeout=EXIT_WAIT_S)
             except subprocess.TimeoutExpired:
                 w.kill()
                 w.wait()
+        self.store = None  # closes the store: ranks still waiting on it (other nodes) leave
         set_tp_info(0, 1)
 
     def __del__(self) -> None:
@@ -245,15 +406,37 @@ class TPScheduler:
 
 
 def run_node(config: EngineConfig) -> int:
-    """A node other than 0 (multi-node TP): run this node's ranks until they exit; returns an exit code."""
+    """A node other than 0 (multi-node TP): run this node's ranks until they exit; returns an exit code.
+
+    A rank that exits with an error is reported to rank 0 through the store's failed key, so that the
+    engine stops at once instead of waiting on that rank's collectives.
+    """
     local = config.tp // config.nnodes
     first = config.node_rank * local
     assert config.dist_init_addr, "EngineConfig validation guarantees it"
-    workers = [spawn_worker(config, rank, config.dist_init_addr) for rank in range(first, first + local)]
+    workers = {rank: spawn_worker(config, rank, config.dist_init_addr) for rank in range(first, first + local)}
     logger.info("node %d: ranks %d..%d started, following node 0 at %s", config.node_rank, first, first + local - 1,
                 config.dist_init_addr)
-    codes = [w.wait() for w in workers]
-    return max(codes, key=abs)
+    codes: dict[int, int] = {}
+    while len(codes) < len(workers):
+        for rank, w in workers.items():
+            if rank not in codes and w.poll() is not None:
+                codes[rank] = w.returncode
+                if w.returncode != 0:
+                    _report_failure(config, f"tensor-parallel rank {rank} on node {config.node_rank} exited "
+                                            f"(code {w.returncode})")
+        time.sleep(WATCH_INTERVAL_S / 5)
+    return max(codes.values(), key=abs)
+
+
+def _report_failure(config: EngineConfig, reason: str) -> None:
+    assert config.dist_init_addr
+    try:
+        store = connect_store(config.dist_init_addr, False, datetime.timedelta(seconds=5))
+        if not store.check([FAILED_KEY]):
+            store.set(FAILED_KEY, reason)
+    except Exception:  # noqa: BLE001 - rank 0 is gone: nobody to tell
+        pass
 
 
 def make_scheduler(config: EngineConfig) -> Any:
@@ -270,7 +453,7 @@ def _worker_entry(argv: list[str]) -> None:
     code = worker_main(EngineConfig(**fields), int(argv[1]), argv[2])
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # not through interpreter teardown: an abandoned NCCL teardown thread must not hang the exit
+    os._exit(code)  # not through interpreter teardown: NCCL's exit handlers wait for the peers
 
 
 if __name__ == "__main__":
