@@ -51,7 +51,7 @@ def sampling() -> None:
     flashinfer.sampling.top_k_top_p_sampling_from_logits(logits, 5, 0.9, filter_apply_order="top_k_first", generator=g)
 
 
-def attention(backend: str) -> None:
+def attention(backend: str, tensor_cores: bool = True) -> None:
     import flashinfer
 
     ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
@@ -60,7 +60,7 @@ def attention(backend: str) -> None:
     indices = torch.arange(16, dtype=torch.int32, device="cuda")
     last = torch.tensor([1], dtype=torch.int32)
     if backend == "decode":
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
         w.plan(indptr, indices, last, 16, 8, 128, 1, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
         w.run(torch.randn(1, 16, 128, dtype=torch.bfloat16, device="cuda"), (kv[0], kv[1]))
         return
@@ -72,7 +72,8 @@ def attention(backend: str) -> None:
 
 def main() -> None:
     jobs = {"norm": norm, "activation": activation, "rope": rope, "sampling": sampling,
-            "decode+fa2": lambda: attention("decode")}
+            "decode+fa2": lambda: attention("decode"),
+            "decode (CUDA cores)": lambda: attention("decode", tensor_cores=False)}
     if "--fa3" in sys.argv:
         jobs["fa3"] = lambda: attention("fa3")
     t0 = time.perf_counter()

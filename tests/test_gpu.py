@@ -326,3 +326,51 @@ def test_fused_top_k_top_p_sampling_stays_in_the_allowed_set():
     top5 = logits.topk(5, dim=-1).indices
     assert bool((draws[..., None] == top5[None]).any(-1).all())
     assert len(set(draws[:, 0].tolist())) > 1  # it does sample
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_qkv_kernel_matches_the_unfused_path(qk_norm, dtype):
+    """layers.fused_qkv (norms + RoPE + KV store in one Triton kernel) against float32 PyTorch math."""
+    from minisgl.layers import RMSNorm, RotaryEmbedding
+    from minisgl.layers.fused_qkv import fused_qkv, usable
+
+    tokens, heads, kv_heads, dim, slots = 37, 16, 8, 128, 512
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device="cuda").to(dtype)
+    if not usable(qkv, dim):
+        pytest.skip("Triton is not importable")
+    g = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 4000, (tokens,), generator=g).cuda()
+    out_loc = torch.randperm(slots, generator=g)[:tokens].cuda()
+    rotary = RotaryEmbedding(dim, 4096, 1e6).cuda()
+    norms = [RMSNorm(dim, 1e-6).cuda() for _ in range(2)] if qk_norm else [None, None]
+    for n in norms:
+        if n is not None:
+            n.weight.copy_(torch.rand(dim) + 0.5)
+    k_cache = torch.zeros(slots, kv_heads, dim, device="cuda", dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    q = fused_qkv(
+        qkv, positions, rotary.cos_sin(), *(n.weight if n else None for n in norms), 1e-6,
+        k_cache, v_cache, out_loc, heads, kv_heads, dim,
+    )
+
+    # Reference: float32 throughout.
+    x = qkv.float()
+    rq, rk, rv = x.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    rq, rk, rv = rq.view(tokens, heads, dim), rk.view(tokens, kv_heads, dim), rv.view(tokens, kv_heads, dim)
+    if qk_norm:
+        rq = rq * torch.rsqrt(rq.pow(2).mean(-1, keepdim=True) + 1e-6) * norms[0].weight.float()
+        rk = rk * torch.rsqrt(rk.pow(2).mean(-1, keepdim=True) + 1e-6) * norms[1].weight.float()
+    cos, sin = rotary.cos_cache[positions].unsqueeze(1), rotary.sin_cache[positions].unsqueeze(1)
+
+    def rope(t: torch.Tensor) -> torch.Tensor:
+        t1, t2 = t.chunk(2, dim=-1)
+        return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], dim=-1)
+
+    tol = dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(q.float(), rope(rq), **tol)
+    torch.testing.assert_close(k_cache[out_loc].float(), rope(rk), **tol)
+    torch.testing.assert_close(v_cache[out_loc].float(), rv.to(dtype).float(), atol=0, rtol=0)
+    untouched = torch.ones(slots, dtype=torch.bool, device="cuda")
+    untouched[out_loc] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()  # no other slot written

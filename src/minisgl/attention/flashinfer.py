@@ -9,6 +9,7 @@ graph-mode wrapper per captured batch size over shared fixed-size index buffers.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -21,6 +22,15 @@ if TYPE_CHECKING:
     from minisgl.models.config import ModelConfig
 
 WORKSPACE_BYTES = 128 * 2**20
+
+
+def decode_uses_tensor_cores(group_size: int) -> bool:
+    """FlashInfer's tensor-core decode pays off from 4 query heads per KV head (SGLang's rule too);
+    below that the CUDA-core kernel reads the KV with less waste. MINISGL_DECODE_TENSOR_CORES=0/1 overrides."""
+    forced = os.environ.get("MINISGL_DECODE_TENSOR_CORES")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return group_size >= 4
 
 
 class FlashInferMetadata(NamedTuple):
@@ -53,7 +63,10 @@ class FlashInferBackend(AttentionBackend):
         self.dtype = kv_pool.dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=prefill_backend)
-        self.decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
+        self.decode_tensor_cores = decode_uses_tensor_cores(self.num_qo_heads // self.num_kv_heads)
+        self.decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
+        )
         # plan() fills a pinned host buffer and queues its copy to the GPU without waiting. With
         # overlap scheduling the next batch is planned before the GPU has run that copy, so
         # consecutive plans alternate between two pinned buffers.
@@ -130,10 +143,14 @@ class FlashInferBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ forward
 
+    def kv_pool_for(self, batch: "Batch") -> KVPool:
+        return self.kv_pool
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: "Batch"
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int, batch: "Batch"
     ) -> torch.Tensor:
-        self.kv_pool.store(layer_id, batch.out_loc, k, v)
+        if k is not None and v is not None:
+            self.kv_pool.store(layer_id, batch.out_loc, k, v)
         buf = self.kv_pool.buffer  # the whole buffer: it may hold a scratch page past num_pages
         shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
         kv = (buf[0, layer_id].view(shape), buf[1, layer_id].view(shape))
@@ -157,7 +174,7 @@ class FlashInferBackend(AttentionBackend):
         assert self._graph_indptr is not None and self._graph_indices is not None
         assert self._graph_last_page_len is not None
         wrapper = BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
             paged_kv_indptr_buffer=self._graph_indptr[: bs + 1],
             paged_kv_indices_buffer=self._graph_indices,
             paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],

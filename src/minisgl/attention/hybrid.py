@@ -25,6 +25,9 @@ class HybridBackend(AttentionBackend):
     def prepare(self, batch: "Batch") -> None:
         self._pick(batch).prepare(batch)
 
+    def kv_pool_for(self, batch: "Batch") -> Any:
+        return self._pick(batch).kv_pool_for(batch)
+
     def forward(
         self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", layer_id: int, batch: "Batch"
     ) -> "torch.Tensor":

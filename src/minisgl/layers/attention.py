@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from minisgl.core import get_context
+from minisgl.layers.fused_qkv import usable as fused_qkv_usable
+
+if TYPE_CHECKING:
+    from minisgl.kvcache.pool import KVPool
 
 
 class AttentionLayer(nn.Module):
@@ -17,8 +23,22 @@ class AttentionLayer(nn.Module):
         self.layer_id = layer_id
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
+    def pool_for_fused_store(self, qkv: torch.Tensor) -> "KVPool | None":
+        """The KV pool the model may store this layer's k, v into itself (then forward(q, None, None)).
+
+        None unless layers.fused_qkv can run on qkv and the current backend attends from its pool.
+        """
+        if not fused_qkv_usable(qkv, self.head_dim):
+            return None
+        ctx = get_context()
+        assert ctx.attn_backend is not None and ctx.batch is not None, "run the model inside Context.forward_batch"
+        return ctx.attn_backend.kv_pool_for(ctx.batch)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads * head_dim].
+
+        k = v = None: they are already in the KV pool at the batch's out_loc (pool_for_fused_store).
+        """
         ctx = get_context()
         assert ctx.attn_backend is not None and ctx.batch is not None, "run the model inside Context.forward_batch"
         return ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)

@@ -59,6 +59,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
         self._cos_sin: torch.Tensor | None = None  # [max_position, head_dim] float32, flashinfer's layout
 
+    def cos_sin(self) -> torch.Tensor:
+        """[max_position, head_dim] float32: cos of each frequency, then sin (flashinfer's layout)."""
+        if self._cos_sin is None or self._cos_sin.device != self.cos_cache.device:
+            self._cos_sin = torch.cat([self.cos_cache, self.sin_cache], dim=-1).contiguous()
+        return self._cos_sin
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +74,7 @@ class RotaryEmbedding(nn.Module):
         """
         fi = fused_ops(q)
         if fi is not None:
-            if self._cos_sin is None:
-                self._cos_sin = torch.cat([self.cos_cache, self.sin_cache], dim=-1).contiguous()
-            fi.rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, self.head_dim, self._cos_sin, is_neox=True)
+            fi.rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, self.head_dim, self.cos_sin(), is_neox=True)
             return q, k
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).unsqueeze(1)

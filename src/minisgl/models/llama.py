@@ -15,6 +15,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from minisgl.core import get_context
 from minisgl.errors import ModelLoadError, WeightsError
 from minisgl.layers import (
     AttentionLayer,
@@ -27,6 +28,7 @@ from minisgl.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
+from minisgl.layers.fused_qkv import fused_qkv
 from minisgl.models.config import ModelConfig
 
 # HF checkpoint name fragment -> (our fused parameter fragment, shard id).
@@ -56,6 +58,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        pool = self.attn.pool_for_fused_store(qkv)
+        if pool is not None:  # CUDA: norms, RoPE and the KV store in one kernel
+            qn, kn = self.q_norm, self.k_norm
+            q = fused_qkv(
+                qkv, positions, self.rotary.cos_sin(), qn.weight if qn else None, kn.weight if kn else None,
+                qn.eps if qn else 0.0, pool.k(self.attn.layer_id), pool.v(self.attn.layer_id),
+                get_context().batch.out_loc, self.num_heads, self.num_kv_heads, self.head_dim,
+            )
+            return self.o_proj(self.attn(q, None, None))
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)

@@ -1,0 +1,120 @@
+"""One GPU kernel from the QKV projection's output to attention's inputs (Triton, CUDA only).
+
+Per token and head it does what five kernels do on the unfused path (q RMSNorm, k RMSNorm, RoPE on
+q and k, and the two KV-pool stores): per-head RMSNorm (Qwen3's q_norm/k_norm, when the model has
+them), neox-style RoPE from the float32 cos/sin cache, then q into a fresh [T, heads, head_dim]
+tensor and k, v straight into their KV-pool slots. Everything is computed in float32 and rounded
+once (the unfused path rounds after the norm too). At batch 1 each of the five launches costs ~2 µs
+per layer, about a seventh of a Qwen3-0.6B decode step on an H100 (docs/benchmarks.md).
+
+Used when the attention backend lets the layer store the KV itself (`kv_pool_for`), the tensors
+are fp16/bf16 on CUDA and Triton imports; MINISGL_FUSED_QKV=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The Triton kernel, compiled on first use; None when Triton is missing or the switch is off."""
+    if os.environ.get("MINISGL_FUSED_QKV", "1") == "0":
+        return None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def qkv_kernel(
+        qkv_ptr, qkv_stride, pos_ptr, cos_sin_ptr, cos_sin_stride, q_norm_ptr, k_norm_ptr, eps,
+        q_out_ptr, k_cache_ptr, v_cache_ptr, cache_stride, loc_ptr,
+        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        half: tl.constexpr = D // 2
+        offs = tl.arange(0, half)
+        src = qkv_ptr + t * qkv_stride + h * D
+        x1 = tl.load(src + offs).to(tl.float32)
+        x2 = tl.load(src + half + offs).to(tl.float32)
+        loc = tl.load(loc_ptr + t).to(tl.int64)
+        if h >= H + HKV:  # v: copied to its slot
+            dst = v_cache_ptr + loc * cache_stride + (h - H - HKV) * D
+            tl.store(dst + offs, x1.to(v_cache_ptr.dtype.element_ty))
+            tl.store(dst + half + offs, x2.to(v_cache_ptr.dtype.element_ty))
+        else:
+            if HAS_NORM:
+                rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+                if h < H:
+                    w1 = tl.load(q_norm_ptr + offs).to(tl.float32)
+                    w2 = tl.load(q_norm_ptr + half + offs).to(tl.float32)
+                else:
+                    w1 = tl.load(k_norm_ptr + offs).to(tl.float32)
+                    w2 = tl.load(k_norm_ptr + half + offs).to(tl.float32)
+                x1 = x1 * rstd * w1
+                x2 = x2 * rstd * w2
+            pos = tl.load(pos_ptr + t).to(tl.int64)
+            cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + offs)
+            sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + half + offs)
+            o1 = x1 * cos - x2 * sin
+            o2 = x2 * cos + x1 * sin
+            if h < H:
+                dst = q_out_ptr + (t * H + h) * D
+                tl.store(dst + offs, o1.to(q_out_ptr.dtype.element_ty))
+                tl.store(dst + half + offs, o2.to(q_out_ptr.dtype.element_ty))
+            else:
+                dst = k_cache_ptr + loc * cache_stride + (h - H) * D
+                tl.store(dst + offs, o1.to(k_cache_ptr.dtype.element_ty))
+                tl.store(dst + half + offs, o2.to(k_cache_ptr.dtype.element_ty))
+
+    return qkv_kernel
+
+
+def usable(qkv: torch.Tensor, head_dim: int) -> bool:
+    """Whether fused_qkv can run on this tensor (CUDA, fp16/bf16, Triton importable, even head_dim)."""
+    return qkv.is_cuda and qkv.dtype in _DTYPES and head_dim % 2 == 0 and _kernel() is not None
+
+
+def fused_qkv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_loc: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """q [T, num_heads, head_dim] of qkv [T, (num_heads + 2 * num_kv_heads) * head_dim]; k, v stored.
+
+    cos_sin: [max_position, head_dim] float32 (cos of each frequency, then sin); q_norm, k_norm: the
+    per-head RMSNorm weights (both or neither); k_cache, v_cache: [slots, num_kv_heads, head_dim]
+    written at the slots out_loc [T].
+    """
+    assert qkv.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert (q_norm is None) == (k_norm is None)
+    tokens = qkv.shape[0]
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if tokens == 0:
+        return q
+    has_norm = q_norm is not None
+    _kernel()[(tokens, num_heads + 2 * num_kv_heads)](
+        qkv, qkv.stride(0), positions, cos_sin, cos_sin.stride(0),
+        q_norm if has_norm else cos_sin, k_norm if has_norm else cos_sin, eps,
+        q, k_cache, v_cache, k_cache.stride(0), out_loc,
+        H=num_heads, HKV=num_kv_heads, D=head_dim, HAS_NORM=has_norm, num_warps=1,
+    )
+    return q
