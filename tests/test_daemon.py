@@ -514,6 +514,73 @@ def test_generate_with_a_forward_that_cannot_run_prints_a_clear_error(tiny_model
     assert re.search(r"minisgl: error: .*bfloat16 on cpu cannot run on this machine.*--dtype", proc.stderr), proc.stderr
 
 
+# ---------------------------------------------------------------------------- idle timeout, HTTP on a running daemon
+
+
+def test_an_idle_daemon_stops_after_its_idle_timeout(daemon_runtime_dir: Path, tiny_model_dir: Any) -> None:
+    from minisgl.runtime.launcher import wait_ready
+
+    address = f"ipc://{daemon_runtime_dir}/idle.sock"
+    log = daemon_runtime_dir / "idle.log"
+    proc = start_serve(["--model", str(tiny_model_dir("llama")), "--address", address, "--idle-timeout", "3"], log)
+    try:
+        wait_ready(address, 180, proc=proc, log_path=log)
+        with Client("tiny", address, auto_start=False, timeout=60) as c:
+            for _ in range(3):  # requests keep it alive past the timeout
+                assert c.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True)).usage.completion_tokens == 2
+                time.sleep(1.5)
+            assert proc.poll() is None
+        assert proc.wait(60) == 0  # then, idle, it stops by itself
+        assert "stopping: idle for 3s" in log.read_text()
+        assert Registry().get(address) is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def test_serve_with_http_port_attaches_to_the_running_daemon(daemon_runtime_dir: Path, tiny_model_dir: Any) -> None:
+    """`serve --http-port` for a model whose daemon already runs serves HTTP for that daemon instead of failing."""
+    import httpx
+
+    from minisgl.runtime.launcher import stop_daemon, wait_ready
+
+    model = str(tiny_model_dir("llama"))
+    address = f"ipc://{daemon_runtime_dir}/attach.sock"
+    log = daemon_runtime_dir / "attach.log"
+    proc = start_serve(["--model", model, "--address", address], log)
+    http = None
+    try:
+        wait_ready(address, 180, proc=proc, log_path=log)
+        port = free_port()
+        http = subprocess.Popen(
+            [sys.executable, "-m", "minisgl", "serve", "--model", model, "--address", address, "--http-port", str(port)],
+            stderr=subprocess.PIPE, text=True,
+        )
+        body = None
+        for _ in range(300):
+            try:
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                               json={"model": model, "prompt": "hello", "max_tokens": 3, "ignore_eos": True})
+                body = r.json()
+                break
+            except httpx.TransportError:
+                assert http.poll() is None, http.stderr.read() if http.stderr else ""
+                time.sleep(0.1)
+        assert body is not None and body["usage"]["completion_tokens"] == 3, body
+        http.terminate()
+        http.wait(30)
+        assert f"a daemon already serves {model} at {address}" in (http.stderr.read() if http.stderr else "")
+        assert proc.poll() is None  # the daemon keeps running without its HTTP front
+        assert Registry().get(address) is not None
+    finally:
+        if http is not None and http.poll() is None:
+            http.kill()
+        if proc.poll() is None:
+            stop_daemon(address, 30)
+        proc.wait(30)
+
+
 # ---------------------------------------------------------------------------- shutdown (last: stops the daemon)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import fields
 from typing import Any
@@ -64,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=int, help="also serve the OpenAI-compatible HTTP API on this port")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP server host (default: 127.0.0.1)")
     serve.add_argument("--api-key", help="HTTP server API key (required for a non-loopback --host)")
+    serve.add_argument(
+        "--idle-timeout", type=float, default=float(os.environ.get("MINISGL_IDLE_TIMEOUT") or 0), metavar="SECONDS",
+        help="stop after this many seconds with no request (default: $MINISGL_IDLE_TIMEOUT, else never; "
+        "auto-started daemons inherit the variable from the program that starts them)",
+    )
     add_engine_flags(serve)
 
     stop = sub.add_parser("stop", help="stop daemons started by this user")
@@ -107,11 +113,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return run_node(config)
     http = HttpOptions(args.host, args.http_port, args.api_key) if args.http_port else None
+    if http is not None and (running := _running_daemon(config, args.address)) is not None:
+        return _serve_http_only(running, http, args.model)
     return serve(
         config, args.address, allow_remote=args.allow_remote, curve=args.curve, curve_keys=args.curve_dir,
         http=http, max_message_bytes=args.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES,
-        log_level=logger.level,
+        log_level=logger.level, idle_timeout=args.idle_timeout or None,
     )
+
+
+def _running_daemon(config: EngineConfig, address: str | None) -> str | None:
+    """The address of a daemon that already answers where `serve` would bind, else None."""
+    from minisgl.runtime.addresses import default_address
+    from minisgl.runtime.launcher import ping
+
+    url = address or default_address(config)
+    try:
+        return url if ping(url) is not None else None
+    except MiniSGLError:  # a CURVE daemon refusing us: serve's own bind reports that address as taken
+        return None
+
+
+def _serve_http_only(address: str, http: Any, model: str) -> int:
+    """`serve --http-port` for a model whose daemon already runs: the HTTP API attaches to that daemon."""
+    from minisgl.runtime.daemon import run_http
+
+    print(
+        f"minisgl: a daemon already serves {model} at {address}; serving the HTTP API for it on "
+        f"http://{http.host}:{http.port} (Ctrl-C stops the HTTP server only; `minisgl stop --address {address}` "
+        "stops the daemon)",
+        file=sys.stderr, flush=True,
+    )
+    run_http(address, http, model, logger.level)
+    return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

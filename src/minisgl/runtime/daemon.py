@@ -95,6 +95,7 @@ class Daemon:
         http: HttpOptions | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         log_level: int = logging.INFO,
+        idle_timeout: float | None = None,
     ) -> None:
         self.config = config
         self.address: Address = parse_address(address or default_address(config))
@@ -119,6 +120,8 @@ class Daemon:
         self.model_info: dict[str, Any] = {}
         self.children: dict[str, multiprocessing.process.BaseProcess] = {}
         self.started = time.monotonic()
+        self.idle_timeout = idle_timeout  # seconds without a request in flight or arriving, then stop
+        self.last_active = self.started
         self.stop_deadline = 0.0
         self._lock: FileLock | None = None
         self._private: PrivateDir | None = None
@@ -246,8 +249,16 @@ class Daemon:
                 poller.unregister(fd)
                 self._on_child_exit(watched.pop(fd))
                 exited.add(fd)
+            self._check_idle()
             if self.state == "stopping" and self._stopped():
                 return
+
+    def _check_idle(self) -> None:
+        now = time.monotonic()
+        if self.inflight or self.pending or self.state != "ready":
+            self.last_active = now
+        elif self.idle_timeout and now - self.last_active > self.idle_timeout:
+            self.stop(f"idle for {self.idle_timeout:g}s (--idle-timeout)", "RequestAbortedError", "the daemon is idle")
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signal = signum
@@ -331,6 +342,7 @@ class Daemon:
             logger.info("a client disconnected; aborted its %d request(s)", len(rids))
 
     def _on_client(self, ident: bytes, *frames: bytes) -> None:
+        self.last_active = time.monotonic()
         try:
             if len(frames) != 1:
                 raise ProtocolError(f"expected one frame per message, got {len(frames)}")
