@@ -514,6 +514,34 @@ def test_generate_with_a_forward_that_cannot_run_prints_a_clear_error(tiny_model
     assert re.search(r"minisgl: error: .*bfloat16 on cpu cannot run on this machine.*--dtype", proc.stderr), proc.stderr
 
 
+@pytest.mark.parametrize("gemm", ["this CPU's path", "F.linear forced"])
+def test_serve_and_generate_in_bfloat16_on_any_cpu(daemon_runtime_dir: Path, tiny_model_dir: Any, gemm: str) -> None:
+    """bf16 serves requests whether the CPU packs bf16 for oneDNN (AVX-512) or not (AVX2: F.linear, forced here)."""
+    from minisgl.runtime.launcher import stop_daemon, wait_ready
+
+    env = {**os.environ, "MINISGL_ONEDNN": "0"} if gemm == "F.linear forced" else dict(os.environ)
+    model = str(tiny_model_dir("llama"))
+    gen = subprocess.run(
+        [sys.executable, "-m", "minisgl", "generate", "hello", "--model", model, "--dtype", "bfloat16", "--max-tokens", "4"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert gen.returncode == 0 and "Traceback" not in gen.stderr, gen.stderr
+    address = f"ipc://{daemon_runtime_dir}/bf16.sock"
+    log = daemon_runtime_dir / "bf16.log"
+    proc = subprocess.Popen([sys.executable, "-m", "minisgl", "serve", "--model", model, "--address", address,
+                             "--dtype", "bfloat16"], stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_ready(address, 180, proc=proc, log_path=log)
+        with Client(model, address, auto_start=False, timeout=60) as c:
+            assert c.model_info()["dtype"] == "bfloat16"
+            out = c.generate(list(range(10, 40)), SamplingParams(max_tokens=8, ignore_eos=True, n=2))
+            assert [len(o.token_ids) for o in out.outputs] == [8, 8]
+    finally:
+        if proc.poll() is None:
+            stop_daemon(address, 30)
+        proc.wait(30)
+
+
 # ---------------------------------------------------------------------------- idle timeout, HTTP on a running daemon
 
 
