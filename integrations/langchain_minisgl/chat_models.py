@@ -46,9 +46,16 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
-from minisgl import AsyncClient, Chunk, Client, SamplingParams, Usage
-from minisgl.client import DEFAULT_TIMEOUT_S
-from minisgl.errors import DaemonNotRunningError, InvalidRequestError
+from minisgl import (
+    DEFAULT_TIMEOUT_S,
+    AsyncClient,
+    Chunk,
+    Client,
+    DaemonNotRunningError,
+    InvalidRequestError,
+    SamplingParams,
+    Usage,
+)
 
 PROVIDER = "minisgl"
 

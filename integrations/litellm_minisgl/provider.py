@@ -24,10 +24,7 @@ import openai
 from litellm import CustomLLM
 from litellm.types.utils import GenericStreamingChunk, ModelResponse
 
-from minisgl import AsyncClient, Client, SamplingParams
-from minisgl.errors import DaemonNotRunningError
-from minisgl.runtime.auth import ClientCurve
-from minisgl.runtime.launcher import PING_TIMEOUT_S, ping
+from minisgl import PING_TIMEOUT_S, AsyncClient, Client, DaemonNotRunningError, SamplingParams, ping
 
 from litellm_minisgl.translate import Request, build_request, litellm_error, stream_chunks, to_model_response
 
@@ -108,7 +105,7 @@ class Daemons:
 
     def _alive(self, address: str | None, timeout: float | None) -> bool:
         wait = PING_TIMEOUT_S if timeout is None else max(0.1, min(PING_TIMEOUT_S, timeout))
-        pong = ping(address, wait, ClientCurve.resolve(None, None)) if address else None
+        pong = ping(address, wait) if address else None
         return pong is not None and pong.state != "stopping"
 
     def forget(self, key: tuple[str, str | None], c: Client) -> None:

@@ -34,8 +34,7 @@ from typing import Any, Sequence
 
 from litellm.integrations.custom_logger import CustomLogger
 
-from minisgl.runtime.auth import ClientCurve
-from minisgl.runtime.launcher import ping
+from minisgl import ping
 
 from litellm_minisgl.translate import PROVIDER, plain_data
 
@@ -141,7 +140,7 @@ class _Liveness:
         if not address or not _is_minisgl(deployment):
             return True  # no address to ping (the provider finds or starts the daemon itself)
         try:
-            pong = await asyncio.to_thread(ping, address, self.ping_timeout_s, ClientCurve.resolve(None, None))
+            pong = await asyncio.to_thread(ping, address, self.ping_timeout_s)
         except Exception:  # noqa: BLE001 - a refused handshake or a bad address: not a daemon we can use
             pong = None
         if pong is None or pong.state == "stopping":

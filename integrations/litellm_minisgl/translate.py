@@ -12,8 +12,7 @@ from typing import Any, Iterator, Mapping
 import litellm
 from litellm.types.utils import ChoiceLogprobs, Choices, GenericStreamingChunk, Message, ModelResponse, Usage
 
-from minisgl import SamplingParams
-from minisgl.errors import (
+from minisgl import (
     ConfigError,
     DaemonError,
     DaemonTimeoutError,
@@ -22,9 +21,10 @@ from minisgl.errors import (
     OutOfMemoryError,
     PromptTooLongError,
     RequestAbortedError,
+    SamplingParams,
     UnknownModelError,
+    flatten_message,
 )
-from minisgl.tokenizer import flatten_message
 
 PROVIDER = "minisgl"
 

@@ -84,8 +84,7 @@ class PatchedGenerate:
 
 
 def _build_engine(model: Any, engine_kwargs: dict[str, Any]) -> Any:
-    from minisgl.errors import ConfigError
-    from minisgl.llm import LLM
+    from minisgl import LLM, ConfigError
 
     kwargs = dict(engine_kwargs)
     if kwargs.get("tp", 1) != 1:

@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from minisgl.core import SamplingParams
-from minisgl.errors import InvalidRequestError, MiniSGLError
+from minisgl import InvalidRequestError, MiniSGLError, SamplingParams
 
 
 class UnsupportedGenerationError(InvalidRequestError):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from minisgl.llm import LLM
+    from minisgl import LLM
 
 logger = logging.getLogger("minisgl")
 

@@ -5,16 +5,41 @@ from __future__ import annotations
 from typing import Any
 
 from minisgl.core import CompletionOutput, SamplingParams
+from minisgl.errors import (
+    ConfigError,
+    DaemonError,
+    DaemonNotRunningError,
+    DaemonTimeoutError,
+    EngineError,
+    GrammarError,
+    InvalidRequestError,
+    MiniSGLError,
+    ModelLoadError,
+    OutOfMemoryError,
+    PromptTooLongError,
+    RequestAbortedError,
+    UnknownArchitectureError,
+    UnknownModelError,
+    WeightsError,
+)
 
 __version__ = "0.1.0"
+# The public API: what the adapters (integrations/) and users import. tests/test_imports.py holds
+# the adapters to these names.
 __all__ = [
     "LLM", "SamplingParams", "Client", "AsyncClient", "CompletionOutput", "GenerateResult", "Chunk", "Usage",
+    "DEFAULT_TIMEOUT_S", "PING_TIMEOUT_S", "ping", "flatten_message",
+    "MiniSGLError", "InvalidRequestError", "PromptTooLongError", "GrammarError", "ConfigError", "ModelLoadError",
+    "UnknownModelError", "UnknownArchitectureError", "WeightsError", "OutOfMemoryError", "EngineError",
+    "DaemonError", "DaemonNotRunningError", "DaemonTimeoutError", "RequestAbortedError",
     "__version__",
 ]
 
 _LAZY = {
     "LLM": "minisgl.llm", "Client": "minisgl.client", "AsyncClient": "minisgl.client",
     "GenerateResult": "minisgl.client", "Chunk": "minisgl.client", "Usage": "minisgl.client",
+    "DEFAULT_TIMEOUT_S": "minisgl.client", "PING_TIMEOUT_S": "minisgl.client", "ping": "minisgl.client",
+    "flatten_message": "minisgl.tokenizer",
 }
 
 

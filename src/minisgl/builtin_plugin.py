@@ -51,10 +51,10 @@ ATTENTION_BACKENDS: dict[str, Callable[..., "AttentionBackend"]] = {
 
 
 @hookimpl
-def minisgl_register_architectures() -> dict[str, type]:
-    from minisgl.models.llama import LlamaForCausalLM
-
-    return {name: LlamaForCausalLM for name in LLAMA_FAMILY}
+def minisgl_register_architectures() -> dict[str, Any]:
+    # A reference, loaded by minisgl.plugins: the models consult the registry, so the registry
+    # (and this plugin) must not import them.
+    return {name: "minisgl.models.llama:LlamaForCausalLM" for name in LLAMA_FAMILY}
 
 
 @hookimpl

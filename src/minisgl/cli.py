@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from minisgl.runtime.daemon import DEFAULT_MAX_MESSAGE_BYTES, HttpOptions, serve
+    from minisgl.runtime.daemon import DEFAULT_MAX_MESSAGE_BYTES, serve
+    from minisgl.server import HttpOptions
 
     config = engine_config(args)
     if config.node_rank > 0:  # multi-node TP: this node only runs its ranks; node 0 serves
@@ -136,15 +137,13 @@ def _running_daemon(config: EngineConfig, address: str | None) -> str | None:
 
 def _serve_http_only(address: str, http: Any, model: str) -> int:
     """`serve --http-port` for a model whose daemon already runs: the HTTP API attaches to that daemon."""
-    from minisgl.runtime.daemon import run_http
-
     print(
         f"minisgl: a daemon already serves {model} at {address}; serving the HTTP API for it on "
         f"http://{http.host}:{http.port} (Ctrl-C stops the HTTP server only; `minisgl stop --address {address}` "
         "stops the daemon)",
         file=sys.stderr, flush=True,
     )
-    run_http(address, http, model, logger.level)
+    http.run(address, model, logger.level)
     return 0
 
 

@@ -37,6 +37,7 @@ from minisgl.core import CompletionOutput, FirstOutputShortcuts, SamplingParams
 from minisgl.errors import DaemonError, DaemonTimeoutError, InvalidRequestError
 from minisgl.runtime.auth import ClientCurve
 from minisgl.runtime.connection import AsyncConnection, SyncConnection, as_exception
+from minisgl.runtime.launcher import PING_TIMEOUT_S
 from minisgl.runtime.protocol import (
     Abort,
     Chunk,
@@ -45,6 +46,7 @@ from minisgl.runtime.protocol import (
     GetModelInfo,
     GetStats,
     ModelInfoReply,
+    Pong,
     ProtocolError,
     StatsReply,
     Usage,
@@ -55,7 +57,18 @@ DEFAULT_TIMEOUT_S = 300.0
 _UNSET: Any = object()
 _R = TypeVar("_R")
 
-__all__ = ["AsyncClient", "AsyncStream", "Chunk", "Client", "CompletionOutput", "GenerateResult", "Stream", "Usage"]
+__all__ = [
+    "AsyncClient", "AsyncStream", "Chunk", "Client", "CompletionOutput", "DEFAULT_TIMEOUT_S", "GenerateResult",
+    "PING_TIMEOUT_S", "Stream", "Usage", "ping",
+]
+
+
+def ping(address: str, timeout: float = PING_TIMEOUT_S) -> Pong | None:
+    """The Pong (state: "loading", "ready" or "stopping"; model; ...) of the daemon at address, or None
+    when nothing answers. CURVE keys are found as a Client finds them; a refused handshake raises DaemonError."""
+    from minisgl.runtime.launcher import ping as _ping
+
+    return _ping(address, timeout, ClientCurve.resolve(None, None))
 
 
 @dataclass

@@ -24,7 +24,8 @@ def minisgl_register_architectures() -> dict[str, type]:
     """Called once per process when the model registry is first used.
 
     Return a mapping from a HF ``architectures`` name (e.g. "LlamaForCausalLM") to a model
-    class constructed as ``cls(model_config)``; see minisgl.models.llama for the protocol
+    class constructed as ``cls(model_config)`` (or a "module:Class" reference to one, loaded on
+    first use); see minisgl.models.llama for the protocol
     (forward(input_ids, positions) -> hidden, compute_logits(hidden), load_weights(iterable)).
     Later registrations of the same name win (plugins load after the built-ins).
     """

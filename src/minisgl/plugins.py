@@ -1,8 +1,14 @@
-"""The process-wide plugin manager: built-ins first, then the "minisgl" entry-point group."""
+"""The process-wide plugin manager: built-ins first, then the "minisgl" entry-point group.
+
+A registry names implementations, it does not import them: an architecture may be registered as
+a "module:attribute" reference (as entry points are), loaded here on first use. The built-ins do
+so, which keeps plugins -> builtin_plugin free of any import of the models that use the registry.
+"""
 
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Any, Callable
 
 import pluggy
@@ -29,9 +35,21 @@ def _merged(results: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def _load(ref: Any) -> Any:
+    """A registered object, or the one a "module:attribute" reference names."""
+    if not isinstance(ref, str):
+        return ref
+    module, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
+
+
 @functools.lru_cache(maxsize=None)
 def architectures() -> dict[str, type]:
-    return _merged(get_plugin_manager().hook.minisgl_register_architectures())
+    merged = _merged(get_plugin_manager().hook.minisgl_register_architectures())
+    return {name: _load(ref) for name, ref in merged.items()}
 
 
 @functools.lru_cache(maxsize=None)

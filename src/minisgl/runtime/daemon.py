@@ -22,7 +22,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -30,7 +30,9 @@ from minisgl.config import EngineConfig
 from minisgl.errors import ConfigError, DaemonError, MiniSGLError
 from minisgl.runtime.addresses import Address, default_address, parse_address
 from minisgl.runtime.auth import ServerCurve, curve_dir
-from minisgl.runtime.protocol import (
+from minisgl.runtime.protocol import (  # STARTUP_FAILED, startup_failure: also re-exported
+    STARTUP_FAILED,
+    startup_failure,
     CLIENT_MESSAGES,
     Abort,
     Chunk,
@@ -56,29 +58,15 @@ from minisgl.runtime.protocol import (
 from minisgl.runtime.registry import DaemonRecord, FileLock, Registry
 from minisgl.runtime.transport import Endpoints, PrivateDir, pull, push
 
+if TYPE_CHECKING:
+    from minisgl.server import HttpOptions
+
 logger = logging.getLogger("minisgl")
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
-# The last line a daemon that could not start writes to stderr; whoever spawned it re-raises the error.
-STARTUP_FAILED = "minisgl: start-up failed: "
 STOP_GRACE_S = 5.0  # after Shutdown is sent, how long workers get to exit before they are terminated
 FAILED_STOP_GRACE_S = 1.0  # the same after a worker failed (the Shutdown pipeline may be broken)
 WORKERS = ("text",)  # besides the scheduler
-
-
-class HttpOptions(NamedTuple):
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-
-
-def run_http(address: str, options: HttpOptions, model: str, log_level: int) -> None:
-    """Process entry of the HTTP server: one more client of this daemon, on its private endpoint."""
-    from minisgl.runtime.transport import worker_setup
-    from minisgl.server.app import run_http_server
-
-    worker_setup(log_level)
-    run_http_server(address, options.host, options.port, options.api_key, model_name=model)
 
 
 class Daemon:
@@ -438,8 +426,9 @@ class Daemon:
         self.state = "ready"
         if self.http is not None:
             mp = multiprocessing.get_context("spawn")
-            args = (self.endpoints.router, self.http, self.config.model, self.log_level)
-            self._start(mp.Process(target=run_http, args=args, name="http"))
+            # The front end brings its own process entry: the runtime never imports the server.
+            args = (self.endpoints.router, self.config.model, self.log_level)
+            self._start(mp.Process(target=self.http.run, args=args, name="http"))
             logger.info("HTTP server starting on http://%s:%d", self.http.host, self.http.port)
         logger.info(
             "ready: serving %s at %s (start-up %.1fs)", self.config.model, self.address.url, time.monotonic() - self.started
@@ -475,14 +464,3 @@ def serve(config: EngineConfig, address: str | None = None, **options: Any) -> i
         print(STARTUP_FAILED + json.dumps({"error_type": failure[0], "message": failure[1]}), file=sys.stderr, flush=True)
     return code
 
-
-def startup_failure(log: str) -> tuple[str, str] | None:
-    """The (error type, message) a failed daemon reported in its output, if any."""
-    for line in reversed(log.splitlines()):
-        if line.startswith(STARTUP_FAILED):
-            try:
-                d = json.loads(line[len(STARTUP_FAILED) :])
-                return str(d["error_type"]), str(d["message"])
-            except (ValueError, KeyError, TypeError):
-                return None
-    return None

@@ -23,7 +23,7 @@ from minisgl.errors import DaemonError, DaemonNotRunningError, DaemonTimeoutErro
 from minisgl.runtime.addresses import daemon_name, default_address, parse_address, runtime_dir
 from minisgl.runtime.auth import ClientCurve
 from minisgl.runtime.connection import SyncConnection, as_exception
-from minisgl.runtime.protocol import Error, Ping, Pong, Shutdown
+from minisgl.runtime.protocol import Error, Ping, Pong, Shutdown, error_class, startup_failure
 from minisgl.runtime.registry import FileLock, Registry, pid_alive
 
 PING_TIMEOUT_S = 3.0
@@ -116,8 +116,6 @@ def wait_ready(address: str, timeout: float, curve: ClientCurve | None = None, p
 
 def _start_failure(address: str, exit_code: int | None, log_path: Path | None) -> Exception:
     """The daemon's own typed error when it reported one (e.g. UnknownModelError), else DaemonNotRunningError."""
-    from minisgl.runtime.daemon import startup_failure
-    from minisgl.runtime.protocol import error_class
 
     if log_path is None:
         return DaemonNotRunningError(f"the minisgl daemon for {address} failed to start (exit code {exit_code})")

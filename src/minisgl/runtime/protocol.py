@@ -8,6 +8,7 @@ this version raises ProtocolError, which the daemon answers with an error reply.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, NamedTuple, TypeVar, Union
 
 import msgpack
@@ -266,3 +267,21 @@ def error_reply(rid: str, exc: BaseException) -> Error:
     if isinstance(exc, errors.MiniSGLError):
         return Error(rid, type(exc).__name__, str(exc))
     return Error(rid, "MiniSGLError", f"{type(exc).__name__}: {exc}")
+
+
+# ---------------------------------------------------------------------------- start-up failure line
+
+# The last line a daemon that could not start writes to stderr; whoever spawned it re-raises the error.
+STARTUP_FAILED = "minisgl: start-up failed: "
+
+
+def startup_failure(log: str) -> tuple[str, str] | None:
+    """The (error type, message) a failed daemon reported in its output, if any."""
+    for line in reversed(log.splitlines()):
+        if line.startswith(STARTUP_FAILED):
+            try:
+                d = json.loads(line[len(STARTUP_FAILED) :])
+                return str(d["error_type"]), str(d["message"])
+            except (ValueError, KeyError, TypeError):
+                return None
+    return None

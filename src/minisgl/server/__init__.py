@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["create_app", "run_http_server", "run_shell"]
+__all__ = ["HttpOptions", "create_app", "run_http_server", "run_shell"]
+
+
+class HttpOptions(NamedTuple):
+    """Where a daemon serves the HTTP API; the daemon starts `run` in a child process (it never imports
+    the server itself: the runtime sits below its front ends)."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+
+    def run(self, address: str, model: str, log_level: int) -> None:
+        """Process entry of the HTTP server: one more client of the daemon at address."""
+        from minisgl.runtime.transport import worker_setup
+        from minisgl.server.app import run_http_server
+
+        worker_setup(log_level)
+        run_http_server(address, self.host, self.port, self.api_key, model_name=model)
 
 _LAZY = {
     "create_app": "minisgl.server.app",

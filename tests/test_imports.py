@@ -1,0 +1,201 @@
+"""Imports point one way: adapters -> the public `minisgl` API -> runtime -> engine -> kernels (issue 16).
+
+Read with `ast`, nothing is imported. Two graphs over src/minisgl and integrations/:
+- module level: what importing a module runs (imports in functions and under TYPE_CHECKING left out);
+- all: the module-level imports plus those inside functions (the lazy ones a call runs).
+Neither graph may hold a loop, and no edge of the second may point up a layer. Names loaded through
+importlib by string (minisgl.__getattr__'s _LAZY, a plugin's "module:Class" reference) are a
+facade, not an edge: the module naming them does not depend on the code behind them.
+Adapters (integrations/*) import from minisgl only the names in `minisgl.__all__` (the error classes
+included: `minisgl` re-exports them).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = (ROOT / "src", ROOT / "integrations")
+ADAPTERS = ("langchain_minisgl", "litellm_minisgl", "transformers_minisgl")
+
+# Lowest first; a module belongs to the longest prefix that names it. A module may import its own
+# layer and those below, never one above.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("minisgl", "minisgl.errors", "minisgl.config", "minisgl.core", "minisgl.hooks")),
+    ("text", ("minisgl.tokenizer", "minisgl.structured")),
+    ("kernels", ("minisgl.layers", "minisgl.attention", "minisgl.kvcache", "minisgl.distributed")),
+    ("models", ("minisgl.models", "minisgl.plugins", "minisgl.builtin_plugin")),
+    ("engine", ("minisgl.engine", "minisgl.scheduler", "minisgl.distributed.launch")),
+    ("runtime", ("minisgl.runtime",)),
+    ("public API", ("minisgl.client", "minisgl.llm")),
+    ("front ends", ("minisgl.server", *ADAPTERS)),
+    ("tools", ("minisgl.cli", "minisgl.__main__", "minisgl.bench")),
+]
+
+# Adapter imports of minisgl internals that are known debt, each with its reason.
+ADAPTER_EXCEPTIONS = {
+    # patch_generate drives an in-process engine: it points the forward context at the patched model's
+    # engine. A public LLM method for that is the way out (llm.py, not an adapter).
+    ("transformers_minisgl", "minisgl.core", "get_context"),
+}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for base in SOURCES:
+        for path in base.rglob("*.py"):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join(parts)] = path
+    return mods
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.Module, module: str, is_pkg: bool, lazy: bool) -> list[tuple[str, str | None, int]]:
+    """(module, name or None, line) of each import; lazy: also those inside functions and classes."""
+    found: list[tuple[str, str | None, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for stmt in child.orelse:
+                    visit_stmt(stmt)
+                continue
+            visit_stmt(child)
+
+    def visit_stmt(node: ast.AST) -> None:
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, None, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                package = module.split(".") if is_pkg else module.split(".")[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                target = ".".join(package + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.extend((target, alias.name, node.lineno) for alias in node.names)
+        elif lazy or not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            visit(node)  # a class body runs at import, a function body when called
+
+    visit(tree)
+    return found
+
+
+class Graph:
+    def __init__(self, lazy: bool) -> None:
+        self.modules = _modules()
+        self.edges: dict[str, dict[str, int]] = {}  # module -> {imported module: line}
+        self.names: dict[str, list[tuple[str, str | None, int]]] = {}
+        for mod, path in self.modules.items():
+            imports = _imports(ast.parse(path.read_text()), mod, path.name == "__init__.py", lazy)
+            self.names[mod] = imports
+            deps: dict[str, int] = {}
+            for target, name, line in imports:
+                if name is not None and f"{target}.{name}" in self.modules:
+                    deps.setdefault(f"{target}.{name}", line)
+                elif target in self.modules:
+                    deps.setdefault(target, line)
+            deps.pop(mod, None)
+            self.edges[mod] = deps
+
+
+def find_cycle(edges: dict[str, dict[str, int]] | dict[str, set[str]]) -> list[str] | None:
+    """One import loop as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := dfs(nxt)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(edges):
+        if start not in state and (cycle := dfs(start)) is not None:
+            return cycle
+    return None
+
+
+def layer_of(module: str) -> int | None:
+    best: tuple[int, int] | None = None  # (prefix length, layer)
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[0]:
+                    best = (len(prefix), rank)
+    return None if best is None else best[1]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["module-level", "with-lazy"])
+def graph(request: pytest.FixtureRequest) -> Graph:
+    return Graph(lazy=request.param)
+
+
+def test_no_import_loops(graph: Graph) -> None:
+    cycle = find_cycle(graph.edges)
+    assert cycle is None, "import loop: " + " -> ".join(
+        f"{a} (line {graph.edges[a][b]})" for a, b in zip(cycle, cycle[1:])
+    ) + f" -> {cycle[-1]}"
+
+
+def test_every_module_has_a_layer() -> None:
+    assert [m for m in _modules() if layer_of(m) is None] == []
+
+
+def test_imports_point_down(graph: Graph) -> None:
+    upward = [
+        f"{mod} ({LAYERS[layer_of(mod)][0]}) imports {dep} ({LAYERS[layer_of(dep)][0]}) at line {line}"
+        for mod, deps in sorted(graph.edges.items())
+        for dep, line in sorted(deps.items())
+        if layer_of(dep) > layer_of(mod)  # type: ignore[operator]
+    ]
+    assert upward == []
+
+
+def test_adapters_use_only_the_public_api() -> None:
+    import minisgl
+
+    public = set(minisgl.__all__)
+    graph = Graph(lazy=True)
+    bad = []
+    for mod, imports in sorted(graph.names.items()):
+        adapter = mod.split(".")[0]
+        if adapter not in ADAPTERS:
+            continue
+        for target, name, line in imports:
+            if target.split(".")[0] != "minisgl" or (adapter, target, name) in ADAPTER_EXCEPTIONS:
+                continue
+            if target != "minisgl" or name not in public:
+                bad.append(f"{mod}:{line} imports {target}{'.' + name if name else ''}")
+    assert bad == []
+    for name in public:  # and every exported name resolves
+        assert getattr(minisgl, name) is not None
+
+
+def test_the_checks_catch_violations() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a", "c"}}) is None
+    assert layer_of("minisgl.runtime.daemon") > layer_of("minisgl.engine.engine")  # type: ignore[operator]
+    assert layer_of("minisgl.distributed.launch") > layer_of("minisgl.distributed")  # type: ignore[operator]
+    assert layer_of("minisgl.server.app") > layer_of("minisgl.runtime.daemon")  # type: ignore[operator]
+    tree = ast.parse(
+        "import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a.b\n"
+        "def f():\n    from .sib import x\n"
+    )
+    assert [t for t, _, _ in _imports(tree, "pkg.mod", False, lazy=False)] == ["os", "typing"]
+    assert [t for t, _, _ in _imports(tree, "pkg.mod", False, lazy=True)] == ["os", "typing", "pkg.sib"]
