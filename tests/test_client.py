@@ -233,6 +233,20 @@ def tokenizer(tokenizer_dir: Path) -> Any:
     return load_tokenizer(tokenizer_dir)
 
 
+def test_the_daemon_fills_an_unset_max_tokens_from_the_context(tokenizer: Any) -> None:
+    from minisgl.runtime.tokenizer_worker import RequestPreparer
+
+    prep = RequestPreparer(tokenizer, {"context_length": 64})
+    add = prep.prepare(P.Generate("r", prompt="Hello there", params={"max_tokens": None}))
+    assert add.params["max_tokens"] == 64 - len(add.input_ids)
+    chat = prep.prepare(P.Generate("r", messages=[{"role": "user", "content": "Hi"}],
+                                   params=SamplingParams.from_openai({"temperature": 0}).to_dict()))
+    assert chat.params["max_tokens"] == 64 - len(chat.input_ids)
+    given = prep.prepare(P.Generate("r", prompt="Hello there", params={"max_tokens": 5}))
+    assert given.params["max_tokens"] == 5
+    assert SamplingParams().max_tokens == 16  # LLM.generate's default is unchanged
+
+
 def test_tokenizer_worker_validates_before_the_scheduler(tokenizer: Any) -> None:
     from minisgl.runtime.tokenizer_worker import RequestPreparer
 

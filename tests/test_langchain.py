@@ -207,7 +207,9 @@ def test_constructor_params_call_overrides_and_both_stop_lists_reach_sampling_pa
 
 def test_without_max_tokens_the_answer_may_fill_the_context_window(stand_in):
     ChatMiniSGL().invoke("Hi")
-    assert stand_in.made[0].requests[0]["params"].max_tokens == 2048
+    # max_tokens stays unset: the daemon resolves it to the rest of the context window
+    # (tests/test_client.py::test_the_daemon_fills_an_unset_max_tokens_from_the_context).
+    assert stand_in.made[0].requests[0]["params"].max_tokens is None
 
 
 def test_one_client_per_model_and_address_reused_and_closed(stand_in):

@@ -145,7 +145,9 @@ def test_chat_without_max_tokens_may_use_the_whole_context():
     stand_in = StandInClient()
     with _app_client(stand_in) as http:
         http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
-    assert stand_in.calls[0]["params"].max_tokens == 2048
+    # max_tokens stays unset: the daemon resolves it to the rest of the context window
+    # (tests/test_client.py::test_the_daemon_fills_an_unset_max_tokens_from_the_context).
+    assert stand_in.calls[0]["params"].max_tokens is None
 
 
 def test_chat_stream_is_sse_with_role_first_then_deltas_usage_and_done():

@@ -82,8 +82,8 @@ class _Request(NamedTuple):
     tool_choice: Any
     response_format: dict[str, Any] | None
 
-    def sampling_params(self, context_length: int | None) -> SamplingParams:
-        return SamplingParams.from_openai(self.params, context_length)
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams.from_openai(self.params)  # max_tokens unset: the daemon fills the context
 
 
 class ChatMiniSGL(BaseChatModel):
@@ -367,9 +367,8 @@ class ChatMiniSGL(BaseChatModel):
             client = self._client(request.model)
             answered = False
             try:
-                context_length = None if request.params.get("max_tokens") else client.model_info()["context_length"]
                 stream = client.stream(
-                    request.messages, request.sampling_params(context_length), tools=request.tools,
+                    request.messages, request.sampling_params(), tools=request.tools,
                     tool_choice=request.tool_choice, response_format=request.response_format,
                 )
                 with stream:
@@ -387,11 +386,8 @@ class ChatMiniSGL(BaseChatModel):
             client = await self._async_client(request.model).connect()
             answered = False
             try:
-                context_length = None
-                if not request.params.get("max_tokens"):
-                    context_length = (await client.model_info())["context_length"]
                 stream = client.stream(
-                    request.messages, request.sampling_params(context_length), tools=request.tools,
+                    request.messages, request.sampling_params(), tools=request.tools,
                     tool_choice=request.tool_choice, response_format=request.response_format,
                 )
                 async with stream:

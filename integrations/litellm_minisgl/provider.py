@@ -147,13 +147,13 @@ class MiniSGLLLM(CustomLLM):
                  stream: bool) -> tuple[Client, Request, SamplingParams]:
         request = build_request(messages, optional_params, stream=stream)
         client = self.daemons.client(model, api_base or None, _seconds(timeout))
-        return client, request, request.sampling_params(int(client.model_info()["context_length"]))
+        return client, request, request.sampling_params()
 
     async def _aprepare(self, model: str, messages: list, api_base: str | None, optional_params: dict,
                         timeout: Any, stream: bool) -> tuple[AsyncClient, Request, SamplingParams]:
         request = build_request(messages, optional_params, stream=stream)
         client = await self.daemons.aclient(model, api_base or None, _seconds(timeout))
-        return client, request, request.sampling_params(int((await client.model_info())["context_length"]))
+        return client, request, request.sampling_params()
 
     # ------------------------------------------------------------------ sync
 

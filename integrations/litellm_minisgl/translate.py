@@ -38,16 +38,18 @@ _EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "
 class Request:
     """One chat completion as the minisgl client takes it: messages plus generate() keyword arguments."""
 
-    def __init__(self, messages: list[dict[str, Any]], params: dict[str, Any], optional_params: Mapping[str, Any]):
+    def __init__(self, messages: list[dict[str, Any]], params: dict[str, Any], optional_params: Mapping[str, Any],
+                 sampling: SamplingParams | None = None):
         self.messages = messages
+        self._sampling = sampling if sampling is not None else SamplingParams.from_openai(params)
         self.params = params  # the OpenAI sampling parameters given (for SamplingParams.from_openai)
         self.tools = optional_params.get("tools") or None
         self.tool_choice = optional_params.get("tool_choice")
         self.response_format = _response_format(optional_params.get("response_format"))
 
-    def sampling_params(self, context_length: int) -> SamplingParams:
+    def sampling_params(self) -> SamplingParams:
         """The request's SamplingParams; without max_tokens it may run to the end of the context (as OpenAI)."""
-        return SamplingParams.from_openai(self.params, context_length)
+        return self._sampling  # validated once, in build_request; max_tokens unset: the daemon fills the context
 
     def generate_kwargs(self) -> dict[str, Any]:
         return {"tools": self.tools, "tool_choice": self.tool_choice, "response_format": self.response_format}
@@ -69,8 +71,8 @@ def build_request(messages: Any, optional_params: Mapping[str, Any], stream: boo
         raise InvalidRequestError("n > 1 cannot be streamed through LiteLLM's provider interface: use stream=False")
     if stream and params.get("logprobs"):
         raise InvalidRequestError("logprobs are returned only with stream=False")
-    SamplingParams.from_openai(params, context_length=1)  # validate now, before a daemon is found or started
-    return Request(chat_messages(messages), params, given)
+    sampling = SamplingParams.from_openai(params)  # validate now, before a daemon is found or started
+    return Request(chat_messages(messages), params, given, sampling)
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:

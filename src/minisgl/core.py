@@ -26,7 +26,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: to the end of the context window (the daemon resolves it)
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -53,9 +53,9 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid SamplingParams: {msg}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad(f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if self.temperature < 0:
             raise bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
@@ -120,23 +120,18 @@ class SamplingParams:
         return params
 
     @classmethod
-    def from_openai(cls, request: Mapping[str, Any], context_length: int | None = None) -> "SamplingParams":
+    def from_openai(cls, request: Mapping[str, Any]) -> "SamplingParams":
         """SamplingParams of an OpenAI-style request (chat or text completion, plus vLLM/SGLang extras).
 
         Keys that are not sampling parameters (model, messages, tools, ...) are ignored; None means
-        "not given". max_completion_tokens wins over max_tokens; without either, the answer may run
-        to the end of the context window when context_length is given (OpenAI's chat default), else
-        SamplingParams' default. logprobs: True/False (chat, with top_logprobs alternatives) or a
+        "not given". max_completion_tokens wins over max_tokens; without either, max_tokens is None: the
+        answer may run to the end of the context window (OpenAI's chat default), which the daemon resolves. logprobs: True/False (chat, with top_logprobs alternatives) or a
         number of alternatives (text completions).
         """
         given = {k: v for k, v in request.items() if v is not None}
         d = {k: v for k, v in given.items() if k in _FIELD_NAMES}
         d.pop("max_tokens", None)
-        max_tokens = given.get("max_completion_tokens", given.get("max_tokens"))
-        if max_tokens is None and context_length is not None:
-            max_tokens = context_length
-        if max_tokens is not None:
-            d["max_tokens"] = max_tokens
+        d["max_tokens"] = given.get("max_completion_tokens", given.get("max_tokens"))
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
         logprobs = given.get("logprobs")
@@ -145,6 +140,14 @@ class SamplingParams:
                 raise InvalidRequestError("top_logprobs needs logprobs=true")
             d["logprobs"] = int(given.get("top_logprobs") or 0) if logprobs else None
         return cls.from_dict(d)
+
+    def for_prompt(self, prompt_len: int, context_length: int) -> "SamplingParams":
+        """These params with an unset max_tokens resolved: the rest of the context window after the prompt."""
+        if self.max_tokens is not None:
+            return self
+        params = copy.copy(self)
+        params.max_tokens = max(1, context_length - prompt_len)
+        return params
 
     def with_grammar(self, **grammar: Any) -> "SamplingParams":
         """A copy constrained by one grammar field (json_schema, regex or ebnf); these params have none."""

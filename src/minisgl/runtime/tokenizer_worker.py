@@ -76,6 +76,7 @@ class RequestPreparer:
                 f"the prompt has {len(input_ids)} tokens but the context window is {self.context_length}: "
                 "shorten the prompt"
             )
+        params = params.for_prompt(len(input_ids), self.context_length)  # max_tokens unset: to the context's end
         detok = {
             "n": params.n,
             "stop": params.stop,

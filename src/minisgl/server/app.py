@@ -380,7 +380,7 @@ def create_app(
         try:
             await server.check_model(body.model)
             kwargs = dict(
-                sampling_params=body.to_sampling_params(await server.context_len()),
+                sampling_params=body.to_sampling_params(),
                 tools=body.tools or None,
                 tool_choice=body.tool_choice,
                 response_format=body.response_format_dict(),

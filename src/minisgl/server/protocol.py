@@ -69,9 +69,10 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
 
-    def to_sampling_params(self, context_length: int) -> SamplingParams:
-        """Without max_tokens the answer may run to the end of the context window (as OpenAI's)."""
-        return SamplingParams.from_openai(dict(self), context_length)
+    def to_sampling_params(self) -> SamplingParams:
+        """Without max_tokens the answer may run to the end of the context window (as OpenAI's): the
+        daemon resolves the unset max_tokens."""
+        return SamplingParams.from_openai(dict(self))
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The messages with OpenAI content parts flattened to text, as chat templates expect."""
