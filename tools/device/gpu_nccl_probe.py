@@ -1,6 +1,6 @@
 """NCCL between the GPUs of one machine: peer access, the transport NCCL picks, all-reduce speed.
 
-    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM python scripts/gpu_nccl_probe.py   # 2 processes, one GPU each
+    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM python3 tools/device/gpu_nccl_probe.py   # 2 processes, one GPU each
 
 Prints one JSON line: can_access_peer, and per message size the all-reduce time (bf16, CUDA events)
 and its bus bandwidth (2 (n-1)/n x bytes / time), the sizes of the TP decode (batch 256 x hidden 5120)
