@@ -13,7 +13,7 @@ from minisgl.errors import ConfigError
 from minisgl.kvcache.manager import CacheManager, make_prefix_cache
 from minisgl.kvcache.naive import NaiveCache
 from minisgl.kvcache.radix import RadixCache
-from minisgl.scheduler.table import TableManager
+from minisgl.kvcache.table import TableManager
 
 
 def make(num_pages: int, page_size: int, kind: str = "radix") -> CacheManager:

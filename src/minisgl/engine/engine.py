@@ -1,4 +1,4 @@
-"""The engine: model + KV pool + attention backend; forward is a pure function of the batch."""
+"""The engine: model + KV pool + attention backend; forward (+ sample) is a pure function of the batch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from minisgl.config import EngineConfig
-from minisgl.core import Batch, get_context
+from minisgl.core import Batch, Req, get_context
 from minisgl.errors import ConfigError
 from minisgl.kvcache.pool import KVPool
 
@@ -38,7 +38,7 @@ class Engine:
         from minisgl import plugins
         from minisgl.engine.sampler import Sampler
         from minisgl.models.loader import load_model, resolve_model
-        from minisgl.scheduler.table import TableManager
+        from minisgl.kvcache.table import TableManager
         from minisgl.tokenizer import load_tokenizer
 
         self.config = config
@@ -171,6 +171,22 @@ class Engine:
             if sampled:
                 last.append(end - 1)
         return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.int64).to(self.device, non_blocking=True)])
+
+    def forward_and_sample(
+        self, batch: Batch, sampled: list[Req], bitmask_fn: Any = None
+    ) -> tuple[torch.Tensor | None, list[Any] | None]:
+        """Queue the forward and the sampling of `sampled` (next ids on the device, logprobs); changes no request.
+
+        (None, None) when nothing is sampled (a middle chunk of a prompt: its KV only).
+        bitmask_fn(logits) applies the grammar masks of `sampled`, or is None.
+        """
+        from minisgl.engine.sampler import SamplingInfo
+
+        logits = self.forward(batch)
+        if not sampled:
+            return None, None
+        info = SamplingInfo.from_reqs(sampled, self.model_config.vocab_size, self.device)
+        return self.sampler.sample(logits, sampled, info, bitmask_fn)
 
 
 def _min_over_ranks(n: int, device: torch.device) -> int:

@@ -25,6 +25,10 @@ class PrefixCache(ABC):
     def match_prefix(self, token_ids: list[int]) -> MatchResult:
         """Longest cached prefix of token_ids, page-aligned. Refreshes LRU time; does not lock."""
 
+    def match_len(self, token_ids: list[int]) -> int:
+        """Length of the cached prefix of token_ids, without touching LRU time or locks."""
+        return len(self.match_prefix(token_ids).slots)
+
     @abstractmethod
     def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
         """Offer token_ids (len a multiple of page_size) with their KV slots to the cache.

@@ -57,15 +57,33 @@ class CacheManager:
 
     # ------------------------------------------------------------------ prefix cache
 
+    @property
+    def cached_pages(self) -> int:
+        return self.prefix_cache.cached_pages
+
+    def match_len(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of token_ids are cached; locks nothing, allocates nothing."""
+        return self.prefix_cache.match_len(token_ids)
+
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         """Cached prefix of token_ids; lock(handle) before anything else can evict (any allocation)."""
         return self.prefix_cache.match_prefix(token_ids)
+
+    def match_and_lock(self, token_ids: Sequence[int]) -> MatchResult:
+        """Cached prefix of token_ids, locked at once: unlock(handle) gives it back."""
+        handle, slots = self.prefix_cache.match_prefix(token_ids)
+        self.prefix_cache.lock(handle)
+        return MatchResult(handle, slots)
 
     def lock(self, handle: Any) -> None:
         self.prefix_cache.lock(handle)
 
     def unlock(self, handle: Any) -> None:
         self.prefix_cache.unlock(handle)
+
+    def evict_all(self) -> None:
+        """Forget every cached prefix no request locks; their pages go back to the free list."""
+        self.free(self.prefix_cache.evict(self.prefix_cache.evictable_pages))
 
     # ------------------------------------------------------------------ pages
 

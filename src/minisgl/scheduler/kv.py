@@ -1,0 +1,117 @@
+"""A request's KV: its row of the page table, the cached prefix it borrows, the pages it owns.
+
+Every page move goes through CacheManager (kvcache/manager.py), the only door to the prefix
+cache; rows come from the TableManager (kvcache/table.py). Batches are built here too: they
+read the rows' slots and, for decode, each row's last sampled token kept on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.core import Batch, Phase, Req
+from minisgl.kvcache.manager import CacheManager
+from minisgl.kvcache.table import TableManager
+
+
+class ReqKV:
+    def __init__(self, table: TableManager, cache: CacheManager, device: torch.device) -> None:
+        self.table = table
+        self.cache = cache
+        self.page_table = table.page_table
+        self.page_size = cache.page_size
+        self.device = device
+        # Each row's last sampled token, on the device: the next decode step's input without a host round trip.
+        self.last_tokens = torch.zeros(table.max_rows, dtype=torch.int64, device=device)
+
+    def admit(self, req: Req) -> bool:
+        """Give a waiting request a table row and its cached prefix (locked)."""
+        row = self.table.allocate()
+        if row is None:
+            return False
+        # The last token is always computed: its logits give the next token.
+        handle, slots = self.cache.match_and_lock(req.input_ids[: req.seq_len - 1])
+        matched = len(slots)
+        self.page_table[row, :matched] = slots
+        req.table_idx, req.cache_handle, req.cached_len, req.matched_len = row, handle, matched, matched
+        if req.num_output == 0:
+            req.prefix_hit_len = matched
+        return True
+
+    def unadmit(self, req: Req) -> None:
+        self.cache.unlock(req.cache_handle)
+        self.table.free(req.table_idx)
+        req.table_idx, req.cache_handle, req.cached_len, req.matched_len = -1, None, 0, 0
+
+    def reserve(self, req: Req, extend: int, keep: int = 0) -> bool:
+        """Allocate KV slots for the next `extend` tokens of req, keeping `keep` pages spare."""
+        if extend <= 0:
+            return False
+        new_pages = -(-(req.cached_len + extend) // self.page_size) - -(-req.cached_len // self.page_size)
+        if self.cache.available_pages - new_pages < keep:
+            return False
+        row = self.page_table[req.table_idx]
+        return self.cache.slots_for_extend(row, req.cached_len, req.cached_len + extend) is not None
+
+    def cache_prefix(self, req: Req) -> None:
+        """Share the just-computed prompt KV (n > 1 siblings, other requests with this prefix)."""
+        row = self.page_table[req.table_idx]
+        req.cache_handle, req.matched_len = self.cache.cache_prefix(
+            req.input_ids, row, req.cached_len, req.matched_len, req.cache_handle
+        )
+
+    def release(self, req: Req, alloc_len: int | None = None) -> None:
+        """Give the request's KV back: page-aligned part to the prefix cache, the rest to the free list.
+
+        alloc_len: positions with slots when more were reserved than computed (a failed step).
+        """
+        if req.table_idx < 0:
+            return
+        row = self.page_table[req.table_idx]
+        self.cache.release(req.input_ids, row, req.cached_len, req.matched_len, req.cache_handle, alloc_len)
+        self.table.free(req.table_idx)
+        req.table_idx, req.cache_handle, req.cached_len, req.matched_len = -1, None, 0, 0
+
+    def req_pages(self, reqs: list[Req]) -> int:
+        """Pages owned by these requests (not by the cache)."""
+        return sum(self.cache.req_pages(r.cached_len, r.matched_len) for r in reqs)
+
+    def make_batch(self, phase: Phase, chosen: list[tuple[Req, int]]) -> Batch:
+        """The batch computing `extend` tokens of each (req, extend), whose slots are reserved."""
+        reqs = [r for r, _ in chosen]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        rows, prefix_lens, extend_lens = [], [], []
+        decode = phase is Phase.DECODE
+        for req, extend in chosen:
+            start = req.cached_len
+            if not decode:
+                input_ids.extend(req.input_ids[start : start + extend])
+            positions.extend(range(start, start + extend))
+            rows.append(req.table_idx)
+            prefix_lens.append(start)
+            extend_lens.append(extend)
+        dev = self.device
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        token_rows = torch.repeat_interleave(rows_t, torch.tensor(extend_lens))
+        # non_blocking everywhere: a blocking host-to-device copy waits for the GPU to drain.
+        pos_d = pos_t.to(dev, non_blocking=True)
+        rows_d = rows_t.to(dev, non_blocking=True)
+        out_loc = self.page_table[token_rows.to(dev, non_blocking=True), pos_d]
+        if decode:  # the last sampled tokens, read on the device: they may not be on the host yet
+            ids_d = self.last_tokens.index_select(0, rows_d)
+        else:
+            ids_d = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        return Batch(
+            reqs=reqs,
+            phase=phase,
+            input_ids=ids_d,
+            positions=pos_d,
+            out_loc=out_loc,
+            table_rows=rows_d,
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            seq_lens=[p + e for p, e in zip(prefix_lens, extend_lens)],
+            sample_mask=[True] * len(reqs) if decode else [p + e == r.seq_len for r, p, e in zip(reqs, prefix_lens, extend_lens)],
+        )

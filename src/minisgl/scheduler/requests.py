@@ -1,0 +1,97 @@
+"""Requests in and out: the checks a request must pass, its sequences, its stop rules, its outputs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from minisgl.core import Req, SamplingParams, TokenOutput
+from minisgl.errors import InvalidRequestError, OutOfMemoryError, PromptTooLongError
+
+
+def check_request(
+    input_ids: list[int], params: SamplingParams, *, vocab_size: int, max_seq_len: int, page_size: int, num_pages: int
+) -> None:
+    """Raise a typed error for a request that can never be served (grammar aside); changes nothing."""
+    if not input_ids:
+        raise InvalidRequestError("empty prompt: give at least one token")
+    if min(input_ids) < 0 or max(input_ids) >= vocab_size:
+        raise InvalidRequestError(f"token ids must be in [0, {vocab_size}) for this model")
+    if len(input_ids) >= max_seq_len:
+        raise PromptTooLongError(
+            f"prompt has {len(input_ids)} tokens but the context window is {max_seq_len}: "
+            "shorten the prompt (or raise max_seq_len up to the model's limit)"
+        )
+    pages_needed = -(-(len(input_ids) + 1) // page_size)
+    if pages_needed > num_pages:
+        raise OutOfMemoryError(
+            f"the prompt needs {pages_needed} KV pages but the pool has {num_pages}: "
+            "give the KV cache more memory (kv_cache_gb / mem_fraction / num_pages)"
+        )
+
+
+def new_reqs(
+    rid: str, input_ids: list[int], params: SamplingParams, eos_token_ids: frozenset[int], share_prompt: bool,
+    received: Callable[[Req], None] | None = None,
+) -> list[Req]:
+    """The request's n sequences; with share_prompt the later ones wait for the first's prompt KV.
+
+    received(req) (the plugins' hook) may reject a sequence: it raises before any is returned.
+    """
+    now = time.perf_counter()
+    new: list[Req] = []
+    for i in range(params.n):
+        seed = params.seed + i if params.seed is not None else None
+        req = Req(
+            rid=rid, input_ids=list(input_ids), sampling_params=params, prompt_len=len(input_ids),
+            eos_token_ids=eos_token_ids, index=i, seed=seed, arrival=now,
+        )
+        req.wait_for = new[0] if new and share_prompt else None
+        if received is not None:
+            received(req)
+        new.append(req)
+    return new
+
+
+def init_req_state(req: Req, device: torch.device, tokenizer: Any, grammar: Callable[[], Any]) -> None:
+    """The request's sampling state: its generator, stop-string checker and grammar matcher."""
+    p = req.sampling_params
+    if req.seed is not None:
+        req.generator = torch.Generator(device=device).manual_seed(req.seed)
+    if p.stop:
+        from minisgl.tokenizer import IncrementalDetokenizer
+
+        req.stop_checker = IncrementalDetokenizer(tokenizer, p.stop, p.skip_special_tokens)
+    if p.has_grammar:
+        req.grammar = grammar().new_state(p, stop_token_ids=sorted(req.eos_token_ids))
+
+
+def stop_reason(req: Req, token: int, max_seq_len: int) -> tuple[str | None, Any]:
+    """(finish reason, matched stop) once `token` was appended to req; (None, None) to go on."""
+    p = req.sampling_params
+    if req.stop_checker is not None:
+        req.stop_checker.add([token])
+    min_ok = req.num_output >= p.min_tokens
+    if min_ok and not p.ignore_eos and token in req.eos_token_ids:
+        return "stop", token
+    if min_ok and token in p.stop_token_ids:
+        return "stop", token
+    if req.stop_checker is not None and req.stop_checker.stopped is not None:
+        return "stop", req.stop_checker.stopped
+    if req.grammar is not None and req.grammar.is_terminated():
+        return "stop", None
+    if req.num_output >= p.max_tokens or req.seq_len >= max_seq_len:
+        return "length", None
+    return None, None
+
+
+def make_output(
+    req: Req, new: list[int], logprobs: Any, finished: bool, error: str | None = None, error_type: str | None = None,
+) -> TokenOutput:
+    return TokenOutput(
+        rid=req.rid, index=req.index, new_token_ids=new, new_logprobs=logprobs, finished=finished,
+        finish_reason=req.finish_reason, matched_stop=req.matched_stop, prompt_tokens=req.prompt_len,
+        cached_tokens=req.prefix_hit_len, completion_tokens=req.num_output, error=error, error_type=error_type,
+    )
