@@ -54,7 +54,7 @@ class LLM:
             max_running_requests=max_running_requests, tp=tp, **engine_kwargs,
         )
         if tp > 1:
-            from minisgl.distributed.launch import TPScheduler
+            from minisgl.scheduler.tp import TPScheduler
 
             self.scheduler: Any = TPScheduler(self.config)
         else:

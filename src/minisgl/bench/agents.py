@@ -150,7 +150,7 @@ def max_shared_prefix(prompt: list[int], earlier: list[list[int]]) -> int:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from minisgl.config import EngineConfig
-    from minisgl.distributed.launch import make_scheduler
+    from minisgl.scheduler.tp import make_scheduler
 
     results: dict[str, Any] = {"model": args.model, "agents": args.agents, "turns": args.turns,
                                "system_len": args.system_len, "tool_len": args.tool_len, "output_len": args.output_len}

@@ -1,11 +1,8 @@
-"""Tensor parallelism: one scheduler per rank; rank 0 takes requests and sends each step's ops to the others.
+"""Tensor parallelism's processes: spawning the ranks, the TCPStore and NCCL/gloo setup, failure watching.
 
-Every rank runs the same Scheduler on the same inputs in the same order, so every rank builds the same
-batches; the model's layers all-reduce / all-gather through torch.distributed (NCCL on CUDA, gloo on
-CPU). The ops (requests added or aborted, profiler start/stop) reach ranks > 0 through the rendezvous
-TCPStore that rank 0 hosts: one queue per rank, one small message per step. Rank 0 only appends to the
-queues and never waits for the others on the host; a rank > 0 waits on its queue, and the collectives
-of the forward keep the devices in step.
+The schedulers the ranks run, and the ops rank 0 sends them each step, are in scheduler/tp.py. The ops
+reach ranks > 0 through the rendezvous TCPStore that rank 0 hosts: one queue per rank, one small
+message per step. Rank 0 only appends to the queues and never waits for the others on the host.
 
 Failures are loud and bounded. Rank 0 watches its local ranks and a "failed" key (set by a failing rank
 or by a node's launcher); on a failure it aborts the communicators (a collective with a dead peer waits
@@ -31,9 +28,7 @@ from typing import Any
 import torch
 
 from minisgl.config import EngineConfig
-from minisgl.core import SamplingParams, TokenOutput
 from minisgl.distributed import set_tp_info
-from minisgl.distributed.profile import active_profiler, apply_profile_op
 from minisgl.errors import MiniSGLError
 
 logger = logging.getLogger("minisgl")
@@ -119,27 +114,15 @@ def close_groups(timeout: float = 30.0) -> None:
     if t.is_alive():
         logger.warning("tensor-parallel teardown did not finish in %.0fs; leaving it", timeout)
 
-
-def _apply(sched: Any, ops: list[Any], rank: int) -> None:
-    for op in ops:
-        if op[0] == "add":
-            sched.add_request(op[1], op[2], SamplingParams.from_dict(op[3]))
-        elif op[0] == "abort":
-            sched.abort(op[1])
-        elif op[0] == "profile":
-            apply_profile_op(op, rank)
-
-
 def spawn_worker(config: EngineConfig, rank: int, init_addr: str) -> subprocess.Popen:
-    """Start rank `rank` as `python -m minisgl.distributed.launch` (no re-import of the caller's __main__)."""
+    """Start rank `rank` as `python -m minisgl.scheduler.tp` (no re-import of the caller's __main__)."""
     payload = json.dumps(dataclasses.asdict(config))
-    return subprocess.Popen([sys.executable, "-m", "minisgl.distributed.launch", payload, str(rank), init_addr])
-
+    return subprocess.Popen([sys.executable, "-m", "minisgl.scheduler.tp", payload, str(rank), init_addr])
 
 # ---------------------------------------------------------------------------- ranks > 0
 
 
-class _RankZeroWatch:
+class RankZeroWatch:
     """A thread of a rank > 0: exits the process when rank 0 is gone or a failure is flagged.
 
     The main thread may be stuck in a collective whose peer died (on the GPU it never returns), so
@@ -159,102 +142,45 @@ class _RankZeroWatch:
             except Exception as e:  # noqa: BLE001 - rank 0 hosts the store: it is gone or frozen
                 reason = f"lost rank 0 ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             if reason is not None and not self.leaving.is_set():
-                _leave(1, f"tensor-parallel rank {self.rank} stops: {reason}")
+                leave(1, f"tensor-parallel rank {self.rank} stops: {reason}")
 
 
-def _leave(code: int, message: str) -> None:
+def leave(code: int, message: str) -> None:
     logger.error("%s", message)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
-
-def _next_ops(store: Any, key: str) -> list[Any]:
-    """Block until rank 0 sends the next step's ops; an idle rank 0 is not a failure (the watch decides)."""
-    import torch.distributed as dist
-
-    while True:
-        try:
-            return pickle.loads(store.queue_pop(key))
-        except dist.DistStoreError:  # the store's timeout: rank 0 is idle
-            continue
-
-
-def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
-    """Ranks > 0: mirror rank 0's scheduler step by step until told to exit; returns an exit code."""
-    from minisgl.scheduler.scheduler import Scheduler
-
-    logging.basicConfig(level=logging.WARNING, format=f"[minisgl tp{rank}] %(levelname)s %(message)s")
-    timeout = datetime.timedelta(seconds=config.dist_timeout)
-    store = connect_store(init_addr, False, timeout)
-    watch = _RankZeroWatch(init_addr, timeout, rank)
-    key = OPS_KEY.format(rank=rank)
-    try:
-        init_distributed(config, rank, store)
-        sched = Scheduler(config)
-        while True:
-            t0 = time.perf_counter()
-            ops = _next_ops(store, key)
-            t1 = time.perf_counter()
-            if ops and ops[0][0] == "exit":
-                watch.leaving.set()
-                if sched.device.type == "cuda":
-                    torch.cuda.synchronize()  # this rank's last collectives: rank 0 waits on them
-                store.add(EXITED_KEY, 1)
-                return 0
-            _apply(sched, ops, rank)
-            sched.step()
-            prof = active_profiler()
-            if prof is not None:
-                prof.record_step(t1 - t0, time.perf_counter() - t1)
-    except Exception as e:  # noqa: BLE001 - any failure ends this rank, and so the engine
-        reason = f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}"
-        try:
-            store.set(FAILED_KEY, reason)  # rank 0 stops at once instead of on its next collective
-        except Exception:  # noqa: BLE001 - rank 0 hosts the store: rank 0 is what failed
-            reason = f"tensor-parallel rank {rank} stops: lost rank 0 (its store at {init_addr} is gone)"
-        _leave(1, reason)
-    return 1
-
-
 # ---------------------------------------------------------------------------- rank 0
 
 
-class TPScheduler:
-    """Rank 0's view of a tensor-parallel engine: the Scheduler API, mirrored to every rank."""
+class RankGroup:
+    """Rank 0's side of the group: hosts the store, spawns this node's other ranks, watches them.
+
+    On a failure (a local rank exited, or the store's failed key is set) it aborts the communicators
+    and every later step raises RankFailedError.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
-        from minisgl.scheduler.scheduler import Scheduler
-
         self.config = config
         init_addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"
         self.store = connect_store(init_addr, True, datetime.timedelta(seconds=config.dist_timeout))
         self.workers = [spawn_worker(config, rank, init_addr) for rank in range(1, config.tp // config.nnodes)]
-        self._ops: list[Any] = []
         self._failure: str | None = None
         self._fail_lock = threading.Lock()
         self._stop = threading.Event()
-        self._closed = False
         self._monitor = threading.Thread(target=self._monitor_loop, name="minisgl-tp-monitor", daemon=True)
         self._monitor.start()
-        try:
-            init_distributed(config, 0, self.store)
-            self.sched = Scheduler(config)
-        except Exception as e:
-            error = self._as_rank_failure(e)
-            self._stop.set()
-            close_groups(5)
-            for w in self.workers:
-                w.kill()
-                w.wait()
-            raise error from e
-        self.tokenizer = self.sched.tokenizer
-        self.model_config = self.sched.model_config
-        self.device = self.sched.device
-        self.prefix_cache = self.sched.prefix_cache
-        self.engine = self.sched.engine
 
-    # ------------------------------------------------------------------ failures
+    def _start_failed(self, error: Exception) -> Exception:
+        """Rank 0 could not start: stop the ranks; returns the error to raise."""
+        error = self._as_rank_failure(error)
+        self._stop.set()
+        close_groups(5)
+        for w in self.workers:
+            w.kill()
+            w.wait()
+        return error
 
     def _monitor_loop(self) -> None:
         while not self._stop.wait(WATCH_INTERVAL_S):
@@ -303,61 +229,10 @@ class TPScheduler:
         if self._failure is not None:
             raise RankFailedError(f"{self._failure}; the engine stops")
 
-    # ------------------------------------------------------------------ the Scheduler API
-
-    @property
-    def has_work(self) -> bool:
-        return self.sched.has_work or bool(self._ops)
-
-    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
-        self.sched.validate(input_ids, params)
-
-    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
-        # Rank 0 first: a request it rejects raises here and never reaches the other ranks.
-        self.sched.add_request(rid, input_ids, params)
-        self._ops.append(("add", rid, list(input_ids), params.to_dict()))
-
-    def abort(self, rid: str) -> None:
-        self.sched.abort(rid)
-        self._ops.append(("abort", rid))
-
-    def profile(self, action: str, out_dir: str | None = None) -> None:
-        """torch.profiler on every rank from the next step ("start", out_dir) until "stop" (see profile.py)."""
-        self._ops.append(("profile", action, out_dir))
-
     def _send(self, ops: list[Any]) -> None:
         payload = pickle.dumps(ops)
         for rank in range(1, self.config.tp):
             self.store.queue_push(OPS_KEY.format(rank=rank), payload)
-
-    def step(self) -> list[TokenOutput]:
-        self._raise_if_failed()
-        ops, self._ops = self._ops, []
-        t0 = time.perf_counter()
-        try:
-            self._send(ops)
-            for op in ops:
-                if op[0] == "profile":
-                    apply_profile_op(op, 0)
-            t1 = time.perf_counter()
-            outputs = self.sched.step()
-        except Exception as e:
-            raise self._as_rank_failure(e) from e
-        # On the GPU a dead peer's collectives were aborted, not failed: these outputs are garbage.
-        self._raise_if_failed()
-        prof = active_profiler()
-        if prof is not None:
-            prof.record_step(t1 - t0, time.perf_counter() - t1)
-        return outputs
-
-    def stats(self) -> dict[str, int]:
-        return self.sched.stats()
-
-    def check_integrity(self) -> None:
-        self.sched.check_integrity()
-
-    def reset_prefix_cache(self) -> None:
-        self.sched.reset_prefix_cache()
 
     def _wait_exited(self) -> bool:
         deadline = time.monotonic() + EXIT_WAIT_S
@@ -367,17 +242,13 @@ class TPScheduler:
             time.sleep(0.01)
         return True
 
-    def shutdown(self) -> None:
+    def _stop_ranks(self, on_cuda: bool) -> None:
         """Stop every rank: "exit" to each, wait until they confirm (bounded), then abort the groups."""
-        if self._closed:
-            return
-        self._closed = True
-        self.sched.shutdown()
         clean = False
         if self._failure is None:
             try:
                 self._send([("exit",)])
-                if self.device.type == "cuda":
+                if on_cuda:
                     torch.cuda.synchronize()  # the last steps' collectives, which the other ranks finish too
                 clean = self._wait_exited()
             except Exception as e:  # noqa: BLE001 - a rank died during shutdown: the monitor reports it
@@ -437,24 +308,3 @@ def _report_failure(config: EngineConfig, reason: str) -> None:
             store.set(FAILED_KEY, reason)
     except Exception:  # noqa: BLE001 - rank 0 is gone: nobody to tell
         pass
-
-
-def make_scheduler(config: EngineConfig) -> Any:
-    """The Scheduler for tp == 1, else the TP driver with the same API."""
-    if config.tp > 1:
-        return TPScheduler(config)
-    from minisgl.scheduler.scheduler import Scheduler
-
-    return Scheduler(config)
-
-
-def _worker_entry(argv: list[str]) -> None:
-    fields = json.loads(argv[0])
-    code = worker_main(EngineConfig(**fields), int(argv[1]), argv[2])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # not through interpreter teardown: NCCL's exit handlers wait for the peers
-
-
-if __name__ == "__main__":
-    _worker_entry(sys.argv[1:])

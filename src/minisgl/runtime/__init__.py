@@ -3,7 +3,7 @@
     protocol.py            typed, versioned msgpack messages and the one codec
     daemon.py              the frontend ROUTER, worker start-up (readiness handshake) and shutdown
     tokenizer_worker.py    chat templates (tools), tokenization, validation -> typed errors
-    scheduler_worker.py    the engine loop (TP rank 0; other ranks via minisgl.distributed.launch)
+    scheduler_worker.py    the engine loop (TP rank 0; other ranks via minisgl.scheduler.tp)
     detokenizer_worker.py  incremental UTF-8 safe text, stop strings, tool calls, usage
     transport.py           private ipc endpoints, sockets, worker set-up
     addresses.py           runtime dir, default ipc address per model, address checks

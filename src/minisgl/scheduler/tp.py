@@ -1,0 +1,193 @@
+"""The tensor-parallel scheduler: one Scheduler per rank; rank 0 takes requests and sends each step's ops.
+
+Every rank runs the same Scheduler on the same inputs in the same order, so every rank builds the same
+batches; the model's layers all-reduce / all-gather through torch.distributed (NCCL on CUDA, gloo on
+CPU). The ops (requests added or aborted, profiler start/stop) reach ranks > 0 through the store's
+queues (distributed/launch.py); a rank > 0 waits on its queue, and the collectives of the forward keep
+the devices in step. Spawning, the store, NCCL setup and failure watching: distributed/launch.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import pickle
+import sys
+import time
+from typing import Any
+
+import torch
+
+from minisgl.config import EngineConfig
+from minisgl.core import SamplingParams, TokenOutput
+from minisgl.distributed.launch import (
+    EXITED_KEY, FAILED_KEY, OPS_KEY, RankGroup, RankZeroWatch, connect_store, init_distributed, leave,
+)
+from minisgl.distributed.profile import active_profiler, apply_profile_op
+
+logger = logging.getLogger("minisgl")
+
+
+def make_scheduler(config: EngineConfig) -> Any:
+    """The Scheduler for tp == 1, else the TP driver with the same API."""
+    if config.tp > 1:
+        return TPScheduler(config)
+    from minisgl.scheduler.scheduler import Scheduler
+
+    return Scheduler(config)
+
+
+# ---------------------------------------------------------------------------- rank 0
+
+
+class TPScheduler(RankGroup):
+    """Rank 0's view of a tensor-parallel engine: the Scheduler API, mirrored to every rank."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from minisgl.scheduler.scheduler import Scheduler
+
+        super().__init__(config)  # the store, the other ranks, the failure monitor
+        self._ops: list[Any] = []
+        self._closed = False
+        try:
+            init_distributed(config, 0, self.store)
+            self.sched = Scheduler(config)
+        except Exception as e:
+            raise self._start_failed(e) from e
+        self.tokenizer = self.sched.tokenizer
+        self.model_config = self.sched.model_config
+        self.device = self.sched.device
+        self.prefix_cache = self.sched.prefix_cache
+        self.engine = self.sched.engine
+
+    @property
+    def has_work(self) -> bool:
+        return self.sched.has_work or bool(self._ops)
+
+    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
+        self.sched.validate(input_ids, params)
+
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        # Rank 0 first: a request it rejects raises here and never reaches the other ranks.
+        self.sched.add_request(rid, input_ids, params)
+        self._ops.append(("add", rid, list(input_ids), params.to_dict()))
+
+    def abort(self, rid: str) -> None:
+        self.sched.abort(rid)
+        self._ops.append(("abort", rid))
+
+    def profile(self, action: str, out_dir: str | None = None) -> None:
+        """torch.profiler on every rank from the next step ("start", out_dir) until "stop" (see profile.py)."""
+        self._ops.append(("profile", action, out_dir))
+
+    def step(self) -> list[TokenOutput]:
+        self._raise_if_failed()
+        ops, self._ops = self._ops, []
+        t0 = time.perf_counter()
+        try:
+            self._send(ops)
+            for op in ops:
+                if op[0] == "profile":
+                    apply_profile_op(op, 0)
+            t1 = time.perf_counter()
+            outputs = self.sched.step()
+        except Exception as e:
+            raise self._as_rank_failure(e) from e
+        # On the GPU a dead peer's collectives were aborted, not failed: these outputs are garbage.
+        self._raise_if_failed()
+        prof = active_profiler()
+        if prof is not None:
+            prof.record_step(t1 - t0, time.perf_counter() - t1)
+        return outputs
+
+    def stats(self) -> dict[str, int]:
+        return self.sched.stats()
+
+    def check_integrity(self) -> None:
+        self.sched.check_integrity()
+
+    def reset_prefix_cache(self) -> None:
+        self.sched.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop every rank: "exit" to each, wait until they confirm (bounded), then abort the groups."""
+        if self._closed:
+            return
+        self._closed = True
+        self.sched.shutdown()
+        self._stop_ranks(on_cuda=self.device.type == "cuda")
+
+
+# ---------------------------------------------------------------------------- ranks > 0
+
+
+def _apply(sched: Any, ops: list[Any], rank: int) -> None:
+    for op in ops:
+        if op[0] == "add":
+            sched.add_request(op[1], op[2], SamplingParams.from_dict(op[3]))
+        elif op[0] == "abort":
+            sched.abort(op[1])
+        elif op[0] == "profile":
+            apply_profile_op(op, rank)
+
+
+def _next_ops(store: Any, key: str) -> list[Any]:
+    """Block until rank 0 sends the next step's ops; an idle rank 0 is not a failure (the watch decides)."""
+    import torch.distributed as dist
+
+    while True:
+        try:
+            return pickle.loads(store.queue_pop(key))
+        except dist.DistStoreError:  # the store's timeout: rank 0 is idle
+            continue
+
+
+def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
+    """Ranks > 0: mirror rank 0's scheduler step by step until told to exit; returns an exit code."""
+    from minisgl.scheduler.scheduler import Scheduler
+
+    logging.basicConfig(level=logging.WARNING, format=f"[minisgl tp{rank}] %(levelname)s %(message)s")
+    timeout = datetime.timedelta(seconds=config.dist_timeout)
+    store = connect_store(init_addr, False, timeout)
+    watch = RankZeroWatch(init_addr, timeout, rank)
+    key = OPS_KEY.format(rank=rank)
+    try:
+        init_distributed(config, rank, store)
+        sched = Scheduler(config)
+        while True:
+            t0 = time.perf_counter()
+            ops = _next_ops(store, key)
+            t1 = time.perf_counter()
+            if ops and ops[0][0] == "exit":
+                watch.leaving.set()
+                if sched.device.type == "cuda":
+                    torch.cuda.synchronize()  # this rank's last collectives: rank 0 waits on them
+                store.add(EXITED_KEY, 1)
+                return 0
+            _apply(sched, ops, rank)
+            sched.step()
+            prof = active_profiler()
+            if prof is not None:
+                prof.record_step(t1 - t0, time.perf_counter() - t1)
+    except Exception as e:  # noqa: BLE001 - any failure ends this rank, and so the engine
+        reason = f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}"
+        try:
+            store.set(FAILED_KEY, reason)  # rank 0 stops at once instead of on its next collective
+        except Exception:  # noqa: BLE001 - rank 0 hosts the store: rank 0 is what failed
+            reason = f"tensor-parallel rank {rank} stops: lost rank 0 (its store at {init_addr} is gone)"
+        leave(1, reason)
+    return 1
+
+
+def _worker_entry(argv: list[str]) -> None:
+    fields = json.loads(argv[0])
+    code = worker_main(EngineConfig(**fields), int(argv[1]), argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # not through interpreter teardown: NCCL's exit handlers wait for the peers
+
+
+if __name__ == "__main__":
+    _worker_entry(sys.argv[1:])
