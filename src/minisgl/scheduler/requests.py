@@ -95,3 +95,28 @@ def make_output(
         finish_reason=req.finish_reason, matched_stop=req.matched_stop, prompt_tokens=req.prompt_len,
         cached_tokens=req.prefix_hit_len, completion_tokens=req.num_output, error=error, error_type=error_type,
     )
+
+
+class Grammars:
+    """The grammar backend of structured outputs, built on first use."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._backend: Any = None
+
+    def backend(self) -> Any:
+        if self._backend is None:
+            from minisgl.structured.grammar import GrammarBackend
+
+            # Bounded whitespace: weak models otherwise loop on blanks inside JSON.
+            self._backend = GrammarBackend(self.tokenizer, self.vocab_size, max_whitespace_cnt=12)
+        return self._backend
+
+    def bitmask_fn(self, reqs: list[Req]) -> Callable[[torch.Tensor], Any] | None:
+        """The function masking the logits of reqs' rows by their grammars; None when none has one."""
+        if not any(r.grammar is not None for r in reqs):
+            return None
+        backend = self.backend()
+        states = [r.grammar for r in reqs]
+        return lambda logits: backend.apply(logits, states)

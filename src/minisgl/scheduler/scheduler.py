@@ -10,32 +10,23 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, NamedTuple
+from collections import deque
+from typing import Any
 
 import torch
 
 from minisgl import plugins
 from minisgl.config import EngineConfig
-from minisgl.core import Batch, Phase, Req, SamplingParams, TokenOutput
+from minisgl.core import Batch, Req, SamplingParams, TokenOutput
 from minisgl.distributed import get_tp_info
 from minisgl.errors import EngineError, InvalidRequestError
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.kv import ReqKV
 from minisgl.scheduler.prefill import PrefillManager
-from minisgl.scheduler.requests import check_request, init_req_state, make_output, new_reqs, stop_reason
+from minisgl.scheduler.requests import Grammars, check_request, init_req_state, make_output, new_reqs, stop_reason
+from minisgl.scheduler.step import LaunchedStep, copy_to_host, read_tokens, warmup
 
 logger = logging.getLogger("minisgl")
-
-
-class LaunchedStep(NamedTuple):
-    """A forward + sampling already queued on the device; its tokens are read by _process."""
-
-    batch: Batch
-    sampled: list[Req]  # requests that get a token from this step, in row order
-    tokens: torch.Tensor | None  # [len(sampled)] int64 on the host (pinned on CUDA), valid once `ready` fires
-    logprobs: list[Any] | None
-    ready: Any  # torch.cuda.Event recorded after the device-to-host copy, or None
-    sampled_ids: frozenset[int]  # id() of the sampled requests: their last token is not on the host yet
 
 
 class Scheduler:
@@ -60,7 +51,7 @@ class Scheduler:
         self.decode = DecodeManager(self.kv, self.prefill.waiting, self.max_seq_len)
         self.reqs: dict[tuple[str, int], Req] = {}
         self.pending_outputs: list[TokenOutput] = []
-        self.grammar_backend: Any = None
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.num_steps = 0
         self._hook_received = plugins.has_impl("minisgl_request_received")
         self._hook_finished = plugins.has_impl("minisgl_request_finished")
@@ -69,11 +60,11 @@ class Scheduler:
         # runs; "overlap_on_cpu" in config.extra runs the same (then pointless) pipeline on CPU for tests.
         self.overlap = not config.disable_overlap and (self.device.type == "cuda" or bool(config.extra.get("overlap_on_cpu")))
         self._inflight: LaunchedStep | None = None
-        self._warmup()
+        warmup(config, self.engine, self.kv, self.eos_token_ids)
         logger.info("scheduler ready: cache=%s page_size=%d pages=%d", config.cache, self.page_size, self.cache.num_pages)
 
     @property
-    def waiting(self) -> Any:
+    def waiting(self) -> deque[Req]:
         return self.prefill.waiting
 
     @property
@@ -89,40 +80,6 @@ class Scheduler:
         """The CacheManager's prefix cache, for the adapters that still read it (transformers_minisgl)."""
         return self.cache.prefix_cache
 
-    @torch.inference_mode()
-    def _warmup(self) -> None:
-        """One prefill and one decode of a 1-token prompt, outside the books, before anything is served.
-
-        A dtype or kernel this machine cannot run then fails the start-up with a clear error
-        instead of the first request. Nothing is cached; every page and row is given back.
-        """
-        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        req = Req(rid="warmup", input_ids=[0], sampling_params=params, prompt_len=1, eos_token_ids=self.eos_token_ids)
-        if not self.kv.admit(req):
-            return
-        assert req.matched_len == 0, "the prefix cache is empty at start-up"
-        reserved = 0
-        try:
-            for phase in (Phase.PREFILL, Phase.DECODE):
-                if not self.kv.reserve(req, 1):
-                    break  # a pool too small for two tokens still serves one-token requests
-                reserved = 1
-                next_ids, _ = self.engine.forward_and_sample(self.kv.make_batch(phase, [(req, 1)]), [req])
-                assert next_ids is not None
-                self.kv.last_tokens[req.table_idx] = next_ids[0]
-                req.cached_len, reserved = req.cached_len + 1, 0
-                req.input_ids.append(int(next_ids[0]))
-        except Exception as e:
-            what = f"{self.config.model} in {str(self.engine.dtype).removeprefix('torch.')} on {self.device}"
-            raise EngineError(
-                f"{what} cannot run on this machine: a test forward pass failed with {type(e).__name__}: {e}. "
-                "Pick another --dtype (float32 runs on every CPU) or --device"
-            ) from e
-        finally:
-            row = self.page_table[req.table_idx]
-            self.cache.release(req.input_ids, row, 0, 0, req.cache_handle, alloc_len=req.cached_len + reserved)
-            self.table.free(req.table_idx)
-
     # ------------------------------------------------------------------ requests in
 
     @property
@@ -136,7 +93,7 @@ class Scheduler:
             page_size=self.page_size, num_pages=self.cache.num_pages,
         )
         if params.has_grammar:
-            self._grammar().validate(params)
+            self.grammars.backend().validate(params)
 
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
         """Queue a request (n > 1 becomes n sequences that share the prompt's KV)."""
@@ -149,17 +106,9 @@ class Scheduler:
             (lambda req: received(req=req)) if received is not None else None,
         )
         for req in new:
-            init_req_state(req, self.device, self.tokenizer, self._grammar)
+            init_req_state(req, self.device, self.tokenizer, self.grammars.backend)
             self.reqs[(rid, req.index)] = req
             self.waiting.append(req)
-
-    def _grammar(self) -> Any:
-        if self.grammar_backend is None:
-            from minisgl.structured.grammar import GrammarBackend
-
-            # Bounded whitespace: weak models otherwise loop on blanks inside JSON.
-            self.grammar_backend = GrammarBackend(self.tokenizer, self.model_config.vocab_size, max_whitespace_cnt=12)
-        return self.grammar_backend
 
     def abort(self, rid: str) -> None:
         """Abort every sequence of a request; its pages are freed now, the output says "abort"."""
@@ -209,7 +158,7 @@ class Scheduler:
         the batch is as it was scheduled (see _fail).
         """
         sampled = [r for r, m in zip(batch.reqs, batch.sample_mask) if m]
-        next_ids, logprobs = self.engine.forward_and_sample(batch, sampled, self._bitmask_fn(sampled))
+        next_ids, logprobs = self.engine.forward_and_sample(batch, sampled, self.grammars.bitmask_fn(sampled))
         self.num_steps += 1
         for req, extend in zip(batch.reqs, batch.extend_lens):
             req.cached_len += extend
@@ -220,27 +169,7 @@ class Scheduler:
                 if req.cached_len < req.seq_len:
                     self.prefill.chunked = req
             self.running.extend(sampled)  # decodes from the next step on, its first token read from the device
-        tokens = ready = None
-        if next_ids is not None:
-            for req in sampled:
-                req.tokens_in_flight += 1
-            rows = torch.tensor([r.table_idx for r in sampled], dtype=torch.int64).to(self.device, non_blocking=True)
-            self.kv.last_tokens.index_copy_(0, rows, next_ids)
-            if next_ids.is_cuda:
-                tokens = torch.empty(next_ids.shape, dtype=torch.int64, pin_memory=True)
-                tokens.copy_(next_ids, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
-            else:
-                tokens = next_ids
-        return LaunchedStep(batch, sampled, tokens, logprobs, ready, frozenset(map(id, sampled)))
-
-    def _bitmask_fn(self, reqs: list[Req]) -> Any:
-        if not any(r.grammar is not None for r in reqs):
-            return None
-        backend = self._grammar()
-        states = [r.grammar for r in reqs]
-        return lambda logits: backend.apply(logits, states)
+        return copy_to_host(self.kv, batch, sampled, next_ids, logprobs)
 
     def _process(self, step: LaunchedStep) -> None:
         """Read a launched step's tokens on the host: append them, check stops, report.
@@ -248,10 +177,8 @@ class Scheduler:
         An error here (the device reporting a failed kernel, a plugin's batch hook) fails the step's requests.
         """
         try:
-            if step.tokens is not None:
-                if step.ready is not None:
-                    step.ready.synchronize()
-                next_list = step.tokens.tolist()
+            next_list = read_tokens(step)
+            if next_list is not None:
                 for i, req in enumerate(step.sampled):
                     req.tokens_in_flight -= 1
                     if req.finished:  # finished (stop, abort) while this step was in flight: drop its token
