@@ -344,3 +344,13 @@ def test_bfloat16_runs_on_every_cpu(tiny_model_dir):
     out = llm.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 6 and out[0].error is None
     llm.check_integrity()
+
+
+def test_unset_max_tokens_runs_to_the_end_of_the_context_window(tiny_model_dir):
+    """SamplingParams(max_tokens=None) (what the daemon's front ends send) stops at the context window."""
+    llm = LLM(str(tiny_model_dir("llama")), max_seq_len=64)
+    prompt = list(range(10, 30))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(prompt) + len(out.token_ids) == 64
+    assert out.finish_reason == "length"
+    llm.check_integrity()

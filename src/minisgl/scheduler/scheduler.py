@@ -96,7 +96,11 @@ class Scheduler:
             self.grammars.backend().validate(params)
 
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request (n > 1 becomes n sequences that share the prompt's KV)."""
+        """Queue a request (n > 1 becomes n sequences that share the prompt's KV).
+
+        max_tokens=None: up to the end of the context window.
+        """
+        params = params.for_prompt(len(input_ids), self.max_seq_len)
         self.validate(input_ids, params)
         if any((rid, i) in self.reqs for i in range(params.n)):
             raise InvalidRequestError(f"request id {rid!r} is already in flight")

@@ -126,7 +126,7 @@ class TPScheduler(RankGroup):
 def _apply(sched: Any, ops: list[Any], rank: int) -> None:
     for op in ops:
         if op[0] == "add":
-            sched.add_request(op[1], op[2], SamplingParams.from_dict(op[3]))
+            sched.add_request(op[1], op[2], SamplingParams.from_validated(op[3]))  # rank 0 validated them
         elif op[0] == "abort":
             sched.abort(op[1])
         elif op[0] == "profile":
