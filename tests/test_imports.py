@@ -35,12 +35,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tools", ("minisgl.cli", "minisgl.__main__", "minisgl.bench")),
 ]
 
-# Adapter imports of minisgl internals that are known debt, each with its reason.
-ADAPTER_EXCEPTIONS = {
-    # patch_generate drives an in-process engine: it points the forward context at the patched model's
-    # engine. A public LLM method for that is the way out (llm.py, not an adapter).
-    ("transformers_minisgl", "minisgl.core", "get_context"),
-}
+# Adapter imports of minisgl internals that are known debt, each with its reason (none today).
+ADAPTER_EXCEPTIONS: set[tuple[str, str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:
@@ -199,3 +195,16 @@ def test_the_checks_catch_violations() -> None:
     )
     assert [t for t, _, _ in _imports(tree, "pkg.mod", False, lazy=False)] == ["os", "typing"]
     assert [t for t, _, _ in _imports(tree, "pkg.mod", False, lazy=True)] == ["os", "typing", "pkg.sib"]
+
+
+def test_adapters_do_not_reach_into_the_engine():
+    """Adapters drive an in-process engine through LLM's public methods, never its scheduler or engine."""
+    private = {"scheduler", "engine", "prefix_cache", "graph_runner", "attn_backend", "kv_pool"}
+    reached = [
+        f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}"
+        for adapter in ADAPTERS
+        for path in sorted((ROOT / "integrations" / adapter).rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in private
+    ]
+    assert not reached, reached

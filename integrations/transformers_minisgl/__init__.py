@@ -80,7 +80,7 @@ class PatchedGenerate:
             )
 
     def close(self) -> None:
-        self.llm.scheduler.shutdown()
+        self.llm.shutdown()
 
 
 def _build_engine(model: Any, engine_kwargs: dict[str, Any]) -> Any:
@@ -187,20 +187,19 @@ def _generate(
     reason = _unsupported_argument(explicit)
     if reason is None:
         with _ENGINE_LOCK, torch.no_grad():
-            scheduler: Any = state.llm.scheduler
+            llm = state.llm
             try:
                 request = prepare(
                     model, inputs, generation_config, logits_processor, stopping_criteria, kwargs,
-                    scheduler.max_seq_len, scheduler.eos_token_ids,
+                    llm.max_seq_len, llm.eos_token_ids,
                 )
             except UnsupportedGenerationError as e:
                 reason = str(e)
             else:
                 state.weights.sync_if_changed()
-                _bind_engine(scheduler.engine)
                 if streamer is not None:
                     streamer.put(request.input_ids)
-                sequences = run(scheduler, request, streamer).to(request.device)
+                sequences = run(llm, request, streamer).to(request.device)
                 if not request.return_dict:
                     return sequences
                 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -222,11 +221,3 @@ def _unsupported_argument(explicit: dict[str, Any]) -> str | None:
     if explicit.get("synced_gpus"):
         return "synced_gpus"
     return None
-
-
-def _bind_engine(engine: Any) -> None:
-    """Point minisgl's process-wide forward context at this model's engine (several may be patched)."""
-    from minisgl.core import get_context
-
-    ctx = get_context()
-    ctx.attn_backend, ctx.kv_pool = engine.attn_backend, engine.kv_pool

@@ -239,8 +239,8 @@ def _check_penalty_window(ignore: Any, pad_lengths: torch.Tensor) -> None:
         raise UnsupportedGenerationError("repetition_penalty over a window other than each prompt's real tokens")
 
 
-def run(scheduler: Any, request: GenerateRequest, streamer: Any = None) -> torch.Tensor:
-    """Generate on the scheduler; returns HF's sequences [batch * n, prompt_len + new] on the CPU."""
+def run(llm: Any, request: GenerateRequest, streamer: Any = None) -> torch.Tensor:
+    """Generate on the engine, step by step (minisgl.LLM's add_request/step/abort); returns HF's sequences [batch * n, prompt_len + new] on the CPU."""
     n, params = request.n, request.params
     rows, prompt_len = request.input_ids.shape
     max_new = params.max_tokens
@@ -258,13 +258,13 @@ def run(scheduler: Any, request: GenerateRequest, streamer: Any = None) -> torch
     pad, pads = request.pad_token_id, request.pads_finished_rows
     col = 0
     for prompt in request.prompts:  # nothing is queued unless everything can be
-        scheduler.validate(prompt, params)
+        llm.validate(prompt, params)
     try:
         for rid, prompt in zip(rids, request.prompts):
-            scheduler.add_request(rid, prompt, params)
+            llm.add_request(rid, prompt, params)
         while col < max_new and _any_alive(alive):
             with torch.inference_mode():
-                outputs = scheduler.step()
+                outputs = llm.step()
             for out in outputs:
                 row = first_row[out.rid] + out.index
                 tokens[row].extend(out.new_token_ids)
@@ -282,16 +282,16 @@ def run(scheduler: Any, request: GenerateRequest, streamer: Any = None) -> torch
                     streamer.put(column)
             # Requests whose every row is done (and padded from now on) stop running in the engine.
             for rid in [r for r in in_engine if pads and not any(alive[first_row[r] : first_row[r] + n])]:
-                scheduler.abort(rid)
+                llm.abort(rid)
                 in_engine.discard(rid)
             in_engine = {r for r in in_engine if not all(engine_done[first_row[r] : first_row[r] + n])}
-            if _any_alive(alive) and col < max_new and not scheduler.has_work:
+            if _any_alive(alive) and col < max_new and not llm.has_work:
                 raise MiniSGLError("the minisgl scheduler went idle before generate() finished; this is a bug")
     finally:
         for rid in in_engine:
-            scheduler.abort(rid)
+            llm.abort(rid)
         with torch.inference_mode():
-            scheduler.step()  # flush the aborts' outputs
+            llm.step()  # flush the aborts' outputs
     if streamer is not None:
         streamer.end()
     return sequences[:, : prompt_len + col]

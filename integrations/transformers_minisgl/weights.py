@@ -52,13 +52,8 @@ class WeightWatcher:
 
     def sync(self) -> None:
         """Copy every weight of the model into the engine and forget the KV computed with the old ones."""
-        scheduler: Any = self.llm.scheduler
-        engine = scheduler.engine
         with torch.no_grad():
-            engine.model.load_weights(self.model.state_dict().items())
-        freed = [pages for pages in scheduler.prefix_cache.reset() if len(pages)]
-        if freed:
-            scheduler.cache.free(torch.cat(freed))
+            self.llm.load_weights(self.model.state_dict().items())
         self.synced = fingerprint(self.model)
         self.num_syncs += 1
         logger.info("transformers_minisgl: weights changed, re-synced the engine and cleared its prefix cache")

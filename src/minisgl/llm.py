@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from minisgl.config import EngineConfig
 from minisgl.core import CompletionOutput, FirstOutputShortcuts, SamplingParams, TokenOutput
@@ -175,6 +175,52 @@ class LLM:
             completion_tokens=sum(per_index[i][-1].completion_tokens for i in range(params.n)),
             error=last.error,
         )
+
+    # ------------------------------------------------------------------ step by step (as vLLM's LLMEngine)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The context window: prompt + output tokens of one sequence."""
+        return self.scheduler.max_seq_len
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.scheduler.eos_token_ids
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a request is waiting or running (step() has something to do)."""
+        return self.scheduler.has_work
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise the typed error add_request would raise for this request; queues nothing."""
+        self.scheduler.validate(prompt_ids, params.for_prompt(len(prompt_ids), self.max_seq_len))
+
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a tokenized request; its tokens come back from step() as TokenOutputs with this rid."""
+        self.scheduler.add_request(rid, prompt_ids, params)
+
+    def step(self) -> list[TokenOutput]:
+        """Run one engine step; the new tokens (and finished sequences) of every request it advanced."""
+        return self.scheduler.step()
+
+    def abort(self, rid: str) -> None:
+        """Stop a request; its pages are freed and its last output says "abort"."""
+        self.scheduler.abort(rid)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy (HF-named) weights into the running model and forget every prefix cached with the old ones.
+
+        For an engine in this process only (tp=1); requests in flight keep the KV they computed.
+        """
+        if self.config.tp > 1:
+            raise InvalidRequestError("load_weights needs tp=1 (the ranks hold shards of the weights)")
+        self.scheduler.engine.model.load_weights(weights)
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix no request holds (e.g. after the weights changed)."""
+        self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Abort what is in flight and stop the engine (and its TP ranks)."""
