@@ -94,7 +94,19 @@ async def run_policy(policy: str, addresses: list[str], args: argparse.Namespace
                    "model_info": {"id": f"daemon-{i}"}} for i, a in enumerate(deployments)]
     router = litellm.Router(model_list=model_list, routing_strategy="simple-shuffle", num_retries=0)
     callbacks = {"round-robin": [RoundRobinRouting()], "cache-aware": [CacheAwareRouting()]}.get(policy, [])
-    litellm.callbacks = callbacks
+    previous = litellm.callbacks
+    litellm.callbacks = [*previous, *callbacks]
+    try:
+        return await _run_agents(policy, router, args)
+    finally:  # LiteLLM keeps callbacks in module globals: leave them as they were
+        litellm.callbacks = previous
+        for name in ("success_callback", "failure_callback", "_async_success_callback", "_async_failure_callback"):
+            registered = getattr(litellm, name, None)
+            if isinstance(registered, list):
+                registered[:] = [c for c in registered if not any(c is cb for cb in callbacks)]
+
+
+async def _run_agents(policy: str, router: Any, args: argparse.Namespace) -> dict[str, Any]:
     conversations = make_agents(args, salt=f"{policy}-{uuid.uuid4().hex[:8]}")
     totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
     per_daemon: dict[str, int] = {}
@@ -117,7 +129,6 @@ async def run_policy(policy: str, addresses: list[str], args: argparse.Namespace
     t0 = time.perf_counter()
     await asyncio.gather(*(agent(a) for a in range(args.agents)))
     seconds = time.perf_counter() - t0
-    litellm.callbacks = []
     return {
         "policy": policy, **totals,
         "hit_ratio": round(totals["cached_tokens"] / max(1, totals["prompt_tokens"]), 4),
