@@ -52,9 +52,7 @@ def write_model_dir(tokenizer_dir: Path) -> Path:
 
 
 def run_minisgl(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    from minisgl import LLM, SamplingParams
+    from minisgl import LLM
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -63,26 +61,39 @@ def run_minisgl(args: argparse.Namespace) -> dict[str, Any]:
         attention_backend=args.attention_backend,
     )
     init_s = time.perf_counter() - t0
-    prompts, max_tokens = workload()
+    result = timed_workload(llm, llm.scheduler, workload())
+    result.update(init_s=round(init_s, 1), kv_pages=llm.scheduler.cache.num_pages)
+    if args.latency:
+        result.update(decode_latency(llm))
+    return result
+
+
+def timed_workload(llm: Any, sched: Any, work: tuple[list[list[int]], list[int]]) -> dict[str, Any]:
+    """One warm-up request, then the whole workload (prompts, max_tokens) timed as one generate call.
+
+    sched: the scheduler whose steps are counted (rank 0's own with tensor parallelism).
+    """
+    import torch
+
+    from minisgl import SamplingParams
+
+    prompts, max_tokens = work
     llm.generate([prompts[0]], SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    torch.cuda.synchronize()
-    steps0 = llm.scheduler.num_steps
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    steps0 = sched.num_steps
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     out_tokens = sum(len(o.token_ids) for o in outs)
     assert out_tokens == sum(max_tokens), "a request stopped early"
     llm.check_integrity()
-    result: dict[str, Any] = {
+    return {
         "seconds": round(elapsed, 3), "output_tok_s": round(out_tokens / elapsed, 1),
         "total_tok_s": round((out_tokens + sum(map(len, prompts))) / elapsed, 1), "output_tokens": out_tokens,
-        "steps": llm.scheduler.num_steps - steps0, "init_s": round(init_s, 1),
-        "kv_pages": llm.scheduler.cache.num_pages,
+        "input_tokens": sum(map(len, prompts)), "steps": sched.num_steps - steps0,
     }
-    if args.latency:
-        result.update(decode_latency(llm))
-    return result
 
 
 def decode_latency(llm: Any) -> dict[str, Any]:

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from minisgl.bench.throughput import QWEN3_06B, decode_latency, workload
+from minisgl.bench.throughput import QWEN3_06B, decode_latency, timed_workload, workload
 
 QWEN3_14B = dict(
     QWEN3_06B, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
@@ -128,9 +128,7 @@ def cmd_gen(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     import logging
 
-    import torch
-
-    from minisgl import LLM, SamplingParams
+    from minisgl import LLM
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     t0 = time.perf_counter()
@@ -140,25 +138,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     )
     init_s = time.perf_counter() - t0
     sched = getattr(llm.scheduler, "sched", llm.scheduler)
-    prompts, max_tokens = workload(args.num_requests)
-    llm.generate([prompts[0]], SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    steps0 = sched.num_steps
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    out_tokens = sum(len(o.token_ids) for o in outs)
-    assert out_tokens == sum(max_tokens), "a request stopped early"
-    llm.check_integrity()
-    result: dict[str, Any] = {
-        "tp": args.tp, "requests": args.num_requests, "seconds": round(elapsed, 3),
-        "output_tok_s": round(out_tokens / elapsed, 1),
-        "total_tok_s": round((out_tokens + sum(map(len, prompts))) / elapsed, 1), "output_tokens": out_tokens,
-        "input_tokens": sum(map(len, prompts)), "steps": sched.num_steps - steps0, "init_s": round(init_s, 1),
-        "kv_pages": sched.cache.num_pages,
-    }
+    result: dict[str, Any] = {"tp": args.tp, "requests": args.num_requests}
+    result.update(timed_workload(llm, sched, workload(args.num_requests)))
+    result.update(init_s=round(init_s, 1), kv_pages=sched.cache.num_pages)
     print("RESULT " + json.dumps(result), flush=True)
     if args.latency:
         print("LATENCY " + json.dumps(decode_latency(llm)), flush=True)
