@@ -31,6 +31,19 @@ def test_tp2_greedy_equals_tp1(tiny_model_dir, family):
     assert got == ref
 
 
+def test_a_prefix_cache_reset_reaches_every_rank(tiny_model_dir):
+    """After reset_prefix_cache every rank recomputes the prompt: the ranks still build the same batches."""
+    model_dir = tiny_model_dir("llama")
+    ref = tp1_tokens(model_dir)
+    with LLM(str(model_dir), tp=2, dist_timeout=30) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == ref
+        llm.reset_prefix_cache()
+        again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in again] == ref
+        assert all(o.cached_tokens == 0 for o in again)  # nothing served from a cache that was reset
+        llm.check_integrity()
+
+
 def test_an_idle_engine_outlives_the_dist_timeout(tiny_model_dir):
     """The ranks wait for rank 0 in a broadcast with dist_timeout; rank 0 pings them while idle."""
     model_dir = tiny_model_dir("llama")

@@ -75,11 +75,6 @@ class Scheduler:
     def running(self) -> list[Req]:
         return self.decode.running
 
-    @property
-    def prefix_cache(self) -> Any:
-        """The CacheManager's prefix cache, for the adapters that still read it (transformers_minisgl)."""
-        return self.cache.prefix_cache
-
     # ------------------------------------------------------------------ requests in
 
     @property

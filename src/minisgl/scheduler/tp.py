@@ -59,8 +59,9 @@ class TPScheduler(RankGroup):
         self.tokenizer = self.sched.tokenizer
         self.model_config = self.sched.model_config
         self.device = self.sched.device
-        self.prefix_cache = self.sched.prefix_cache
         self.engine = self.sched.engine
+        self.max_seq_len = self.sched.max_seq_len
+        self.eos_token_ids = self.sched.eos_token_ids
 
     @property
     def has_work(self) -> bool:
@@ -109,7 +110,9 @@ class TPScheduler(RankGroup):
         self.sched.check_integrity()
 
     def reset_prefix_cache(self) -> None:
+        # Every rank, before the same step: ranks whose caches differ would build different batches.
         self.sched.reset_prefix_cache()
+        self._ops.append(("reset_prefix_cache",))
 
     def shutdown(self) -> None:
         """Stop every rank: "exit" to each, wait until they confirm (bounded), then abort the groups."""
@@ -129,6 +132,8 @@ def _apply(sched: Any, ops: list[Any], rank: int) -> None:
             sched.add_request(op[1], op[2], SamplingParams.from_validated(op[3]))  # rank 0 validated them
         elif op[0] == "abort":
             sched.abort(op[1])
+        elif op[0] == "reset_prefix_cache":
+            sched.reset_prefix_cache()
         elif op[0] == "profile":
             apply_profile_op(op, rank)
 
