@@ -7,7 +7,9 @@ flashinfer, transformers) happen inside run, so `minisgl bench --help` works on 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from typing import Any
 
 SUBCOMMANDS = {  # name -> (module under minisgl.bench, one-line help)
     "offline": ("offline", "offline throughput (LLM.generate), optionally vs HF generate"),
@@ -32,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
             name, help=help_text, description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         ))
     return parser
+
+
+def write_json(result: Any, path: str | None) -> None:
+    """Save a benchmark's figures where --json points (nothing without it)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 def main(argv: list[str] | None = None) -> None:

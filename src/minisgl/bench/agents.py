@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from minisgl.bench import write_json
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
@@ -182,7 +184,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"radix vs naive: {results['speedup_radix_vs_naive']}x faster end to end, "
               f"TTFT p50 {results['ttft_p50_ratio_naive_over_radix']}x lower; "
               f"radix hit ratio {results['radix']['hit_ratio_of_max']:.1%} of the theoretical maximum")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(results, args.json)
     return results

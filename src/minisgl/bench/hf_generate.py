@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from minisgl.bench import write_json
+
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in simple terms.",
     "Write a haiku about the ocean.", "What is 17 times 23?", "Give me three tips for better sleep.",
@@ -175,8 +177,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "identical_rows": f"{same_rows}/{len(prompts)}",
     }
     print(f"speedup {result['speedup']}x; identical rows {result['identical_rows']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     print(json.dumps(result))
     return result

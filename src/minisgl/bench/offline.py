@@ -9,6 +9,8 @@ from typing import Any, Callable
 
 import torch
 
+from minisgl.bench import write_json
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
@@ -82,9 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result.update(hf)
         result["speedup_vs_hf"] = round(result["minisgl_output_tok_s"] / hf["hf_output_tok_s"], 2)
         print(f"HF generate: {hf['hf_output_tok_s']:.1f} tok/s -> minisgl is {result['speedup_vs_hf']}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     print(json.dumps(result))
     return result
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from minisgl.bench import write_json
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
@@ -93,7 +95,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["daemon_overhead_pct"] = round(100 * (1 - result["online_output_tok_s"] / result["offline_output_tok_s"]), 1)
         print(f"offline: {result['offline_output_tok_s']} tok/s; daemon path: {result['online_output_tok_s']} tok/s "
               f"({result['daemon_overhead_pct']}% throughput loss)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     return result
