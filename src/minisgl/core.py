@@ -125,8 +125,9 @@ class SamplingParams:
 
         Keys that are not sampling parameters (model, messages, tools, ...) are ignored; None means
         "not given". max_completion_tokens wins over max_tokens; without either, max_tokens is None: the
-        answer may run to the end of the context window (OpenAI's chat default), which the daemon resolves. logprobs: True/False (chat, with top_logprobs alternatives) or a
-        number of alternatives (text completions).
+        answer may run to the end of the context window (OpenAI's chat default), which the daemon
+        resolves. logprobs: True/False (chat, with top_logprobs alternatives) or a number of
+        alternatives (text completions).
         """
         given = {k: v for k, v in request.items() if v is not None}
         d = {k: v for k, v in given.items() if k in _FIELD_NAMES}
