@@ -141,7 +141,8 @@ def release_gpu() -> None:
 
 
 def generate(model_dir: Path, prompts: list[list[int]], params: Any, **kwargs: Any) -> tuple[list[list[int]], Any]:
-    """Outputs of a fresh engine; a second pass (every prompt then extends a radix-cached prefix) must mostly agree."""
+    """Outputs of a fresh engine, and in info["rerun"] those of a second pass, where every prompt extends a
+    radix-cached prefix (checked by the caller: `rerun_parity` on random weights, equality on the copier)."""
     from minisgl import LLM
 
     llm = LLM(str(model_dir), **{**ENGINE, **kwargs})
@@ -152,11 +153,11 @@ def generate(model_dir: Path, prompts: list[list[int]], params: Any, **kwargs: A
     tokens = [o.token_ids for o in outs]
     info = dict(
         backend=type(engine.attn_backend).__name__, graphs=engine.graph_runner is not None,
-        overlap=llm.scheduler.overlap, cached_rerun_equal=sum(o.token_ids == t for o, t in zip(again, tokens)),
+        overlap=llm.scheduler.overlap, rerun=[o.token_ids for o in again],
+        cached_rerun_equal=sum(o.token_ids == t for o, t in zip(again, tokens)),
     )
     del llm, engine, outs, again
     release_gpu()
-    assert info["cached_rerun_equal"] >= 0.75 * len(tokens), "extend over a cached prefix disagrees"
     return tokens, info
 
 
@@ -196,6 +197,15 @@ def parity(ref32: list[torch.Tensor], outs: list[list[int]]) -> dict[str, float]
             "clear_positions": round(clear / total, 3)}
 
 
+def rerun_parity(hf: Any, prompts: list[list[int]], info: dict[str, Any], key: str) -> None:
+    """The greedy second pass extends cached prefixes, a different kernel path from the first: on random weights
+    it is judged as the first pass is, by top-1 against fp32 HF where the margin is clear (its near-ties flip
+    under any change of kernel, and a flip changes the rest of that output, so whole-output equality is noise)."""
+    metrics = parity(teacher_forced(hf, prompts, info["rerun"]), info["rerun"])
+    report(key, {**metrics, "equal_to_first_pass": f"{info['cached_rerun_equal']}/{len(prompts)}"})
+    assert metrics["top1_clear_margin"] >= 0.99, f"extend over a cached prefix disagrees with HF: {metrics}"
+
+
 def test_bf16_greedy_parity_with_hf_transformers(qwen3_dir, hf_fp32):
     from transformers import AutoModelForCausalLM
 
@@ -204,6 +214,7 @@ def test_bf16_greedy_parity_with_hf_transformers(qwen3_dir, hf_fp32):
     prompts = make_prompts()
     ours, info = generate(qwen3_dir, prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     assert info["backend"] == "FlashInferBackend" and info["graphs"] and info["overlap"]
+    rerun_parity(hf_fp32, prompts, info, "parity_cached_rerun_vs_hf_fp32")
     hf = AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
     ref32 = teacher_forced(hf_fp32, prompts, ours)
     hf16 = teacher_forced(hf, prompts, ours)
@@ -248,6 +259,8 @@ def test_bf16_parity_with_hf_transformers_on_a_trained_model(copier_dir):
     prompts = [periodic(b[None], n)[0].tolist() for b, n in zip(bases, lengths)]
     ours, info = generate(copier_dir, prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     assert info["backend"] == "FlashInferBackend" and info["graphs"] and info["overlap"]
+    report("trained_cached_rerun_equal", f"{info['cached_rerun_equal']}/16")
+    assert info["cached_rerun_equal"] >= 12, "extend over a cached prefix disagrees (a confident model: equality applies)"
     expected = [periodic(b[None], n + MAX_NEW)[0, n:].tolist() for b, n in zip(bases, lengths)]
     rows = {}
     for dtype in (torch.bfloat16, torch.float32):
@@ -274,7 +287,7 @@ def test_bf16_parity_with_hf_transformers_on_a_trained_model(copier_dir):
     assert task >= 12  # and the model does its task, so agreement is not agreement on noise
 
 
-def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir):
+def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, hf_fp32):
     from minisgl import SamplingParams
 
     prompts = make_prompts(24, seed=1)
@@ -289,6 +302,9 @@ def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir):
         for overlap in (True, False):
             tokens, info = generate(qwen3_dir, prompts, params, disable_cuda_graph=not graphs, disable_overlap=not overlap)
             assert info["graphs"] == graphs and info["overlap"] == overlap
+            greedy = {**info, "rerun": info["rerun"][1::2],
+                      "cached_rerun_equal": sum(a == b for a, b in zip(info["rerun"][1::2], tokens[1::2]))}
+            rerun_parity(hf_fp32, prompts[1::2], greedy, f"cached_rerun_graphs={graphs},overlap={overlap}")
             results[(graphs, overlap)] = tokens
     ref = results[(False, False)]
     same = {f"graphs={g},overlap={o}": sum(a == b for a, b in zip(t, ref)) for (g, o), t in results.items()}
@@ -305,7 +321,8 @@ def test_backends_and_page_sizes_agree(qwen3_dir, hf_fp32, backend, page_size):
     prompts = make_prompts(seed=2)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     ref, _ = generate(qwen3_dir, prompts, params)
-    got, _ = generate(qwen3_dir, prompts, params, attention_backend=backend, page_size=page_size)
+    got, info = generate(qwen3_dir, prompts, params, attention_backend=backend, page_size=page_size)
+    rerun_parity(hf_fp32, prompts, info, f"backend_{backend}_page{page_size}_cached_rerun")
     same = sum(a == b for a, b in zip(got, ref))
     metrics = parity(teacher_forced(hf_fp32, prompts, got), got)
     report(f"backend_{backend}_page{page_size}", {**metrics, "greedy_equal_to_default": f"{same}/{len(ref)}"})
