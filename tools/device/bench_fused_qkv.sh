@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source tools/device/env.sh
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k fused_qkv 2>&1 | tail -2
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fused_qkv.py 2>&1 | tail -2
 MD=$(python3 -c "import sys; from minisgl.bench.throughput import write_model_dir; from pathlib import Path; print(write_model_dir(Path('.carry/tok')))")
 run() { name=$1; shift; echo "=== $name"; timeout 150 env "$@" 2>"$OUT/$name.err" | grep RESULT | sed "s/^/$name /"; }
 run fused python3 -m minisgl bench throughput run --model-dir "$MD" --latency
