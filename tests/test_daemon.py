@@ -352,6 +352,42 @@ def test_curve_daemon_refuses_clients_without_authorized_keys(curve_daemon: Curv
     assert time.monotonic() - t0 < 10
 
 
+def _ps(*args: str, env: dict[str, str] | None = None) -> str:
+    out = subprocess.run([sys.executable, "-m", "minisgl", "ps", *args], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **(env or {})})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_ps_without_daemons_says_so(tmp_path: Path) -> None:
+    assert _ps(env={"MINISGL_RUNTIME_DIR": str(tmp_path)}).strip() == "no minisgl daemon is running"
+    assert _ps("--json", env={"MINISGL_RUNTIME_DIR": str(tmp_path)}) == ""
+
+
+def test_ps_lists_each_daemon_with_its_state_and_load(
+    smollm2_daemon: DaemonHandle, client: Any, curve_daemon: CurveDaemon
+) -> None:
+    stream = client.stream("Once upon a time", LONG)  # one request in flight while ps looks
+    with stream:
+        next(iter(stream))
+        statuses = {s["pid"]: s for s in map(json.loads, _ps("--json").splitlines())}
+        table = _ps()
+    mine = statuses[smollm2_daemon.pid]
+    assert mine["address"] == smollm2_daemon.address and mine["model"] == "smollm2" and mine["state"] == "ready"
+    assert mine["total_pages"] == SMOLLM2_ENGINE["num_pages"] and mine["running"] == 1 and mine["req_pages"] > 0
+    assert mine["uptime_s"] >= 0
+    # The CURVE daemon does not answer a client without keys: ps says so instead of hanging or failing.
+    curve = statuses[curve_daemon.proc.pid]
+    assert curve["state"].startswith("refused") and "total_pages" not in curve
+    keyed = {"MINISGL_CURVE_CLIENT_KEY": str(curve_daemon.client_secret), "MINISGL_CURVE_SERVER_KEY": str(curve_daemon.server_public)}
+    curve = {s["pid"]: s for s in map(json.loads, _ps("--json", env=keyed).splitlines())}[curve_daemon.proc.pid]
+    assert curve["state"] == "ready" and curve["total_pages"] == 2048 and curve["running"] == 0
+    lines = table.splitlines()
+    assert lines[0].split()[:5] == ["MODEL", "ADDRESS", "PID", "STATE", "UP"]
+    row = next(line.split() for line in lines if str(smollm2_daemon.pid) in line.split())
+    assert row[0] == "smollm2" and row[3] == "ready" and row[5] == "1"  # RUNNING
+
+
 def test_oversize_message_drops_only_that_connection(curve_daemon: CurveDaemon) -> None:
     keys = curve_daemon.client_keys()
     with Client("tiny", curve_daemon.connect, auto_start=False, timeout=30, **keys) as big, \

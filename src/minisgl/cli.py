@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--all", action="store_true", help="stop every registered daemon")
     stop.add_argument("--timeout", type=float, default=30.0)
 
+    ps = sub.add_parser("ps", help="list the running daemons: model, address, state, load")
+    ps.add_argument("--json", action="store_true", help="one JSON object per daemon, one per line")
+
     shell = sub.add_parser("shell", help="interactive chat with a model (/reset clears the history)")
     shell.add_argument("--system", help="a system prompt")
     shell.add_argument("--max-tokens", type=int, default=512)
@@ -173,6 +176,47 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_ps(args: argparse.Namespace) -> int:
+    import json
+
+    from minisgl.runtime.auth import ClientCurve
+    from minisgl.runtime.launcher import daemon_status, running_daemons
+
+    curve = ClientCurve.resolve(None, None)  # $MINISGL_CURVE_CLIENT_KEY/_SERVER_KEY, for CURVE daemons
+    statuses = [daemon_status(r, curve) for r in sorted(running_daemons(), key=lambda r: r.started_at)]
+    if args.json:
+        for status in statuses:
+            print(json.dumps(status))
+        return 0
+    if not statuses:
+        print("no minisgl daemon is running")
+        return 0
+    rows = [("MODEL", "ADDRESS", "PID", "STATE", "UP", "RUNNING", "WAITING", "KV IN USE", "KV CACHED")]
+    for s in statuses:
+        load = ("-",) * 4
+        if "total_pages" in s:
+            total = max(s["total_pages"], 1)
+            load = (str(s["running"]), str(s["waiting"]), f"{100 * s['req_pages'] / total:.1f}%",
+                    f"{100 * s['cached_pages'] / total:.1f}%")
+        rows.append((s["model"], s["address"], str(s["pid"]), s["state"], _duration(s["uptime_s"]), *load))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    return 0
+
+
+def _duration(seconds: float) -> str:
+    """3s, 4m12s, 2h05m, 3d04h."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
 def cmd_shell(args: argparse.Namespace) -> int:
     from minisgl.client import Client
     from minisgl.core import SamplingParams
@@ -218,7 +262,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"serve": cmd_serve, "stop": cmd_stop, "shell": cmd_shell, "generate": cmd_generate, "keys": cmd_keys}
+COMMANDS = {"serve": cmd_serve, "stop": cmd_stop, "ps": cmd_ps, "shell": cmd_shell, "generate": cmd_generate, "keys": cmd_keys}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from minisgl.errors import DaemonError, DaemonNotRunningError, DaemonTimeoutErro
 from minisgl.runtime.addresses import daemon_name, default_address, parse_address, runtime_dir
 from minisgl.runtime.auth import ClientCurve
 from minisgl.runtime.connection import SyncConnection, as_exception
-from minisgl.runtime.protocol import Error, Ping, Pong, Shutdown, error_class, startup_failure
+from minisgl.runtime.protocol import Error, GetStats, Ping, Pong, Shutdown, StatsReply, error_class, startup_failure
 from minisgl.runtime.registry import FileLock, Registry, pid_alive
 
 PING_TIMEOUT_S = 3.0
@@ -220,3 +220,26 @@ def stop_daemon(address: str, timeout: float = 30.0, curve: ClientCurve | None =
 
 def running_daemons() -> list[Any]:
     return Registry().records()
+
+
+def daemon_status(record: Any, curve: ClientCurve | None = None, timeout: float = PING_TIMEOUT_S) -> dict[str, Any]:
+    """What `minisgl ps` shows of a registered daemon: its record, its state as it answers a ping
+    ("starting", "ready", "stopping", or "not answering" / "refused: ..." when it cannot say), and,
+    when ready, its scheduler's load (running and waiting requests, KV pages in use and cached)."""
+    status: dict[str, Any] = dict(
+        address=record.address, model=record.model, pid=record.pid, uptime_s=round(time.time() - record.started_at),
+        state="not answering",
+    )
+    try:
+        pong = ping(record.address, timeout, curve)
+        if pong is not None:
+            status["state"] = pong.state
+        if pong is not None and pong.state == "ready":
+            reply = _request(record.address, GetStats(uuid.uuid4().hex), timeout, curve)
+            if isinstance(reply, StatsReply):
+                status.update({k: v for k, v in reply.stats.items() if k not in status})
+    except DaemonTimeoutError:
+        pass
+    except DaemonError as e:  # e.g. a CURVE daemon without our key
+        status["state"] = f"refused: {e}"
+    return status
