@@ -278,6 +278,47 @@ def test_tokenizer_worker_validates_before_the_scheduler(tokenizer: Any) -> None
             prep.prepare(msg)
 
 
+# Qwen3's switch, as its template has it: with enable_thinking=False the answer starts after an empty think block.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_kwargs_render_as_hf_renders_them(tokenizer_dir: Path) -> None:
+    from minisgl.runtime.tokenizer_worker import RequestPreparer
+    from minisgl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    tok.chat_template = THINKING_TEMPLATE
+    prep = RequestPreparer(tok, {"context_length": 4096, "model_type": "qwen3"})
+    messages = [{"role": "user", "content": "Hi"}]
+
+    def hf(**template_kwargs: Any) -> list[int]:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+        return tok.encode(text, add_special_tokens=False)
+
+    plain = prep.prepare(P.Generate("r", messages=messages)).input_ids
+    off = prep.prepare(P.Generate("r", messages=messages, chat_template_kwargs={"enable_thinking": False})).input_ids
+    on = prep.prepare(P.Generate("r", messages=messages, chat_template_kwargs={"enable_thinking": True})).input_ids
+    assert plain == hf() == on and off == hf(enable_thinking=False) and off != plain
+    # The tool-aware rendering gets them too.
+    with_tools = prep.prepare(P.Generate("r", messages=messages, tools=[WEATHER_TOOL],
+                                         chat_template_kwargs={"enable_thinking": False})).input_ids
+    assert tok.decode(with_tools).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    cases = [
+        (P.Generate("r", messages=messages, chat_template_kwargs={"tokenize": True}), "tokenize"),
+        (P.Generate("r", messages=messages, chat_template_kwargs={"add_generation_prompt": False}), "add_generation_prompt"),
+        (P.Generate("r", messages=messages, chat_template_kwargs=["enable_thinking"]), "object"),  # type: ignore[arg-type]
+        (P.Generate("r", messages=messages, chat_template_kwargs={1: True}), "object"),  # type: ignore[dict-item]
+        (P.Generate("r", prompt="Hi", chat_template_kwargs={"enable_thinking": False}), "chat request"),
+    ]
+    for msg, words in cases:
+        with pytest.raises(InvalidRequestError, match=words):
+            prep.prepare(msg)
+
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {

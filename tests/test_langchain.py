@@ -205,6 +205,17 @@ def test_constructor_params_call_overrides_and_both_stop_lists_reach_sampling_pa
     assert params.stop == ["END", "STOP"]
 
 
+def test_chat_template_kwargs_of_the_model_and_the_call_are_merged_and_sent(stand_in):
+    llm = ChatMiniSGL(chat_template_kwargs={"enable_thinking": False, "style": "terse"})
+    llm.invoke("Hi")
+    llm.invoke("Hi", chat_template_kwargs={"style": "chatty"})
+    ChatMiniSGL().invoke("Hi")
+    sent = [r["chat_template_kwargs"] for c in stand_in.made for r in c.requests]
+    assert sent == [{"enable_thinking": False, "style": "terse"}, {"enable_thinking": False, "style": "chatty"}, None]
+    with pytest.raises(InvalidRequestError, match="chat_template_kwargs"):
+        ChatMiniSGL().invoke("Hi", chat_template_kwargs="enable_thinking")
+
+
 def test_without_max_tokens_the_answer_may_fill_the_context_window(stand_in):
     ChatMiniSGL().invoke("Hi")
     # max_tokens stays unset: the daemon resolves it to the rest of the context window
@@ -371,6 +382,8 @@ def test_bind_tools_gives_a_tool_call_whose_args_validate_against_the_tool(llm):
 def test_typed_errors_surface_from_the_daemon_and_the_client(llm):
     with pytest.raises(PromptTooLongError):
         llm.invoke("word " * 9000)
+    with pytest.raises(InvalidRequestError, match="tokenize"):  # the daemon's chat template refuses it
+        llm.invoke("Hi", chat_template_kwargs={"tokenize": True})
     nowhere = ChatMiniSGL(address=f"ipc:///tmp/msgl-none-{uuid.uuid4().hex[:8]}.sock", auto_start=False)
     with pytest.raises(DaemonNotRunningError):
         nowhere.invoke("Hi")

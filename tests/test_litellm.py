@@ -117,6 +117,18 @@ def test_sampling_parameters_reach_the_daemon(daemon):
     assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 8
 
 
+def test_chat_template_kwargs_reach_the_daemons_chat_template(daemon):
+    plain = litellm.completion(**ask(daemon, max_tokens=2))
+    # As vLLM/SGLang take them: a kwarg or extra_body; the template variable is unknown to SmolLM2's template.
+    for how in ({"chat_template_kwargs": {"enable_thinking": False}},
+                {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}):
+        same = litellm.completion(**ask(daemon, max_tokens=2, **how))
+        assert same.usage.prompt_tokens == plain.usage.prompt_tokens
+    for how in ({"chat_template_kwargs": {"tokenize": True}}, {"extra_body": {"chat_template_kwargs": {"tokenize": True}}}):
+        with pytest.raises(litellm.BadRequestError, match="tokenize"):  # refused by the daemon: it got there
+            litellm.completion(**ask(daemon, max_tokens=2, **how))
+
+
 def test_tool_calls_complete_and_stream_as_deltas_and_go_back_into_the_conversation(daemon):
     ask_weather = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
     kwargs = ask(daemon, messages=ask_weather, tools=TOOLS, tool_choice="required", max_tokens=40)

@@ -155,6 +155,21 @@ def test_chat_many_conversations_returns_a_list(smollm2):
     smollm2.check_integrity()
 
 
+def test_chat_template_kwargs_reach_the_template(smollm2, monkeypatch):
+    # A template with Qwen3's switch (SmolLM2's own has no variable); HF renders the reference.
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")
+    tok = smollm2.tokenizer
+    monkeypatch.setattr(tok, "chat_template", template)
+    messages = [{"role": "user", "content": "Hi"}]
+    out = smollm2.chat(messages, SamplingParams(max_tokens=1), chat_template_kwargs={"enable_thinking": False})
+    ref = tok.encode(tok.apply_chat_template(messages, tokenize=False, enable_thinking=False), add_special_tokens=False)
+    assert out.prompt_token_ids == ref and tok.decode(ref).endswith("</think>\n\n")
+    with pytest.raises(errors.InvalidRequestError, match="tokenize"):
+        smollm2.chat(messages, chat_template_kwargs={"tokenize": True})
+    smollm2.check_integrity()
+
+
 def test_same_seed_same_output_different_seed_different_output(smollm2):
     prompt = "Write a short poem about the ocean."
     p = lambda seed: SamplingParams(temperature=1.0, max_tokens=24, seed=seed)  # noqa: E731

@@ -125,6 +125,7 @@ def test_chat_completion_maps_openai_fields_to_sampling_params():
             "model": "stand-in", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
             "temperature": 0.3, "top_p": 0.9, "max_completion_tokens": 50, "stop": "\n", "seed": 7,
             "presence_penalty": 0.5, "frequency_penalty": 0.25, "n": 2, "some_future_field": True,
+            "chat_template_kwargs": {"enable_thinking": False},
         })
     assert r.status_code == 200, r.text
     call = stand_in.calls[0]
@@ -132,6 +133,7 @@ def test_chat_completion_maps_openai_fields_to_sampling_params():
     assert (p.temperature, p.top_p, p.max_tokens, p.stop, p.seed, p.n) == (0.3, 0.9, 50, ["\n"], 7, 2)
     assert (p.presence_penalty, p.frequency_penalty, p.logprobs) == (0.5, 0.25, None)
     assert call["prompt"] == [{"role": "user", "content": "Hi"}]
+    assert call["chat_template_kwargs"] == {"enable_thinking": False}
     body = r.json()
     assert body["object"] == "chat.completion"
     assert [c["index"] for c in body["choices"]] == [0, 1]
@@ -560,6 +562,8 @@ def test_bad_requests_are_openai_bad_request_errors(oai):
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model="smollm2", messages=QUESTION, tools=TOOLS,
                                     tool_choice={"type": "function", "function": {"name": "not_a_tool"}})
+    with pytest.raises(openai.BadRequestError, match="tokenize"):  # reached the daemon's chat template, refused there
+        oai.chat.completions.create(model="smollm2", messages=QUESTION, extra_body={"chat_template_kwargs": {"tokenize": True}})
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="gpt-4o", messages=QUESTION)
 

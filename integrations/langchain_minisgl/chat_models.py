@@ -81,6 +81,7 @@ class _Request(NamedTuple):
     tools: list[dict[str, Any]] | None
     tool_choice: Any
     response_format: dict[str, Any] | None
+    chat_template_kwargs: dict[str, Any] | None
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams.from_openai(self.params)  # max_tokens unset: the daemon fills the context
@@ -126,6 +127,9 @@ class ChatMiniSGL(BaseChatModel):
     repetition_penalty: float | None = None
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     """Stop strings for every call; a call's own `stop` adds to them."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra chat-template variables for every call, e.g. {"enable_thinking": False} for Qwen3 (vLLM and
+    SGLang's name); a call's own `chat_template_kwargs` are merged over them."""
 
     timeout: float | None = DEFAULT_TIMEOUT_S
     """Seconds to wait for each reply of the daemon (and for a daemon to start); None: no limit."""
@@ -370,6 +374,7 @@ class ChatMiniSGL(BaseChatModel):
                 stream = client.stream(
                     request.messages, request.sampling_params(), tools=request.tools,
                     tool_choice=request.tool_choice, response_format=request.response_format,
+                    chat_template_kwargs=request.chat_template_kwargs,
                 )
                 with stream:
                     for chunk in stream:
@@ -389,6 +394,7 @@ class ChatMiniSGL(BaseChatModel):
                 stream = client.stream(
                     request.messages, request.sampling_params(), tools=request.tools,
                     tool_choice=request.tool_choice, response_format=request.response_format,
+                    chat_template_kwargs=request.chat_template_kwargs,
                 )
                 async with stream:
                     async for chunk in stream:
@@ -411,16 +417,23 @@ class ChatMiniSGL(BaseChatModel):
         tools = kwargs.pop("tools", None) or None
         tool_choice = kwargs.pop("tool_choice", None)
         response_format = kwargs.pop("response_format", None)
+        template_kwargs = kwargs.pop("chat_template_kwargs", None)
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise InvalidRequestError("chat_template_kwargs must be a dict of template variables")
+        if self.chat_template_kwargs or template_kwargs:
+            template_kwargs = {**(self.chat_template_kwargs or {}), **(template_kwargs or {})}
         unknown = set(kwargs) - _CALL_PARAMS
         if unknown:
             raise InvalidRequestError(
                 f"ChatMiniSGL does not take {sorted(unknown)}: a call takes model, stop, tools, tool_choice, "
-                f"response_format and the sampling parameters {sorted(_CALL_PARAMS)}"
+                f"response_format, chat_template_kwargs and the sampling parameters {sorted(_CALL_PARAMS)}"
             )
         params = {name: getattr(self, name) for name in _MODEL_PARAMS if getattr(self, name) is not None}
         params.update(kwargs)
         params["stop"] = _merge_stops(self.stop, stop)
-        return _Request(model, _to_chat_messages(messages), params, tools, tool_choice, response_format)
+        return _Request(
+            model, _to_chat_messages(messages), params, tools, tool_choice, response_format, template_kwargs or None
+        )
 
 
 # ---------------------------------------------------------------------- minisgl → LangChain

@@ -46,13 +46,17 @@ class Request:
         self.tools = optional_params.get("tools") or None
         self.tool_choice = optional_params.get("tool_choice")
         self.response_format = _response_format(optional_params.get("response_format"))
+        self.chat_template_kwargs = optional_params.get("chat_template_kwargs")  # vLLM/SGLang's extra_body field
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, Mapping):
+            raise InvalidRequestError("chat_template_kwargs must be an object of template variables")
 
     def sampling_params(self) -> SamplingParams:
         """The request's SamplingParams; without max_tokens it may run to the end of the context (as OpenAI)."""
         return self._sampling  # validated once, in build_request; max_tokens unset: the daemon fills the context
 
     def generate_kwargs(self) -> dict[str, Any]:
-        return {"tools": self.tools, "tool_choice": self.tool_choice, "response_format": self.response_format}
+        return {"tools": self.tools, "tool_choice": self.tool_choice, "response_format": self.response_format,
+                "chat_template_kwargs": dict(self.chat_template_kwargs) if self.chat_template_kwargs else None}
 
 
 def build_request(messages: Any, optional_params: Mapping[str, Any], stream: bool = False) -> Request:

@@ -136,17 +136,15 @@ class _ResultBuilder:
         return GenerateResult(self.rid, [self.outputs[i] for i in sorted(self.outputs)], self.usage)
 
 
-def _generate_message(
-    prompt: Prompt, sampling_params: SamplingParams | None, tools: Any, tool_choice: Any, response_format: Any,
-    rid: str | None,
-) -> Generate:
+def _generate_message(prompt: Prompt, sampling_params: SamplingParams | None, rid: str | None, **chat: Any) -> Generate:
+    """chat: tools, tool_choice, response_format, chat_template_kwargs (Generate's fields of the same names)."""
     rid = rid if rid is not None else uuid.uuid4().hex
     if not isinstance(rid, str) or not rid:
         raise InvalidRequestError("rid must be a non-empty string")
     if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
         raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
     params = sampling_params.to_dict() if sampling_params is not None else None
-    extra = dict(params=params, tools=tools, tool_choice=tool_choice, response_format=response_format)
+    extra = dict(params=params, **chat)
     if isinstance(prompt, str):
         return Generate(rid, prompt=prompt, **extra)
     if isinstance(prompt, (list, tuple)):
@@ -196,11 +194,10 @@ class _ClientCore:
         )
 
     def _request(
-        self, prompt: Prompt, sampling_params: SamplingParams | None, tools: Any, tool_choice: Any,
-        response_format: Any, rid: str | None, timeout: float | None,
+        self, prompt: Prompt, sampling_params: SamplingParams | None, rid: str | None, timeout: float | None, **chat: Any
     ) -> tuple[Generate, float | None]:
         """The Generate message of a request and the timeout its replies get."""
-        msg = _generate_message(prompt, sampling_params, tools, tool_choice, response_format, rid)
+        msg = _generate_message(prompt, sampling_params, rid, **chat)
         return msg, self.timeout if timeout is _UNSET else timeout
 
     def _keep_model_info(self, reply: Any) -> dict[str, Any]:
@@ -354,11 +351,15 @@ class Client(_ClientCore):
         tools: list[dict[str, Any]] | None = None,
         tool_choice: Any = None,
         response_format: dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         rid: str | None = None,
         timeout: float | None = _UNSET,
     ) -> Stream:
         """Send the request now; iterate the returned Stream (in this thread) for its Chunks."""
-        msg, timeout = self._request(prompt, sampling_params, tools, tool_choice, response_format, rid, timeout)
+        msg, timeout = self._request(
+            prompt, sampling_params, rid, timeout, tools=tools, tool_choice=tool_choice, response_format=response_format,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         conn = self._conn()
         conn.open(msg.rid)
         conn.send(msg)
@@ -372,13 +373,18 @@ class Client(_ClientCore):
         tools: list[dict[str, Any]] | None = None,
         tool_choice: Any = None,
         response_format: dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         rid: str | None = None,
         timeout: float | None = _UNSET,
     ) -> GenerateResult:
-        """Run one request to the end. prompt: text, token ids, or chat messages [{"role", "content"}]."""
+        """Run one request to the end. prompt: text, token ids, or chat messages [{"role", "content"}].
+
+        With messages: tools / tool_choice (OpenAI-style), response_format, and chat_template_kwargs (extra
+        chat-template variables, e.g. {"enable_thinking": False} for Qwen3 models).
+        """
         stream = self.stream(
             prompt, sampling_params, tools=tools, tool_choice=tool_choice, response_format=response_format,
-            rid=rid, timeout=timeout,
+            chat_template_kwargs=chat_template_kwargs, rid=rid, timeout=timeout,
         )
         builder = _ResultBuilder(stream.rid)
         with stream:
@@ -524,11 +530,15 @@ class AsyncClient(_ClientCore):
         tools: list[dict[str, Any]] | None = None,
         tool_choice: Any = None,
         response_format: dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         rid: str | None = None,
         timeout: float | None = _UNSET,
     ) -> AsyncStream:
         """`async for chunk in client.stream(...)`; arguments as Client.stream."""
-        return AsyncStream(self, *self._request(prompt, sampling_params, tools, tool_choice, response_format, rid, timeout))
+        return AsyncStream(self, *self._request(
+            prompt, sampling_params, rid, timeout, tools=tools, tool_choice=tool_choice, response_format=response_format,
+            chat_template_kwargs=chat_template_kwargs,
+        ))
 
     async def generate(
         self,
@@ -538,12 +548,13 @@ class AsyncClient(_ClientCore):
         tools: list[dict[str, Any]] | None = None,
         tool_choice: Any = None,
         response_format: dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         rid: str | None = None,
         timeout: float | None = _UNSET,
     ) -> GenerateResult:
         stream = self.stream(
             prompt, sampling_params, tools=tools, tool_choice=tool_choice, response_format=response_format,
-            rid=rid, timeout=timeout,
+            chat_template_kwargs=chat_template_kwargs, rid=rid, timeout=timeout,
         )
         builder = _ResultBuilder(stream.rid)
         async with stream:

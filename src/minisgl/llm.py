@@ -92,13 +92,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> RequestOutput | list[RequestOutput]:
-        """One conversation -> one output; a list of conversations -> a list of outputs."""
+        """One conversation -> one output; a list of conversations -> a list of outputs.
+
+        chat_template_kwargs: extra chat-template variables, e.g. {"enable_thinking": False} for Qwen3.
+        """
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list of message dicts (or of conversations)")
         single = isinstance(messages[0], dict)
         conversations = [messages] if single else messages
-        token_lists = [apply_chat_template(self.tokenizer, conv, tools=tools) for conv in conversations]  # type: ignore[arg-type]
+        token_lists = [
+            apply_chat_template(self.tokenizer, conv, tools=tools, chat_template_kwargs=chat_template_kwargs)  # type: ignore[arg-type]
+            for conv in conversations
+        ]
         outs = self._generate_ids(token_lists, sampling_params, use_tqdm)
         return outs[0] if single else outs
 

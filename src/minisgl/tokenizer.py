@@ -38,14 +38,42 @@ def flatten_message(message: Any, i: int) -> dict[str, Any]:
     return message
 
 
+# apply_chat_template's own arguments: a chat_template_kwargs key with one of these names would
+# change how the prompt is built rather than give the template a variable.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def check_chat_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """chat_template_kwargs (vLLM/SGLang's name): extra variables for the chat template, such as Qwen3's
+    {"enable_thinking": False}. A dict with string keys, none of them an argument of the render itself."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise InvalidRequestError("chat_template_kwargs must be an object of template variables, e.g. "
+                                  '{"enable_thinking": false}')
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(reserved)} (not template variables)")
+    return dict(kwargs)
+
+
 def apply_chat_template(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
     tool_choice: Any = "auto",
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Render a conversation with the model's chat template and tokenize it."""
+    """Render a conversation with the model's chat template and tokenize it.
+
+    chat_template_kwargs: extra template variables (check_chat_template_kwargs).
+    """
+    template_kwargs = check_chat_template_kwargs(chat_template_kwargs)
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     for m in messages:
@@ -59,10 +87,13 @@ def apply_chat_template(
         from minisgl.structured.tools import render_tools_prompt
 
         text = render_tools_prompt(
-            tokenizer, messages, tools, add_generation_prompt=add_generation_prompt, tool_choice=tool_choice
+            tokenizer, messages, tools, add_generation_prompt=add_generation_prompt, tool_choice=tool_choice,
+            **template_kwargs,
         )
     else:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -52,6 +52,7 @@ class Generate(NamedTuple):
     tools: list[dict[str, Any]] | None = None  # OpenAI-style tool definitions
     tool_choice: Any = None  # "auto" | "none" | "required" | {"type": "function", "function": {"name": ...}}
     response_format: dict[str, Any] | None = None  # OpenAI-style {"type": "json_object" | "json_schema" | "text", ...}
+    chat_template_kwargs: dict[str, Any] | None = None  # extra chat-template variables (messages only)
 
 
 @_message("abort")

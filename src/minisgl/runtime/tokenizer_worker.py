@@ -55,13 +55,16 @@ class RequestPreparer:
         tools, forced = self._tools(msg)
         if tools and msg.messages is None:
             raise InvalidRequestError("tools need a chat request: send messages, not a plain prompt")
+        if msg.chat_template_kwargs is not None and msg.messages is None:
+            raise InvalidRequestError("chat_template_kwargs need a chat request: send messages, not a plain prompt")
         if forced:
             if params.has_grammar:
                 raise InvalidRequestError("a forced tool call cannot be combined with response_format or a grammar")
             params = params.with_grammar(**forced)
         if msg.messages is not None:
             input_ids = apply_chat_template(
-                self.tokenizer, msg.messages, tools=tools or None, tool_choice=msg.tool_choice or "auto"
+                self.tokenizer, msg.messages, tools=tools or None, tool_choice=msg.tool_choice or "auto",
+                chat_template_kwargs=msg.chat_template_kwargs,
             )
         elif msg.prompt is not None:
             if not isinstance(msg.prompt, str):

@@ -384,6 +384,7 @@ def create_app(
                 tools=body.tools or None,
                 tool_choice=body.tool_choice,
                 response_format=body.response_format_dict(),
+                chat_template_kwargs=body.chat_template_kwargs,
             )
             messages = body.chat_messages()
             rid = new_id("chatcmpl")

@@ -68,6 +68,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM/SGLang: extra chat-template variables
 
     def to_sampling_params(self) -> SamplingParams:
         """Without max_tokens the answer may run to the end of the context window (as OpenAI's): the
