@@ -366,6 +366,55 @@ def test_detokenizer_parses_tool_calls_out_of_the_text(tokenizer: Any) -> None:
     assert chunks[-1].finish_reason == "tool_calls"
 
 
+def _reasoning_of(tokenizer: Any, meta: dict[str, Any], text: str) -> tuple[str, str, list[Any]]:
+    """(reasoning, answer, chunks) the daemon's detokenizer makes of `text` generated token by token."""
+    from minisgl.runtime.detokenizer_worker import Detokenizer
+
+    detok = Detokenizer(tokenizer)
+    detok.add_request("r", {"n": 1, **meta})
+    chunks, _ = detok.process(_outputs("r", 0, tokenizer.encode(text, add_special_tokens=False), "stop", 2))
+    return "".join(c.reasoning for c in chunks), "".join(c.text for c in chunks), chunks
+
+
+def test_a_reasoning_parser_separates_the_think_part_from_the_answer_and_its_tool_calls(tokenizer_dir: Path) -> None:
+    from minisgl.client import merge_tool_calls
+    from minisgl.runtime.tokenizer_worker import RequestPreparer
+    from minisgl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    tok.chat_template = THINKING_TEMPLATE
+    info = {"context_length": 4096, "model_type": "qwen3", "config": {"reasoning_parser": "qwen3"}}
+    prep = RequestPreparer(tok, info)
+    messages = [{"role": "user", "content": "Capital of France?"}]
+    meta = prep.prepare(P.Generate("r", messages=messages)).detok
+    assert meta["reasoning"] is False  # the model opens <think> itself
+    reasoning, answer, _ = _reasoning_of(tok, meta, "<think>\nThe user asks for a capital.\n</think>\n\nParis.")
+    assert (reasoning, answer) == ("The user asks for a capital.", "Paris.")
+    # enable_thinking=False closes an empty block in the prompt: everything generated is the answer.
+    off = prep.prepare(P.Generate("r", messages=messages, chat_template_kwargs={"enable_thinking": False})).detok
+    assert off["reasoning"] is False
+    assert _reasoning_of(tok, off, "Paris.")[:2] == ("", "Paris.")
+    # A template that opens the block in the prompt (DeepSeek-R1): the output starts inside it.
+    tok.chat_template = THINKING_TEMPLATE.replace("{% if enable_thinking", "<think>\n{% if enable_thinking")
+    opened = prep.prepare(P.Generate("r", messages=messages)).detok
+    assert opened["reasoning"] is True
+    assert _reasoning_of(tok, opened, "Hmm, France.\n</think>\n\nParis.")[:2] == ("Hmm, France.", "Paris.")
+    assert _reasoning_of(tok, opened, "Hmm, France, cut short by max_to")[:2] == ("Hmm, France, cut short by max_to", "")
+    # Tool calls are parsed out of the answer only.
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    reasoning, answer, chunks = _reasoning_of(tok, {**meta, "tool_parser": "hermes"},
+                                              f"<think>I need the weather tool.</think>\n{call}")
+    calls: list[dict[str, Any]] = []
+    for c in chunks:
+        merge_tool_calls(calls, c.tool_calls or [])
+    assert reasoning == "I need the weather tool." and answer.strip() == ""
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and chunks[-1].finish_reason == "tool_calls"
+    # Without a reasoning parser, and for plain prompts, the text is left as it is.
+    assert RequestPreparer(tok, {**info, "config": {}}).prepare(P.Generate("r", messages=messages)).detok["reasoning"] is None
+    assert prep.prepare(P.Generate("r", prompt="<think>")).detok["reasoning"] is None
+    assert _reasoning_of(tok, {}, "<think>x</think>y")[:2] == ("", "<think>x</think>y")
+
+
 def test_response_format_becomes_a_json_schema() -> None:
     from minisgl.runtime.tokenizer_worker import apply_response_format
 

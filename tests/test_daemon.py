@@ -603,6 +603,77 @@ def test_an_idle_daemon_stops_after_its_idle_timeout(daemon_runtime_dir: Path, t
             proc.wait(30)
 
 
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+)
+
+
+def test_a_reasoning_parser_serves_the_think_part_apart_end_to_end(
+    daemon_runtime_dir: Path, tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve --reasoning-parser qwen3` with a model that writes "<think>France capital?</think>Paris!" (a script:
+    see tests/failing_model_plugin.py): the Client and the OpenAI API get the reasoning and the answer apart."""
+    import httpx
+    import openai
+    from transformers import AutoTokenizer
+
+    from conftest import _build_tiny
+    from minisgl.runtime.launcher import stop_daemon, wait_ready
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_tokens(["<think>", "</think>"])  # as Qwen3 has them: added, not special (decoded as text)
+    tok.chat_template = THINKING_TEMPLATE
+    tok.save_pretrained(tmp_path / "tok")
+    pieces = ["<think>", "France", " capital", "?", "</think>", "Paris", "!"]
+    script = [tok.encode(piece, add_special_tokens=False) for piece in pieces]
+    assert all(len(ids) == 1 for ids in script), script
+    model, env = _with_failing_plugin(
+        tmp_path, _build_tiny("llama", tmp_path / "tok", tmp_path / "thinker"), "ScriptedLlamaForCausalLM"
+    )
+    for key, value in {**env, "MINISGL_TEST_SCRIPT": ",".join(str(ids[0]) for ids in script)}.items():
+        monkeypatch.setenv(key, value)
+    address, port = f"ipc://{daemon_runtime_dir}/thinker.sock", free_port()
+    log = daemon_runtime_dir / "thinker.log"
+    proc = start_serve(["--model", str(model), "--address", address, "--reasoning-parser", "qwen3",
+                        "--http-port", str(port)], log)
+    messages = [{"role": "user", "content": "Capital of France?"}]
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    try:
+        wait_ready(address, 180, proc=proc, log_path=log)
+        with Client(str(model), address, auto_start=False, timeout=60) as c:
+            out = c.generate(messages, greedy)
+            assert (out.outputs[0].reasoning_content, out.text, out.finish_reason) == ("France capital?", "Paris!", "stop")
+            chunks = list(c.stream(messages, greedy))
+            assert "".join(ch.reasoning for ch in chunks) == "France capital?"
+            assert "".join(ch.text for ch in chunks) == "Paris!"
+            # chat_template_kwargs reach the daemon's template: the prompt is HF's rendering with them.
+            off = c.generate(messages, greedy, chat_template_kwargs={"enable_thinking": False})
+            rendered = tok.apply_chat_template(messages, tokenize=False, enable_thinking=False)
+            assert rendered.endswith("</think>\n\n")
+            assert off.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False)) > out.usage.prompt_tokens
+            plain = c.generate("Tell me", greedy)  # not a chat: no reasoning parsing
+            assert plain.outputs[0].reasoning_content is None and plain.text.startswith("<think>")
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        message = oai.chat.completions.create(model=str(model), messages=messages, temperature=0).choices[0].message
+        assert (message.reasoning_content, message.content) == ("France capital?", "Paris!")
+        deltas = [ch.choices[0].delta for ch in oai.chat.completions.create(
+            model=str(model), messages=messages, temperature=0, stream=True) if ch.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "France capital?"
+        assert "".join(d.content or "" for d in deltas) == "Paris!"
+    finally:
+        if proc.poll() is None:
+            stop_daemon(address, 30)
+        proc.wait(30)
+
+
 def test_serve_with_http_port_attaches_to_the_running_daemon(daemon_runtime_dir: Path, tiny_model_dir: Any) -> None:
     """`serve --http-port` for a model whose daemon already runs serves HTTP for that daemon instead of failing."""
     import httpx

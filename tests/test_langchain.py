@@ -216,6 +216,21 @@ def test_chat_template_kwargs_of_the_model_and_the_call_are_merged_and_sent(stan
         ChatMiniSGL().invoke("Hi", chat_template_kwargs="enable_thinking")
 
 
+def test_reasoning_comes_back_in_additional_kwargs_whole_and_streamed(stand_in):
+    """A daemon with --reasoning-parser sends the <think> part apart: additional_kwargs["reasoning_content"],
+    where langchain-deepseek puts it; the content is the answer alone."""
+    stand_in.script = [Chunk("r", 0, "", [], reasoning="The user wants"), Chunk("r", 0, "", [], reasoning=" a capital."),
+                       *_chunks(["Paris", "."])]
+    message = ChatMiniSGL().invoke("Capital of France?")
+    assert message.additional_kwargs == {"reasoning_content": "The user wants a capital."}
+    assert message.content == "Paris."
+    chunks = list(ChatMiniSGL().stream("Capital of France?"))
+    merged = chunks[0] + chunks[1:]
+    assert merged.additional_kwargs["reasoning_content"] == "The user wants a capital." and merged.content == "Paris."
+    stand_in.script = _chunks(["Paris", "."])
+    assert ChatMiniSGL().invoke("Capital of France?").additional_kwargs == {}  # no reasoning, no key
+
+
 def test_without_max_tokens_the_answer_may_fill_the_context_window(stand_in):
     ChatMiniSGL().invoke("Hi")
     # max_tokens stays unset: the daemon resolves it to the rest of the context window

@@ -129,6 +129,38 @@ def test_chat_template_kwargs_reach_the_daemons_chat_template(daemon):
             litellm.completion(**ask(daemon, max_tokens=2, **how))
 
 
+class ThinkingStandIn:
+    """A Client whose model reasoned first, as a daemon with --reasoning-parser reports it."""
+
+    def _chunks(self) -> list[Any]:
+        from minisgl import Chunk, Usage
+
+        return [Chunk("r", 0, "", [1], reasoning="The user wants"), Chunk("r", 0, "", [2], reasoning=" a capital."),
+                Chunk("r", 0, "Paris.", [3], finish_reason="stop", usage=Usage(5, 3, 0), done=True)]
+
+    def generate(self, messages: Any, params: Any, **kwargs: Any) -> Any:
+        from minisgl import CompletionOutput, GenerateResult, Usage
+
+        out = CompletionOutput(0, "Paris.", [1, 2, 3], "stop", reasoning_content="The user wants a capital.")
+        return GenerateResult("r", [out], Usage(5, 3, 0))
+
+    def stream(self, messages: Any, params: Any, **kwargs: Any) -> Any:
+        return (chunk for chunk in self._chunks())
+
+
+def test_reasoning_comes_back_as_reasoning_content(monkeypatch):
+    provider = next(p["custom_handler"] for p in litellm.custom_provider_map if p["provider"] == "minisgl")
+    monkeypatch.setattr(provider.daemons, "client", lambda *args: ThinkingStandIn())
+    whole = litellm.completion(model=MODEL, messages=QUESTION)
+    assert whole.choices[0].message.reasoning_content == "The user wants a capital."
+    assert whole.choices[0].message.content == "Paris."
+    chunks = list(litellm.completion(model=MODEL, messages=QUESTION, stream=True))
+    assert text_of(chunks) == "Paris."
+    reasoning = "".join((getattr(c.choices[0].delta, "provider_specific_fields", None) or {}).get("reasoning_content", "")
+                        for c in chunks if c.choices)
+    assert reasoning == "The user wants a capital."
+
+
 def test_tool_calls_complete_and_stream_as_deltas_and_go_back_into_the_conversation(daemon):
     ask_weather = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
     kwargs = ask(daemon, messages=ask_weather, tools=TOOLS, tool_choice="required", max_tokens=40)

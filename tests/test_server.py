@@ -31,10 +31,11 @@ from minisgl.server.app import create_app, run_http_server
 
 
 class StandInClient:
-    """Answers every request with `reply`, split into one chunk per word; records what it was asked."""
+    """Answers every request with `reply`, split into one chunk per word (after `reasoning`'s words, as a
+    daemon with a reasoning parser sends them); records what it was asked."""
     def __init__(self, reply: str = "Paris is the capital of France.", error: Exception | None = None,
-                 chunk_delay: float = 0.0) -> None:
-        self.reply, self.error, self.chunk_delay = reply, error, chunk_delay
+                 chunk_delay: float = 0.0, reasoning: str | None = None) -> None:
+        self.reply, self.error, self.chunk_delay, self.reasoning = reply, error, chunk_delay, reasoning
         self.calls: list[dict[str, Any]] = []
         self.aborted: list[str] = []
         self.finished: list[str] = []
@@ -71,7 +72,7 @@ class StandInClient:
         outputs = [
             SimpleNamespace(index=i, text="".join(pieces), token_ids=list(range(len(pieces))), finish_reason=finish,
                             logprobs=self._logprobs(pieces) if sampling_params.logprobs is not None else None,
-                            tool_calls=None)
+                            tool_calls=None, reasoning_content=self.reasoning)
             for i in range(sampling_params.n)
         ]
         if self.chunk_delay:
@@ -91,11 +92,14 @@ class StandInClient:
         done = False
         try:
             for i in range(sampling_params.n):
+                for k, r in enumerate((self.reasoning or "").split(" ") if self.reasoning else []):
+                    yield SimpleNamespace(index=i, text="", reasoning=r if k == 0 else " " + r, token_ids=[k],
+                                          finish_reason=None, logprobs=None, tool_calls=None, usage=None)
                 for k, p in enumerate(pieces):
                     await asyncio.sleep(self.chunk_delay)
                     last = k == len(pieces) - 1
                     yield SimpleNamespace(
-                        index=i, text=p, token_ids=[k], finish_reason="stop" if last else None,
+                        index=i, text=p, reasoning="", token_ids=[k], finish_reason="stop" if last else None,
                         logprobs=self._logprobs([p]) if sampling_params.logprobs is not None else None,
                         tool_calls=None,
                         usage=self._usage(sampling_params) if last and i == sampling_params.n - 1 else None,
@@ -172,6 +176,22 @@ def test_chat_stream_is_sse_with_role_first_then_deltas_usage_and_done():
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
+def test_reasoning_comes_as_reasoning_content_whole_and_in_deltas():
+    """A daemon with --reasoning-parser separates the <think> part; the API carries it as vLLM and SGLang do."""
+    with _app_client(StandInClient(reasoning="The user asks for a capital.")) as http:
+        whole = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+        streamed = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                           "stream": True})
+    message = whole.json()["choices"][0]["message"]
+    assert message["reasoning_content"] == "The user asks for a capital."
+    assert message["content"] == "Paris is the capital of France."
+    deltas = [json.loads(e)["choices"][0]["delta"] for e in _sse_events(streamed.text)[:-1]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user asks for a capital."
+    assert "".join(d.get("content", "") for d in deltas) == "Paris is the capital of France."
+    first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert all("reasoning_content" not in d for d in deltas[first_content:])  # reasoning first, then the answer
+
+
 class ToolCallingStandIn(StandInClient):
     """Calls get_weather(city="Paris") the way the daemon reports it: name first, then argument fragments."""
 
@@ -186,14 +206,16 @@ class ToolCallingStandIn(StandInClient):
         for k, delta in enumerate(self.DELTAS):
             last = k == len(self.DELTAS) - 1
             usage = self._usage(sampling_params) if last else None
-            yield SimpleNamespace(index=0, text="", token_ids=[k], finish_reason="tool_calls" if last else None,
-                                  logprobs=None, tool_calls=[delta], usage=usage)
+            yield SimpleNamespace(index=0, text="", reasoning="", token_ids=[k],
+                                  finish_reason="tool_calls" if last else None, logprobs=None, tool_calls=[delta],
+                                  usage=usage)
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, rid: str, **kw: Any) -> Any:
         self.calls.append({"prompt": prompt, "params": sampling_params, "rid": rid, **kw})
         function = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
         call = {"id": "call_1", "type": "function", "function": function}
-        out = SimpleNamespace(index=0, text="", finish_reason="tool_calls", logprobs=None, tool_calls=[call])
+        out = SimpleNamespace(index=0, text="", finish_reason="tool_calls", logprobs=None, tool_calls=[call],
+                              reasoning_content=None)
         return SimpleNamespace(outputs=[out], usage=self._usage(sampling_params))
 
 

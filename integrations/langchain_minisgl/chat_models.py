@@ -447,7 +447,7 @@ class _MessageChunks:
 
     def convert(self, chunk: Chunk) -> ChatGenerationChunk | None:
         calls = _tool_call_chunks(chunk.tool_calls or [])
-        if not (chunk.text or calls or chunk.done):
+        if not (chunk.text or chunk.reasoning or calls or chunk.done):
             return None
         metadata: dict[str, Any] = {"model_provider": PROVIDER}
         usage = None
@@ -457,6 +457,8 @@ class _MessageChunks:
             usage = _usage_metadata(chunk.usage)
         message = AIMessageChunk(
             content=chunk.text,
+            # A daemon with --reasoning-parser: the <think> part, where langchain-deepseek puts it too.
+            additional_kwargs={"reasoning_content": chunk.reasoning} if chunk.reasoning else {},
             tool_call_chunks=calls,
             usage_metadata=usage,
             response_metadata=metadata,
@@ -486,6 +488,7 @@ def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
             )
     message = AIMessage(
         content=merged.content,
+        additional_kwargs=merged.additional_kwargs,  # reasoning_content, when the daemon separates it
         tool_calls=tool_calls,
         invalid_tool_calls=invalid,
         usage_metadata=merged.usage_metadata,

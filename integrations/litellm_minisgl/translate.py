@@ -152,7 +152,8 @@ def to_model_response(result: Any, model_response: ModelResponse, model: str) ->
     choices = []
     for out in result.outputs:
         calls = out.tool_calls or None
-        message = Message(role="assistant", content=out.text if (out.text or not calls) else None, tool_calls=calls)
+        message = Message(role="assistant", content=out.text if (out.text or not calls) else None, tool_calls=calls,
+                          reasoning_content=out.reasoning_content)
         choice = Choices(index=out.index, message=message, finish_reason=out.finish_reason or "stop")
         logprobs = _logprobs(out.logprobs)
         if logprobs is not None:
@@ -171,6 +172,9 @@ def stream_chunks(chunk: Any) -> Iterator[GenericStreamingChunk]:
     (the daemon already reports a sequence that called tools and stopped as "tool_calls")."""
     index = int(chunk.index)
     text = chunk.text
+    if chunk.reasoning:  # LiteLLM's streaming interface has no reasoning field: delta.provider_specific_fields
+        yield GenericStreamingChunk(text="", tool_use=None, is_finished=False, finish_reason="", usage=None,
+                                    index=index, provider_specific_fields={"reasoning_content": chunk.reasoning})
     for delta in chunk.tool_calls or []:
         fn = delta.get("function") or {}
         tool_use = {

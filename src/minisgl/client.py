@@ -121,6 +121,8 @@ class _ResultBuilder:
     def add(self, chunk: Chunk) -> None:
         out = self.outputs.setdefault(chunk.index, CompletionOutput(chunk.index))
         out.text += chunk.text
+        if chunk.reasoning:
+            out.reasoning_content = (out.reasoning_content or "") + chunk.reasoning
         out.token_ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:
             out.logprobs = (out.logprobs or []) + chunk.logprobs

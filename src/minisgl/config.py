@@ -9,6 +9,8 @@ from typing import Any
 from minisgl.errors import ConfigError
 
 CACHE_KINDS = ("radix", "naive")
+# --reasoning-parser names (vLLM's and SGLang's); all of these models write <think>...</think>.
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" or "dummy" (random weights, for benchmarks)
     seed: int = 0
     schedule_policy: str = "lpm"  # "lpm" (longest prefix match first, fair) or "fcfs"
+    reasoning_parser: str | None = None  # "qwen3" / "deepseek-r1": chat answers carry the <think> part apart
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -59,6 +62,10 @@ class EngineConfig:
             raise ConfigError(f"num_pages must be >= 1, got {self.num_pages!r}")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ConfigError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ConfigError(
+                f"unknown reasoning parser {self.reasoning_parser!r}: choose one of {', '.join(REASONING_PARSERS)}"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16", "auto"):

@@ -318,6 +318,7 @@ class CompletionOutput:
     matched_stop: str | int | None = None  # the stop string or token id that ended it
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI-shaped {id, type, function: {name, arguments}}
     logprobs: list[Any] | None = None  # per token; the client's are {token_id, token, logprob, top_logprobs}
+    reasoning_content: str | None = None  # the <think> part, apart from text, when the daemon has a reasoning parser
 
 
 class FirstOutputShortcuts:

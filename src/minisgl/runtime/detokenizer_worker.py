@@ -1,5 +1,5 @@
 """The text worker's output side: token ids -> text deltas (UTF-8 safe, stop strings trimmed), usage,
-tool calls, and the "tool_calls" finish reason (the one place it is decided)."""
+reasoning apart from the answer, tool calls, and the "tool_calls" finish reason (the one place it is decided)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ class RequestState:
         self.stop = list(meta.get("stop") or [])
         self.skip_special_tokens = bool(meta.get("skip_special_tokens", True))
         self.tool_parser_name = meta.get("tool_parser")  # set when the request has tools
+        self.reasoning = meta.get("reasoning")  # None: no reasoning parser; else whether the output opens inside <think>
+        self.reasoning_parsers: dict[int, Any] = {}
         self.detoks: dict[int, IncrementalDetokenizer] = {}
         self.tool_parsers: dict[int, Any] = {}
         self.called: set[int] = set()  # indices that produced a tool call
@@ -29,6 +31,15 @@ class RequestState:
         if index not in self.detoks:
             self.detoks[index] = IncrementalDetokenizer(self.tokenizer, self.stop, self.skip_special_tokens)
         return self.detoks[index]
+
+    def reasoning_parser(self, index: int) -> Any:
+        if self.reasoning is None:
+            return None
+        if index not in self.reasoning_parsers:
+            from minisgl.structured.reasoning import ReasoningParser
+
+            self.reasoning_parsers[index] = ReasoningParser(bool(self.reasoning))
+        return self.reasoning_parsers[index]
 
     def tool_parser(self, index: int) -> Any:
         if not self.tool_parser_name:
@@ -68,6 +79,13 @@ class Detokenizer:
         text = detok.add(out.new_token_ids) if out.new_token_ids else ""
         if out.finished:
             text += detok.finish()
+        reasoning = ""
+        thinking = state.reasoning_parser(out.index)
+        if thinking is not None:  # the answer (what follows </think>) goes on to the tool parser
+            reasoning, text = thinking.feed(text)
+            if out.finished:
+                more_reasoning, more_text = thinking.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
         tool_calls = None
         parser = state.tool_parser(out.index)
         if parser is not None:
@@ -90,7 +108,7 @@ class Detokenizer:
         logprobs = self._logprobs(out) if out.new_logprobs else None
         return Chunk(
             out.rid, out.index, text, list(out.new_token_ids), logprobs, finish_reason,
-            out.matched_stop if out.finished else None, tool_calls, usage, done,
+            out.matched_stop if out.finished else None, tool_calls, usage, done, reasoning,
         )
 
     def _token(self, token_id: int) -> str:

@@ -107,6 +107,7 @@ class Chunk(NamedTuple):
     tool_calls: list[dict[str, Any]] | None = None  # tool-call deltas (see minisgl.structured.parsers)
     usage: Usage | None = None
     done: bool = False
+    reasoning: str = ""  # new reasoning text (<think> part), with a --reasoning-parser; text is then the answer
 
 
 @_message("chunks")

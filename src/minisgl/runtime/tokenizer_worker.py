@@ -44,6 +44,7 @@ class RequestPreparer:
         self.tokenizer = tokenizer
         self.context_length = int(model_info["context_length"])
         self.model_type = str(model_info.get("model_type") or "")
+        self.reasoning_parser = (model_info.get("config") or {}).get("reasoning_parser")
         self._tool_format: str | None = None
 
     def prepare(self, msg: Generate) -> AddRequest:
@@ -85,8 +86,15 @@ class RequestPreparer:
             "stop": params.stop,
             "skip_special_tokens": params.skip_special_tokens,
             "tool_parser": self.tool_format if tools else None,
+            # Chat answers of a thinking model: does the prompt leave the output inside <think>?
+            "reasoning": self._opens_in_reasoning(input_ids) if self.reasoning_parser and msg.messages else None,
         }
         return AddRequest(msg.rid, input_ids, params.to_dict(), detok)
+
+    def _opens_in_reasoning(self, input_ids: list[int]) -> bool:
+        from minisgl.structured.reasoning import opens_in_reasoning
+
+        return opens_in_reasoning(self.tokenizer.decode(input_ids[-16:], skip_special_tokens=False))
 
     @property
     def tool_format(self) -> str:

@@ -472,7 +472,8 @@ def _chat_response(out: Any, rid: str, model: str) -> ChatCompletionResponse:
     choices = []
     for o in out.outputs:
         calls = [ToolCall.model_validate(c) for c in o.tool_calls or []] or None
-        message = ChatMessage(content=o.text if (o.text or not calls) else None, tool_calls=calls)
+        message = ChatMessage(content=o.text if (o.text or not calls) else None, tool_calls=calls,
+                              reasoning_content=o.reasoning_content)
         choices.append(ChatChoice(index=o.index, message=message, logprobs=chat_logprobs(o.logprobs),
                                   finish_reason=o.finish_reason))
     return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage(out.usage))
@@ -512,8 +513,9 @@ async def _chat_events(
                 yield event(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
             tool_deltas, finish = chunk.tool_calls, chunk.finish_reason  # the daemon says "tool_calls" itself
             logprobs = chat_logprobs(chunk.logprobs) if body.logprobs else None
-            if chunk.text or tool_deltas or logprobs or finish:
-                delta = DeltaMessage(content=chunk.text or None, tool_calls=tool_deltas or None)
+            if chunk.text or chunk.reasoning or tool_deltas or logprobs or finish:
+                delta = DeltaMessage(content=chunk.text or None, tool_calls=tool_deltas or None,
+                                     reasoning_content=chunk.reasoning or None)
                 yield event(ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish))
             if chunk.usage is not None:
                 usage = _usage(chunk.usage)

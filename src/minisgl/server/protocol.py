@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
@@ -187,6 +187,14 @@ class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # vLLM/SGLang's field, with --reasoning-parser; left out when None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_reasoning(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -209,6 +217,7 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI tool-call deltas, passed through as the daemon sends them
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
