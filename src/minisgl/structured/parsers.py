@@ -225,7 +225,7 @@ def _is_json_object(text: str) -> bool:
         return False
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of tag (to hold back)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -361,7 +361,7 @@ class HermesToolParser(StreamingToolParser):
                 tag = start if self._state == _TEXT else end
                 i = buf.find(tag)
                 if i < 0:
-                    keep = 0 if final else _partial_suffix(buf, tag)
+                    keep = 0 if final else partial_suffix(buf, tag)
                     self._emit_content(buf[: len(buf) - keep])
                     self._buf = buf[len(buf) - keep:]
                     return

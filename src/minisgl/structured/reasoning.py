@@ -14,6 +14,8 @@ all reasoning. Streamed deltas concatenate to parse(text) for every split of the
 
 from __future__ import annotations
 
+from minisgl.structured.parsers import partial_suffix
+
 START, END = "<think>", "</think>"  # the tags of every parser in minisgl.config.REASONING_PARSERS
 
 
@@ -21,14 +23,6 @@ def opens_in_reasoning(prompt_tail: str) -> bool:
     """True when the rendered prompt ends inside an open <think> block (the output starts as reasoning)."""
     tail = prompt_tail.rstrip()
     return tail.endswith(START)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag (a tag that may be arriving)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -66,7 +60,7 @@ class ReasoningParser:
                     self.buf, self.state, self.closed = self.buf[end + len(END):], "content", True
                     continue
                 # Hold back a tag that may be arriving and trailing whitespace (dropped if </think> follows).
-                keep = _partial_suffix(self.buf, END)
+                keep = partial_suffix(self.buf, END)
                 head, tail = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                 body = head.rstrip()
                 reasoning.append(body)
