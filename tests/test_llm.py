@@ -211,6 +211,40 @@ def test_n_samples_share_the_prompt_and_logprobs_are_reported(smollm2):
     smollm2.check_integrity()
 
 
+def test_prompt_logprobs_match_hf_and_skip_the_prefix_cache(tiny_model_dir):
+    """Per prompt token: log_softmax of HF's (fp32) logits at the previous position, top-k alternatives too;
+    across prefill chunks, with a cached prefix (recomputed: cached tokens have no logits), and for n > 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir("llama")
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    rng = random.Random(7)
+    vocab = hf.config.vocab_size
+    shared = [rng.randrange(10, vocab) for _ in range(40)]
+    prompts = [shared + [rng.randrange(10, vocab) for _ in range(n)] for n in (5, 30)] + [[rng.randrange(10, vocab)]]
+    llm = LLM(str(model_dir), max_prefill_tokens=16)  # 45- and 70-token prompts: several chunks each
+    llm.generate([shared + [1, 2]], SamplingParams(max_tokens=1), use_tqdm=False)  # the shared prefix is cached
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3),
+                                  SamplingParams(temperature=1.0, max_tokens=2, prompt_logprobs=0, n=2, seed=1),
+                                  SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)], use_tqdm=False)
+    for prompt, out, k in zip(prompts, outs, (3, 0, 2)):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        got = out.prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None
+        assert out.cached_tokens == 0  # computed, not read from the cache
+        for t in range(1, len(prompt)):
+            lp, alts = got[t]
+            assert lp == pytest.approx(float(ref[t - 1, prompt[t]]), abs=1e-4)
+            top = ref[t - 1].topk(k) if k else None
+            assert [a for a, _ in alts] == (top.indices.tolist() if k else [])
+            assert [v for _, v in alts] == pytest.approx(top.values.tolist() if k else [], abs=1e-4)
+    assert outs[1].outputs[1].token_ids  # the second sample ran too (it reads the prompt from the cache)
+    assert llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None
+    llm.check_integrity()
+
+
 def test_repetition_penalty_matches_hf(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
     from transformers import AutoConfig

@@ -83,7 +83,7 @@ class StandInClient:
                 raise
         self.finished.append(rid)
         return SimpleNamespace(outputs=outputs, text=outputs[0].text, finish_reason=finish, tool_calls=None,
-                               usage=self._usage(sampling_params))
+                               usage=self._usage(sampling_params), prompt_logprobs=None)
     async def stream(self, prompt: Any, sampling_params: SamplingParams, rid: str, **kw: Any) -> Any:
         self.calls.append({"prompt": prompt, "params": sampling_params, "rid": rid, **kw})
         if self.error is not None:
@@ -291,6 +291,12 @@ def test_error_after_the_first_byte_ends_the_stream_with_an_error_event():
     assert json.loads(events[0])["choices"][0]["text"] == "Par"
     assert json.loads(events[1])["error"]["message"] == "the request was aborted: the daemon is shutting down"
     assert events[2:] == ["[DONE]"]
+
+
+def test_echo_cannot_stream_and_says_so():
+    with _app_client(StandInClient()) as http:
+        r = http.post("/v1/completions", json={"prompt": "Hi", "echo": True, "stream": True})
+    assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
 
 
 def test_json_schema_response_format_without_a_schema_is_a_400():
@@ -511,6 +517,39 @@ def test_openai_completions_text_and_token_prompts_and_batches(oai, client, smol
     assert batch.choices[0].text == client.generate(prompt, SamplingParams(temperature=0, max_tokens=4)).text
     streamed = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == ref.text
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_hf_transformers_does(oai, smollm2_dir):
+    """What evaluation harnesses send for log-likelihoods: echo=True, logprobs=1, max_tokens=1."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = "The capital of France is Paris, and the capital of Italy is Rome"
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    ids = tok(prompt).input_ids
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for _ in range(2):  # the second time the prompt is in the prefix cache: computed again all the same
+        r = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=1, logprobs=1, echo=True, temperature=0)
+        choice = r.choices[0]
+        assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(ids) + 1
+        assert lp.tokens[: len(ids)] == [tok.decode([i]) for i in ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for t in range(1, len(ids)):
+            assert lp.token_logprobs[t] == pytest.approx(float(ref[t - 1, ids[t]]), abs=2e-3)
+            assert max(lp.top_logprobs[t].values()) == pytest.approx(float(ref[t - 1].max()), abs=2e-3)
+    plain = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0, echo=True)
+    assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+    # vLLM's extra field: the prompt's logprobs in the choice, without echo.
+    extra = oai.completions.create(model="smollm2", prompt=ids, max_tokens=1, temperature=0,
+                                   extra_body={"prompt_logprobs": 2})
+    entries = extra.choices[0].model_extra["prompt_logprobs"]
+    assert [e["token_id"] for e in entries] == ids and entries[0]["logprob"] is None
+    assert entries[5]["logprob"] == pytest.approx(float(ref[4, ids[5]]), abs=2e-3) and len(entries[5]["top_logprobs"]) == 2
+    assert not extra.choices[0].text.startswith(prompt)
 
 
 def test_openai_models_lists_the_served_model(oai):

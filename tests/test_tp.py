@@ -41,7 +41,13 @@ def test_a_prefix_cache_reset_reaches_every_rank(tiny_model_dir):
         again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in again] == ref
         assert all(o.cached_tokens == 0 for o in again)  # nothing served from a cache that was reset
+        # Prompt logprobs bypass the (now warm) cache on every rank alike, and agree with TP=1's.
+        scored = llm.generate(PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
         llm.check_integrity()
+    single = LLM(str(model_dir)).generate(PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    for got, want in zip(scored, single):
+        assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(want.prompt_logprobs)
+        assert [e[0] for e in got.prompt_logprobs[1:]] == pytest.approx([e[0] for e in want.prompt_logprobs[1:]], abs=1e-4)
 
 
 def test_an_idle_engine_outlives_the_dist_timeout(tiny_model_dir):

@@ -78,6 +78,7 @@ class GenerateResult(FirstOutputShortcuts):
     rid: str
     outputs: list[CompletionOutput]
     usage: Usage
+    prompt_logprobs: list[dict[str, Any]] | None = None  # with SamplingParams.prompt_logprobs (see Chunk)
 
     @property
     def matched_stop(self) -> str | int | None:
@@ -117,6 +118,7 @@ class _ResultBuilder:
         self.rid = rid
         self.outputs: dict[int, CompletionOutput] = {}
         self.usage = Usage(0, 0, 0)
+        self.prompt_logprobs: list[dict[str, Any]] | None = None
 
     def add(self, chunk: Chunk) -> None:
         out = self.outputs.setdefault(chunk.index, CompletionOutput(chunk.index))
@@ -133,9 +135,11 @@ class _ResultBuilder:
             out.finish_reason, out.matched_stop = chunk.finish_reason, chunk.matched_stop
         if chunk.usage is not None:
             self.usage = chunk.usage
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
 
     def result(self) -> GenerateResult:
-        return GenerateResult(self.rid, [self.outputs[i] for i in sorted(self.outputs)], self.usage)
+        return GenerateResult(self.rid, [self.outputs[i] for i in sorted(self.outputs)], self.usage, self.prompt_logprobs)
 
 
 def _generate_message(prompt: Prompt, sampling_params: SamplingParams | None, rid: str | None, **chat: Any) -> Generate:

@@ -36,6 +36,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     n: int = 1
     logprobs: int | None = None  # None: off; k >= 0: chosen token plus top-k alternatives
+    prompt_logprobs: int | None = None  # the same for each prompt token (the first has none); computes the whole prompt
     skip_special_tokens: bool = True
     # Structured output: at most one of these (see minisgl.structured).
     json_schema: str | dict | None = None
@@ -75,6 +76,11 @@ class SamplingParams:
             raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad(f"prompt_logprobs must be None or an integer in [0, 20], got {self.prompt_logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -179,6 +185,9 @@ class TokenOutput(NamedTuple):
     completion_tokens: int
     error: str | None = None  # set when finish_reason is "abort" because of a failure
     error_type: str | None = None  # the minisgl.errors class of that failure (default RequestAbortedError)
+    # With SamplingParams.prompt_logprobs, on the first output of sample 0: per prompt token, as new_logprobs
+    # (None for the first token, which nothing predicts).
+    prompt_logprobs: list[Any] | None = None
 
 
 class Phase(enum.Enum):
@@ -211,6 +220,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     tokens_in_flight: int = 0  # sampled on the device, not yet read on the host (overlap scheduling)
     output_logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs: list[Any] | None = None  # filled chunk by chunk while the prompt is computed (prompt_logprobs)
     finished: bool = False
     finish_reason: str | None = None
     matched_stop: str | int | None = None
@@ -235,6 +245,13 @@ class Req:
     @property
     def num_output(self) -> int:
         return len(self.output_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Sample 0 of a request with prompt_logprobs whose prompt logprobs are not all in: its prefill
+        computes every prompt token (a cached prefix would have no logits)."""
+        have = 0 if self.prompt_logprobs is None else len(self.prompt_logprobs)
+        return self.sampling_params.prompt_logprobs is not None and self.index == 0 and have < self.prompt_len
 
     @property
     def num_sampled(self) -> int:

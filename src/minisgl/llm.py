@@ -23,6 +23,8 @@ class RequestOutput(FirstOutputShortcuts):
     cached_tokens: int
     completion_tokens: int = 0
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: per prompt token (logprob, [(token_id, logprob), ...top-k]), None first.
+    prompt_logprobs: list[Any] | None = None
 
     @property
     def logprobs(self) -> list[Any] | None:
@@ -181,6 +183,7 @@ class LLM:
             cached_tokens=per_index[0][-1].cached_tokens,
             completion_tokens=sum(per_index[i][-1].completion_tokens for i in range(params.n)),
             error=last.error,
+            prompt_logprobs=next((c.prompt_logprobs for c in per_index[0] if c.prompt_logprobs is not None), None),
         )
 
     # ------------------------------------------------------------------ step by step (as vLLM's LLMEngine)

@@ -154,39 +154,72 @@ class Engine:
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         """Run the model on the batch; returns logits [num sampled rows, vocab] (float32)."""
+        return self._forward(batch)[0]
+
+    def _forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the sampled rows' logits, every row's hidden state for a prefill, else None)."""
         ctx = get_context()
         ctx.attn_backend, ctx.kv_pool = self.attn_backend, self.kv_pool  # several engines may share a process
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.run(batch)
+            return self.graph_runner.run(batch), None
         self.attn_backend.prepare(batch)
         ctx = get_context()
         with ctx.forward_batch(batch):
             hidden = self.model(batch.input_ids, batch.positions)
         if batch.is_decode:  # one token per request, every one sampled
-            return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden), None
         # Index of each sampled request's last token, built on the host: no device sync.
         last, end = [], 0
         for extend, sampled in zip(batch.extend_lens, batch.sample_mask or [True] * batch.size):
             end += extend
             if sampled:
                 last.append(end - 1)
-        return self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.int64).to(self.device, non_blocking=True)])
+        rows = torch.tensor(last, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden[rows]), hidden
 
+    def _prompt_logprobs(self, batch: Batch, hidden: torch.Tensor) -> dict[int, list[Any]]:
+        """{batch row: logprob entries of the prompt tokens this chunk predicts} for the requests that want them.
+
+        A request's rows cover positions cached_len .. cached_len + extend - 1; row p predicts token p + 1,
+        a prompt token while p + 1 < prompt_len (the last prompt position predicts the first output token).
+        """
+        from minisgl.engine.sampler import token_logprobs
+
+        out: dict[int, list[Any]] = {}
+        offset = 0
+        for i, (req, extend) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            if req.wants_prompt_logprobs:
+                start, stop = req.cached_len, min(req.cached_len + extend, req.prompt_len - 1)
+                targets = torch.tensor(req.input_ids[start + 1 : stop + 1], dtype=torch.int64).to(self.device)
+                out[i] = token_logprobs(
+                    self.model.compute_logits, hidden[offset : offset + max(0, stop - start)], targets,
+                    req.sampling_params.prompt_logprobs,
+                )
+            offset += extend
+        return out
+
+    @torch.inference_mode()
     def forward_and_sample(
         self, batch: Batch, sampled: list[Req], bitmask_fn: Any = None
-    ) -> tuple[torch.Tensor | None, list[Any] | None]:
-        """Queue the forward and the sampling of `sampled` (next ids on the device, logprobs); changes no request.
-
-        (None, None) when nothing is sampled (a middle chunk of a prompt: its KV only).
-        bitmask_fn(logits) applies the grammar masks of `sampled`, or is None.
+    ) -> tuple[torch.Tensor | None, list[Any] | None, dict[int, list[Any]] | None]:
+        """Queue the forward and the sampling of `sampled`; changes no request. Returns the next ids (on the
+        device; None when nothing is sampled: a middle chunk of a prompt, its KV only), their logprobs,
+        and the prompt logprobs of the batch rows that asked for them (SamplingParams.prompt_logprobs; these
+        wait for the device) or None. bitmask_fn(logits) applies the grammar masks of `sampled`, or is None.
         """
         from minisgl.engine.sampler import SamplingInfo
 
-        logits = self.forward(batch)
+        prompt = None
+        if batch.is_prefill and any(r.wants_prompt_logprobs for r in batch.reqs):
+            logits, hidden = self._forward(batch)
+            assert hidden is not None, "a prefill runs eagerly"
+            prompt = self._prompt_logprobs(batch, hidden)
+        else:
+            logits = self.forward(batch)
         if not sampled:
-            return None, None
+            return None, None, prompt
         info = SamplingInfo.from_reqs(sampled, self.model_config.vocab_size, self.device)
-        return self.sampler.sample(logits, sampled, info, bitmask_fn)
+        return (*self.sampler.sample(logits, sampled, info, bitmask_fn), prompt)
 
 
 def _min_over_ranks(n: int, device: torch.device) -> int:

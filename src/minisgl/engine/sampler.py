@@ -165,6 +165,22 @@ def compute_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, reqs: list["R
     return out
 
 
+def token_logprobs(compute_logits: Any, hidden: torch.Tensor, targets: torch.Tensor, k: int, block: int = 512) -> list[Any]:
+    """(logprob of targets[i], top-k [(token_id, logprob)]) under the logits of hidden[i], in blocks of rows
+    (a long prompt's full-vocabulary logits at once would not fit)."""
+    out: list[Any] = []
+    for s in range(0, len(targets), block):
+        logprobs = torch.log_softmax(compute_logits(hidden[s : s + block]).float(), dim=-1)
+        chosen = logprobs.gather(-1, targets[s : s + block, None]).squeeze(-1).tolist()
+        if k > 0:
+            top = logprobs.topk(k, dim=-1)
+            alts = [list(zip(ids, vals)) for ids, vals in zip(top.indices.tolist(), top.values.tolist())]
+        else:
+            alts = [[] for _ in chosen]
+        out += list(zip(chosen, alts))
+    return out
+
+
 def _flashinfer_sampling() -> Any:
     try:
         import flashinfer.sampling

@@ -21,6 +21,7 @@ class RequestState:
         self.tool_parser_name = meta.get("tool_parser")  # set when the request has tools
         self.reasoning = meta.get("reasoning")  # None: no reasoning parser; else whether the output opens inside <think>
         self.reasoning_parsers: dict[int, Any] = {}
+        self.prompt_ids: list[int] | None = meta.get("prompt_ids")
         self.detoks: dict[int, IncrementalDetokenizer] = {}
         self.tool_parsers: dict[int, Any] = {}
         self.called: set[int] = set()  # indices that produced a tool call
@@ -105,18 +106,23 @@ class Detokenizer:
                 done = True
                 usage = Usage(out.prompt_tokens, state.completion_tokens, out.cached_tokens)
                 del self.states[out.rid]
-        logprobs = self._logprobs(out) if out.new_logprobs else None
+        logprobs = self._logprobs(out.new_token_ids, out.new_logprobs) if out.new_logprobs else None
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None and state.prompt_ids is not None:
+            first = {"token_id": state.prompt_ids[0], "token": self._token(state.prompt_ids[0]), "logprob": None,
+                     "top_logprobs": []}
+            prompt_logprobs = [first, *self._logprobs(state.prompt_ids[1:], out.prompt_logprobs[1:])]
         return Chunk(
             out.rid, out.index, text, list(out.new_token_ids), logprobs, finish_reason,
-            out.matched_stop if out.finished else None, tool_calls, usage, done, reasoning,
+            out.matched_stop if out.finished else None, tool_calls, usage, done, reasoning, prompt_logprobs,
         )
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, out: TokenOutput) -> list[dict[str, Any]]:
+    def _logprobs(self, token_ids: list[int], logprobs: list[Any]) -> list[dict[str, Any]]:
         entries = []
-        for token_id, lp in zip(out.new_token_ids, out.new_logprobs or []):
+        for token_id, lp in zip(token_ids, logprobs):
             if lp is None:
                 continue
             chosen, alts = lp

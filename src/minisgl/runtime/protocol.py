@@ -108,6 +108,9 @@ class Chunk(NamedTuple):
     usage: Usage | None = None
     done: bool = False
     reasoning: str = ""  # new reasoning text (<think> part), with a --reasoning-parser; text is then the answer
+    # With prompt_logprobs, once (first chunk of sample 0): per prompt token {token_id, token, logprob,
+    # top_logprobs}; the first token's logprob is None (nothing predicts it).
+    prompt_logprobs: list[dict[str, Any]] | None = None
 
 
 @_message("chunks")

@@ -88,6 +88,7 @@ class RequestPreparer:
             "tool_parser": self.tool_format if tools else None,
             # Chat answers of a thinking model: does the prompt leave the output inside <think>?
             "reasoning": self._opens_in_reasoning(input_ids) if self.reasoning_parser and msg.messages else None,
+            "prompt_ids": input_ids if params.prompt_logprobs is not None else None,  # to name prompt_logprobs' tokens
         }
         return AddRequest(msg.rid, input_ids, params.to_dict(), detok)
 

@@ -29,8 +29,9 @@ class ReqKV:
         row = self.table.allocate()
         if row is None:
             return False
-        # The last token is always computed: its logits give the next token.
-        handle, slots = self.cache.match_and_lock(req.input_ids[: req.seq_len - 1])
+        # The last token is always computed: its logits give the next token. A request that wants its prompt's
+        # logprobs computes the whole prompt (cached tokens have no logits).
+        handle, slots = self.cache.match_and_lock([] if req.wants_prompt_logprobs else req.input_ids[: req.seq_len - 1])
         matched = len(slots)
         self.page_table[row, :matched] = slots
         req.table_idx, req.cache_handle, req.cached_len, req.matched_len = row, handle, matched, matched

@@ -95,7 +95,9 @@ class PrefillManager:
             if req.wait_for is not None and not self._prefilled(req.wait_for):
                 continue
             fresh = req.table_idx < 0
-            if fresh and share and self._shares_with_batch(req, batch_prompts.get(self._share_key(req))):
+            if fresh and share and not req.wants_prompt_logprobs and self._shares_with_batch(
+                req, batch_prompts.get(self._share_key(req))
+            ):
                 continue
             if fresh and not self.kv.admit(req):
                 break  # no free table row

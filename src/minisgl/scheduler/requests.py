@@ -94,6 +94,8 @@ def make_output(
         rid=req.rid, index=req.index, new_token_ids=new, new_logprobs=logprobs, finished=finished,
         finish_reason=req.finish_reason, matched_stop=req.matched_stop, prompt_tokens=req.prompt_len,
         cached_tokens=req.prefix_hit_len, completion_tokens=req.num_output, error=error, error_type=error_type,
+        # Once, with the sequence's first output (the one whose new tokens are all of its tokens so far).
+        prompt_logprobs=req.prompt_logprobs if len(new) == req.num_output else None,
     )
 
 

@@ -157,8 +157,11 @@ class Scheduler:
         the batch is as it was scheduled (see _fail).
         """
         sampled = [r for r, m in zip(batch.reqs, batch.sample_mask) if m]
-        next_ids, logprobs = self.engine.forward_and_sample(batch, sampled, self.grammars.bitmask_fn(sampled))
+        next_ids, logprobs, prompt = self.engine.forward_and_sample(batch, sampled, self.grammars.bitmask_fn(sampled))
         self.num_steps += 1
+        for row, entries in (prompt or {}).items():  # before cached_len moves: entries start at its old value
+            req = batch.reqs[row]
+            req.prompt_logprobs = (req.prompt_logprobs or [None]) + entries
         for req, extend in zip(batch.reqs, batch.extend_lens):
             req.cached_len += extend
         if batch.is_prefill:

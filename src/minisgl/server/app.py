@@ -143,7 +143,8 @@ def completion_logprobs(entries: Sequence[dict[str, Any]] | None, text_offset: i
     for e in entries:
         out.tokens.append(e["token"])
         out.token_logprobs.append(e["logprob"])
-        out.top_logprobs.append({t["token"]: t["logprob"] for t in e.get("top_logprobs") or []})
+        first = e["logprob"] is None  # an echoed prompt's first token: nothing predicts it
+        out.top_logprobs.append(None if first else {t["token"]: t["logprob"] for t in e.get("top_logprobs") or []})
         out.text_offset.append(text_offset)
         text_offset += len(e["token"])
     return out
@@ -419,7 +420,7 @@ def create_app(
             )
         except BaseException as e:
             return _fail(timer, e)
-        response = _completion_response(outs, rid, model_name, body.n)
+        response = _completion_response(outs, rid, model_name, body, prompts)
         u = response.usage or Usage()
         timer.done(200, u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens)
         return JSONResponse(response.model_dump())
@@ -479,14 +480,25 @@ def _chat_response(out: Any, rid: str, model: str) -> ChatCompletionResponse:
     return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage(out.usage))
 
 
-def _completion_response(outs: list[Any], rid: str, model: str, n: int) -> CompletionResponse:
+def _completion_response(
+    outs: list[Any], rid: str, model: str, body: CompletionRequest, prompts: list[Any]
+) -> CompletionResponse:
+    """One choice per prompt and sample; with echo each starts with its prompt (and, with logprobs, its
+    prompt tokens' logprobs, offsets counted from the prompt's start)."""
     choices = []
     usage = Usage.of(0, 0, 0)
     for p, out in enumerate(outs):
+        prompt_entries = out.prompt_logprobs or []
+        echoed = ""
+        if body.echo:
+            echoed = prompts[p] if isinstance(prompts[p], str) else "".join(e["token"] for e in prompt_entries)
         for o in out.outputs:
-            logprobs = completion_logprobs(o.logprobs, 0)
-            choices.append(CompletionChoice(index=p * n + o.index, text=o.text, logprobs=logprobs,
-                                            finish_reason=o.finish_reason))
+            entries = ([*prompt_entries, *(o.logprobs or [])] if body.echo else o.logprobs) if body.logprobs is not None else None
+            choices.append(CompletionChoice(
+                index=p * body.n + o.index, text=echoed + o.text, logprobs=completion_logprobs(entries, 0),
+                finish_reason=o.finish_reason,
+                prompt_logprobs=out.prompt_logprobs if body.prompt_logprobs is not None else None,
+            ))
         usage = usage + _usage(out.usage)
     return CompletionResponse(id=rid, model=model, choices=choices, usage=usage)
 

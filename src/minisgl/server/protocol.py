@@ -52,6 +52,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # vLLM's extra: the prompt tokens' logprobs (top-k), in the choice
 
     @property
     def include_usage(self) -> bool:
@@ -99,13 +100,19 @@ class CompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise InvalidRequestError("echo is not supported")
+        """echo: the prompt comes back in front of each answer, with its tokens' logprobs when logprobs is set
+        (the whole prompt is then computed: the prefix cache has no logits)."""
+        if self.echo and self.stream:
+            raise InvalidRequestError("echo is supported without stream only")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported (leave it unset or equal to n)")
-        return SamplingParams.from_openai(dict(self))
+        params = SamplingParams.from_openai(dict(self))
+        if self.echo and params.prompt_logprobs is None:
+            params.prompt_logprobs = 0 if self.logprobs is None else self.logprobs  # the prompt's tokens and logprobs
+            params.validate()
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt (text or token ids) per entry of a batched request."""
@@ -238,8 +245,8 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -248,6 +255,14 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # when the request set prompt_logprobs (vLLM)
+
+    @model_serializer(mode="wrap")
+    def _without_absent_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("prompt_logprobs") is None:
+            data.pop("prompt_logprobs", None)
+        return data
 
 
 class CompletionResponse(BaseModel):
