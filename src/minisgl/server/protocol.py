@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -190,18 +190,27 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
-class ChatMessage(BaseModel):
+class _OmitWhenNone(BaseModel):
+    """Extensions of OpenAI's shapes (OMIT_WHEN_NONE) are left out of the JSON while they are None."""
+
+    OMIT_WHEN_NONE: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_extensions(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for key in self.OMIT_WHEN_NONE:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class ChatMessage(_OmitWhenNone):
+    OMIT_WHEN_NONE = ("reasoning_content",)
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
-    reasoning_content: str | None = None  # vLLM/SGLang's field, with --reasoning-parser; left out when None
-
-    @model_serializer(mode="wrap")
-    def _without_absent_reasoning(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("reasoning_content") is None:
-            data.pop("reasoning_content", None)
-        return data
+    reasoning_content: str | None = None  # vLLM/SGLang's field, with --reasoning-parser
 
 
 class ChatChoice(BaseModel):
@@ -250,19 +259,14 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_OmitWhenNone):
+    OMIT_WHEN_NONE = ("prompt_logprobs",)
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # when the request set prompt_logprobs (vLLM)
-
-    @model_serializer(mode="wrap")
-    def _without_absent_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("prompt_logprobs") is None:
-            data.pop("prompt_logprobs", None)
-        return data
 
 
 class CompletionResponse(BaseModel):
