@@ -192,6 +192,22 @@ def test_reasoning_comes_as_reasoning_content_whole_and_in_deltas():
     assert all("reasoning_content" not in d for d in deltas[first_content:])  # reasoning first, then the answer
 
 
+def test_ollama_chat_carries_thinking_and_streams_ndjson():
+    with _app_client(StandInClient(reasoning="The user asks for a capital.")) as http:
+        whole = http.post("/api/chat", json={"model": "stand-in", "messages": [{"role": "user", "content": "Hi"}],
+                                             "stream": False, "think": False})
+        lines = http.post("/api/chat", json={"messages": [{"role": "user", "content": "Hi"}]})  # streams by default
+    message = whole.json()["message"]
+    assert message == {"role": "assistant", "content": "Paris is the capital of France.",
+                       "thinking": "The user asks for a capital."}
+    assert whole.json()["done"] is True and whole.json()["done_reason"] == "stop"
+    assert lines.headers["content-type"].startswith("application/x-ndjson")
+    parts = [json.loads(line) for line in lines.text.splitlines()]
+    assert "".join(p["message"].get("thinking", "") for p in parts) == "The user asks for a capital."
+    assert "".join(p["message"]["content"] for p in parts) == "Paris is the capital of France."
+    assert [p["done"] for p in parts] == [False] * (len(parts) - 1) + [True]
+
+
 class ToolCallingStandIn(StandInClient):
     """Calls get_weather(city="Paris") the way the daemon reports it: name first, then argument fragments."""
 
@@ -680,3 +696,56 @@ def test_metrics_report_requests_tokens_and_daemon_state(daemon, oai):
                  "minisgl_num_requests_running", "minisgl_num_requests_waiting", "minisgl_kv_cache_usage_ratio",
                  "minisgl_prefix_cache_hit_rate", "minisgl_time_per_output_token_seconds_bucket"):
         assert name in text
+
+
+# ---------------------------------------------------------------------------- Ollama's API (the real ollama client)
+
+
+def test_the_ollama_client_chats_generates_and_streams_as_the_daemon_answers(daemon, client):
+    import ollama
+
+    o = ollama.Client(host=daemon.base, headers={"Authorization": f"Bearer {API_KEY}"})
+    options = {"temperature": 0, "num_predict": 12}
+    ref = client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=12))
+    r = o.chat(model="smollm2", messages=QUESTION, options=options)
+    assert (r.message.role, r.message.content, r.done, r.done_reason) == ("assistant", ref.text, True, ref.finish_reason)
+    assert (r.prompt_eval_count, r.eval_count) == (ref.usage.prompt_tokens, ref.usage.completion_tokens)
+    assert r.total_duration >= r.eval_duration > 0
+    streamed = list(o.chat(model="smollm2", messages=QUESTION, options=options, stream=True))
+    assert "".join(c.message.content for c in streamed) == ref.text
+    assert streamed[-1].done and streamed[-1].eval_count == ref.usage.completion_tokens
+    assert not any(c.done for c in streamed[:-1])
+    # generate: the prompt through the chat template, unless raw.
+    g = o.generate(model="smollm2", prompt=QUESTION[0]["content"], options=options)
+    assert g.response == ref.text and g.done
+    raw_ref = client.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
+    raw = o.generate(model="smollm2", prompt="The capital of France is", raw=True, options={"temperature": 0, "num_predict": 8})
+    assert raw.response == raw_ref.text
+    # format: a JSON schema constrains the answer.
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+              "additionalProperties": False}
+    ask = [{"role": "user", "content": "Give a JSON object with one key city whose value is Paris."}]
+    j = o.chat(model="smollm2", messages=ask, format=schema, options={"temperature": 0, "num_predict": 40})
+    assert j.done_reason == "stop" and isinstance(json.loads(j.message.content)["city"], str)
+
+
+def test_the_ollama_client_lists_shows_and_gets_typed_errors(daemon):
+    import ollama
+
+    o = ollama.Client(host=daemon.base, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert [m.model for m in o.list().models] == ["smollm2"]
+    assert [m.model for m in o.ps().models] == ["smollm2"]
+    shown = o.show("smollm2")
+    assert shown.modelinfo["general.architecture"] == "llama" and shown.modelinfo["llama.context_length"] > 0
+    with pytest.raises(ollama.ResponseError) as e:
+        o.chat(model="llama3", messages=QUESTION)
+    assert e.value.status_code == 404 and "llama3" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        o.chat(model="smollm2", messages=QUESTION, options={"temperature": -1})
+    assert e.value.status_code == 400 and "temperature" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        o.chat(model="smollm2", messages=QUESTION, options={"temperature": -1}, stream=True).__next__()
+    assert e.value.status_code == 400
+    with pytest.raises(ollama.ResponseError) as e:  # the server's API key guards /api as it guards /v1
+        ollama.Client(host=daemon.base).chat(model="smollm2", messages=QUESTION)
+    assert e.value.status_code == 401

@@ -426,6 +426,9 @@ def create_app(
         return JSONResponse(response.model_dump())
 
     app.include_router(v1)
+    from minisgl.server.ollama import ollama_router
+
+    app.include_router(ollama_router(server, check_key, api_error))  # Ollama's API, for tools written for it
     return app
 
 

@@ -1,0 +1,285 @@
+"""Ollama's REST API (/api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version) on the same server.
+
+Tools written for Ollama (its Python/JS clients, editors, chat UIs) point at this server unchanged. The
+bodies are Ollama's: `options` (temperature, top_p, top_k, min_p, seed, stop, num_predict, repeat_penalty,
+presence_penalty, frequency_penalty; the others, such as num_ctx, are the daemon's and ignored), `format`
+("json" or a JSON schema), `tools`, `think`, streaming as NDJSON (on by default, as in Ollama), durations
+in nanoseconds, errors as {"error": message}. Sampling defaults are minisgl's (the OpenAI API's), not a
+Modelfile's. /api/generate renders the prompt (and `system`) with the chat template unless `raw`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from minisgl.core import SamplingParams
+from minisgl.errors import InvalidRequestError
+from minisgl.tokenizer import flatten_message
+
+# Ollama option -> SamplingParams.from_openai key
+_OPTIONS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+    "stop": "stop", "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+
+
+def sampling_params(body: dict[str, Any]) -> SamplingParams:
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequestError("options must be an object")
+    params = {ours: options[theirs] for theirs, ours in _OPTIONS.items() if options.get(theirs) is not None}
+    num_predict = options.get("num_predict")
+    if num_predict is not None and num_predict >= 0:  # -1 (infinite) and -2 (fill the context): to the context's end
+        if num_predict == 0:
+            raise InvalidRequestError("num_predict 0 generates nothing: give at least 1 (or -1 for no limit)")
+        params["max_tokens"] = num_predict
+    return SamplingParams.from_openai(params)
+
+
+def response_format(fmt: Any) -> dict[str, Any] | None:
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict):
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    raise InvalidRequestError('format must be "json" or a JSON schema object')
+
+
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """Ollama messages as chat-template messages: images refused, tool-call arguments as JSON text."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("images"):
+            raise InvalidRequestError(f"messages[{i}]: images are not supported (text only)")
+        m = flatten_message(m, i)
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [
+                {"type": "function", "function": {
+                    "name": c.get("function", {}).get("name"),
+                    "arguments": json.dumps(c.get("function", {}).get("arguments") or {}),
+                }} for c in calls
+            ]}
+        out.append({k: v for k, v in m.items() if k not in ("images", "thinking")})
+    return out
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """OpenAI tool calls (arguments as JSON text) in Ollama's shape (arguments as an object)."""
+    if not calls:
+        return None
+    out = []
+    for c in calls:
+        fn = c.get("function") or {}
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except json.JSONDecodeError:
+            args = {}
+        out.append({"function": {"name": fn.get("name"), "arguments": args}})
+    return out
+
+
+class _Clock:
+    """Ollama's durations (ns): total, and prompt evaluation up to the first token."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter_ns()
+        self.first: int | None = None
+
+    def token(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter_ns()
+
+    def stats(self, usage: Any, done_reason: str | None) -> dict[str, Any]:
+        end = time.perf_counter_ns()
+        first = self.first if self.first is not None else end
+        return {
+            "done": True, "done_reason": done_reason or "stop", "total_duration": end - self.start,
+            "load_duration": 0, "prompt_eval_count": getattr(usage, "prompt_tokens", 0),
+            "prompt_eval_duration": first - self.start, "eval_count": getattr(usage, "completion_tokens", 0),
+            "eval_duration": end - first,
+        }
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def ollama_router(server: Any, check_key: Callable[[Request], Awaitable[None]], api_error: Callable[[BaseException], Any]) -> APIRouter:
+    """The /api routes over `server` (app._Server: the daemon client, the model's name and facts)."""
+    api = APIRouter(prefix="/api", dependencies=[Depends(check_key)])
+    model_name = server.model_name
+
+    async def _body(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise InvalidRequestError("the body must be a JSON object") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the body must be a JSON object")
+        model = body.get("model")
+        if model and model != model_name:
+            info = await server.info()
+            if model not in (info.get("name"), info.get("path")):
+                raise _NotFound(f"model '{model}' not found: this server serves '{model_name}'")
+        return body
+
+    async def _run(request: Request, prompt: Any, body: dict[str, Any], shape: Callable[..., dict[str, Any]]) -> Response:
+        """Run one request; stream NDJSON lines (Ollama's default) or answer with one object."""
+        kwargs = dict(sampling_params=sampling_params(body), response_format=response_format(body.get("format")),
+                      rid=f"ollama-{uuid.uuid4().hex}")
+        if isinstance(prompt, list):
+            kwargs["tools"] = body.get("tools") or None
+            if body.get("think") is not None:
+                kwargs["chat_template_kwargs"] = {"enable_thinking": bool(body["think"])}
+        clock = _Clock()
+        base = {"model": body.get("model") or model_name}
+        if body.get("stream", True):
+            stream = server.client.stream(prompt, **kwargs)
+            first = await _first_chunk(stream)
+
+            async def lines() -> AsyncIterator[bytes]:
+                chunk = first
+                try:
+                    while chunk is not None:
+                        clock.token()
+                        last = chunk.usage is not None
+                        piece = shape(chunk.text, chunk.reasoning, _tool_calls(chunk.tool_calls))
+                        done = clock.stats(chunk.usage, chunk.finish_reason) if last else {"done": False}
+                        yield (json.dumps({**base, "created_at": _now(), **piece, **done}) + "\n").encode()
+                        chunk = await anext(stream, None)
+                except Exception as e:  # noqa: BLE001 - after the first line an error travels in the stream
+                    yield (json.dumps({"error": str(api_error(e).message)}) + "\n").encode()
+                finally:
+                    await stream.aclose()
+
+            return StreamingResponse(lines(), media_type="application/x-ndjson")
+        out = await server.client.generate(prompt, **kwargs)
+        clock.token()
+        o = out.outputs[0]
+        piece = shape(o.text, o.reasoning_content or "", _tool_calls(o.tool_calls))
+        return JSONResponse({**base, "created_at": _now(), **piece, **clock.stats(out.usage, o.finish_reason)})
+
+    def _route(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def wrapped(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except _NotFound as e:
+                return _error(404, str(e))
+            except Exception as e:  # noqa: BLE001 - Ollama's error shape, with the status of the error's kind
+                err = api_error(e)
+                return _error(err.status, err.message)
+        return wrapped
+
+    @api.post("/chat")
+    @_route
+    async def chat(request: Request) -> Response:
+        body = await _body(request)
+        messages = chat_messages(body.get("messages"))
+
+        def shape(text: str, reasoning: str, calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning:
+                message["thinking"] = reasoning
+            if calls:
+                message["tool_calls"] = calls
+            return {"message": message}
+
+        return await _run(request, messages, body, shape)
+
+    @api.post("/generate")
+    @_route
+    async def generate(request: Request) -> Response:
+        body = await _body(request)
+        prompt = body.get("prompt") or ""
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("prompt must be a string")
+        if body.get("images"):
+            raise InvalidRequestError("images are not supported (text only)")
+        if not prompt:  # Ollama's way to load a model: nothing to generate
+            return JSONResponse({"model": body.get("model") or model_name, "created_at": _now(), "response": "",
+                                 "done": True, "done_reason": "load"})
+        info = await server.info()
+        if body.get("raw") or not info.get("has_chat_template"):
+            target: Any = prompt
+        else:
+            system = body.get("system")
+            target = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+        def shape(text: str, reasoning: str, calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+            return {"response": text, **({"thinking": reasoning} if reasoning else {})}
+
+        return await _run(request, target, body, shape)
+
+    async def _model_entry() -> dict[str, Any]:
+        info = await server.info()
+        details = {
+            "format": "gguf" if str(info.get("path", "")).endswith(".gguf") else "safetensors",
+            "family": info.get("model_type") or "", "families": [info.get("model_type") or ""],
+            "parameter_size": "", "quantization_level": info.get("dtype") or "",
+        }
+        return {"name": model_name, "model": model_name, "modified_at": _now(), "size": 0, "digest": "",
+                "details": details}
+
+    @api.get("/tags")
+    @_route
+    async def tags(request: Request) -> Response:
+        return JSONResponse({"models": [await _model_entry()]})
+
+    @api.get("/ps")
+    @_route
+    async def ps(request: Request) -> Response:
+        return JSONResponse({"models": [{**await _model_entry(), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]})
+
+    @api.post("/show")
+    @_route
+    async def show(request: Request) -> Response:
+        await _body(request)
+        info = await server.info()
+        arch = info.get("model_type") or "unknown"
+        entry = await _model_entry()
+        capabilities = ["completion"] + (["tools"] if info.get("has_chat_template") else [])
+        return JSONResponse({
+            "modelfile": "", "parameters": "", "template": "", "details": entry["details"],
+            "model_info": {"general.architecture": arch, f"{arch}.context_length": info.get("context_length"),
+                           f"{arch}.vocab_size": info.get("vocab_size")},
+            "capabilities": capabilities, "modified_at": entry["modified_at"],
+        })
+
+    @api.get("/version")
+    async def version() -> Response:
+        from minisgl import __version__
+
+        return JSONResponse({"version": __version__})
+
+    return api
+
+
+class _NotFound(Exception):
+    pass
+
+
+async def _first_chunk(stream: Any) -> Any:
+    """The first chunk, so that an error before any output is an HTTP error, not a 200 with an error line."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return None
+    except BaseException:
+        await stream.aclose()
+        raise
