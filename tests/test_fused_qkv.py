@@ -2,14 +2,36 @@
 
 On a CUDA machine it runs compiled; on any machine with Triton it also runs in Triton's interpreter
 (TRITON_INTERPRET=1, numpy on the CPU), so CI checks the kernel's indexing and arithmetic without a GPU.
+Triton reads that switch when it is first imported (its own library functions, tl.sum among them, are
+defined then), and other modules import Triton early (xgrammar does): the interpreter cases run in a
+fresh process (test_the_kernel_in_triton_interpreter_on_the_cpu), with the switch set from its start.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_the_kernel_in_triton_interpreter_on_the_cpu():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs Triton")
+    if INTERPRETED:
+        pytest.skip("this process is the interpreter run itself")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "cpu-interpreter"],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent.parent, capture_output=True,
+        text=True, timeout=600,
+    )
+    assert result.returncode == 0 and "4 passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]
 
 
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
@@ -20,8 +42,8 @@ def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
         pytest.skip("needs Triton")
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    if request.param == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the kernel is defined (triton.jit)
+    if request.param == "cpu" and not INTERPRETED:
+        pytest.skip("runs in its own process: test_the_kernel_in_triton_interpreter_on_the_cpu")
     monkeypatch.delenv("MINISGL_FUSED_QKV", raising=False)
     fused_qkv._kernel.cache_clear()
     yield request.param
