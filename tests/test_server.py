@@ -235,6 +235,27 @@ class ToolCallingStandIn(StandInClient):
         return SimpleNamespace(outputs=[out], usage=self._usage(sampling_params))
 
 
+def test_ollama_tool_calls_come_back_with_object_arguments_and_go_back_in():
+    stand_in = ToolCallingStandIn()
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "18 C"},
+    ]
+    with _app_client(stand_in) as http:
+        whole = http.post("/api/chat", json={"messages": history[:1], "tools": TOOLS, "stream": False}).json()
+        streamed = http.post("/api/chat", json={"messages": history, "tools": TOOLS}).text
+    assert whole["message"]["tool_calls"] == [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    assert whole["done_reason"] == "tool_calls"
+    lines = [json.loads(line) for line in streamed.splitlines()]
+    assert lines[-1]["done"] and lines[-1]["done_reason"] == "tool_calls"
+    assert lines[-1]["message"]["tool_calls"] == whole["message"]["tool_calls"]  # whole, on the last line only
+    assert not any("tool_calls" in line["message"] for line in lines[:-1])
+    sent = stand_in.calls[1]
+    assert sent["tools"] == TOOLS
+    assert sent["prompt"][1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
 def test_tool_calls_and_tool_messages_pass_through_in_openai_shape():
     stand_in = ToolCallingStandIn()
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

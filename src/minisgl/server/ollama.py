@@ -154,12 +154,15 @@ def ollama_router(server: Any, check_key: Callable[[Request], Awaitable[None]], 
             first = await _first_chunk(stream)
 
             async def lines() -> AsyncIterator[bytes]:
-                chunk = first
+                from minisgl.client import merge_tool_calls
+
+                chunk, calls = first, []  # tool calls go out whole, on the last line (Ollama sends no fragments)
                 try:
                     while chunk is not None:
                         clock.token()
                         last = chunk.usage is not None
-                        piece = shape(chunk.text, chunk.reasoning, _tool_calls(chunk.tool_calls))
+                        merge_tool_calls(calls, chunk.tool_calls or [])
+                        piece = shape(chunk.text, chunk.reasoning, _tool_calls(calls) if last else None)
                         done = clock.stats(chunk.usage, chunk.finish_reason) if last else {"done": False}
                         yield (json.dumps({**base, "created_at": _now(), **piece, **done}) + "\n").encode()
                         chunk = await anext(stream, None)
