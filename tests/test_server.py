@@ -587,6 +587,14 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_transformers_does(oai, smoll
     assert [e["token_id"] for e in entries] == ids and entries[0]["logprob"] is None
     assert entries[5]["logprob"] == pytest.approx(float(ref[4, ids[5]]), abs=2e-3) and len(entries[5]["top_logprobs"]) == 2
     assert not extra.choices[0].text.startswith(prompt)
+    chat = oai.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 0})
+    scored = chat.model_extra["prompt_logprobs"]
+    rendered = tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    assert [e["token_id"] for e in scored] == tok.encode(rendered, add_special_tokens=False)
+    assert scored[0]["logprob"] is None and all(e["logprob"] <= 0 for e in scored[1:])
+    assert "prompt_logprobs" not in oai.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=1).model_extra  # only when asked for
 
 
 def test_openai_models_lists_the_served_model(oai):

@@ -397,6 +397,8 @@ def create_app(
         except BaseException as e:
             return _fail(timer, e)
         response = _chat_response(out, rid, model_name)
+        if body.prompt_logprobs is not None:
+            response.prompt_logprobs = out.prompt_logprobs  # the rendered chat prompt's tokens
         u = response.usage
         timer.done(200, u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens)
         return JSONResponse(response.model_dump())

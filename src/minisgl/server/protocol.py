@@ -220,13 +220,16 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_OmitWhenNone):
+    OMIT_WHEN_NONE = ("prompt_logprobs",)
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now)
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # when the request set prompt_logprobs (vLLM)
 
 
 class DeltaMessage(BaseModel):
