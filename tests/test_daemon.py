@@ -654,7 +654,8 @@ def test_a_reasoning_parser_serves_the_think_part_apart_end_to_end(
             assert off.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False)) > out.usage.prompt_tokens
             plain = c.generate("Tell me", greedy)  # not a chat: no reasoning parsing
             assert plain.outputs[0].reasoning_content is None and plain.text.startswith("<think>")
-        for _ in range(300):
+        deadline = time.monotonic() + 120  # the HTTP server starts after the daemon is ready
+        while time.monotonic() < deadline:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
                     break
