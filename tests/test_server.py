@@ -436,6 +436,18 @@ async def test_client_disconnect_mid_stream_aborts_the_request():
                     break
                 await asyncio.sleep(0.02)
             assert len(stand_in.aborted) == 2 and not stand_in.finished
+            # Ollama's routes, streamed (its default) and whole, the same.
+            ollama = {"messages": body["messages"], "options": {"num_predict": 200}}
+            async with http.stream("POST", "/api/chat", json=ollama) as r:
+                async for _ in r.aiter_lines():
+                    break
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/api/chat", json={**ollama, "stream": False}, timeout=0.2)
+            for _ in range(100):
+                if len(stand_in.aborted) == 4:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(stand_in.aborted) == 4 and not stand_in.finished
     finally:
         server.should_exit = True
         await task

@@ -430,7 +430,7 @@ def create_app(
     app.include_router(v1)
     from minisgl.server.ollama import ollama_router
 
-    app.include_router(ollama_router(server, check_key, api_error))  # Ollama's API, for tools written for it
+    app.include_router(ollama_router(server, check_key, api_error, _unless_disconnected))  # for tools written for Ollama
     return app
 
 

@@ -120,8 +120,14 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def ollama_router(server: Any, check_key: Callable[[Request], Awaitable[None]], api_error: Callable[[BaseException], Any]) -> APIRouter:
-    """The /api routes over `server` (app._Server: the daemon client, the model's name and facts)."""
+def ollama_router(
+    server: Any,
+    check_key: Callable[[Request], Awaitable[None]],
+    api_error: Callable[[BaseException], Any],
+    unless_disconnected: Callable[[Request, Awaitable[Any]], Awaitable[Any]],
+) -> APIRouter:
+    """The /api routes over `server` (app._Server: the daemon client, the model's name and facts); the
+    app's error mapping and disconnect watch (a client that goes away aborts its request)."""
     api = APIRouter(prefix="/api", dependencies=[Depends(check_key)])
     model_name = server.model_name
 
@@ -172,7 +178,7 @@ def ollama_router(server: Any, check_key: Callable[[Request], Awaitable[None]], 
                     await stream.aclose()
 
             return StreamingResponse(lines(), media_type="application/x-ndjson")
-        out = await server.client.generate(prompt, **kwargs)
+        out = await unless_disconnected(request, server.client.generate(prompt, **kwargs))
         clock.token()
         o = out.outputs[0]
         piece = shape(o.text, o.reasoning_content or "", _tool_calls(o.tool_calls))
