@@ -32,6 +32,10 @@ from minisgl.errors import (
     UnknownModelError,
 )
 from minisgl.server.metrics import RequestTimer, ServerMetrics
+from minisgl.server.streams import ClientDisconnected
+from minisgl.server.streams import close_stream as _close
+from minisgl.server.streams import first_item as _first
+from minisgl.server.streams import unless_disconnected as _unless_disconnected
 from minisgl.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -73,10 +77,6 @@ class APIError(Exception):
         body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its response was ready."""
 
 
 def api_error(e: BaseException) -> APIError:
@@ -166,46 +166,6 @@ def _chunk_json(chunk: ChatCompletionChunk | CompletionResponse, include_usage: 
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-async def _first(stream: AsyncIterator[_T]) -> tuple[_T | None, bool]:
-    """The first item of a stream and whether the stream is already over, read before any byte is
-    sent so that a failing request gets an HTTP error status; on error the stream is closed."""
-    try:
-        return await stream.__anext__(), False
-    except StopAsyncIteration:
-        return None, True
-    except BaseException:
-        await _close(stream)
-        raise
-
-
-async def _close(stream: Any) -> None:
-    """Close a client stream (which aborts its request), even while being cancelled."""
-    with anyio.CancelScope(shield=True):
-        await stream.aclose()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T:
-    """Await work; if the HTTP client disconnects first, cancel it (the Client aborts the request)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise ClientDisconnected()
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(task, return_exceptions=True)
 
 
 async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
@@ -430,7 +390,7 @@ def create_app(
     app.include_router(v1)
     from minisgl.server.ollama import ollama_router
 
-    app.include_router(ollama_router(server, check_key, api_error, _unless_disconnected))  # for tools written for Ollama
+    app.include_router(ollama_router(server, check_key, api_error))  # for tools written for Ollama
     return app
 
 

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
+from minisgl.server.streams import close_stream, first_item, unless_disconnected
 from minisgl.tokenizer import flatten_message
 
 # Ollama option -> SamplingParams.from_openai key
@@ -121,13 +122,10 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def ollama_router(
-    server: Any,
-    check_key: Callable[[Request], Awaitable[None]],
-    api_error: Callable[[BaseException], Any],
-    unless_disconnected: Callable[[Request, Awaitable[Any]], Awaitable[Any]],
+    server: Any, check_key: Callable[[Request], Awaitable[None]], api_error: Callable[[BaseException], Any]
 ) -> APIRouter:
-    """The /api routes over `server` (app._Server: the daemon client, the model's name and facts); the
-    app's error mapping and disconnect watch (a client that goes away aborts its request)."""
+    """The /api routes over `server` (app._Server: the daemon client, the model's name and facts), with the
+    app's API-key check and error mapping."""
     api = APIRouter(prefix="/api", dependencies=[Depends(check_key)])
     model_name = server.model_name
 
@@ -157,7 +155,7 @@ def ollama_router(
         base = {"model": body.get("model") or model_name}
         if body.get("stream", True):
             stream = server.client.stream(prompt, **kwargs)
-            first = await _first_chunk(stream)
+            first, _ = await first_item(stream)  # an error before any output is an HTTP error, not a 200
 
             async def lines() -> AsyncIterator[bytes]:
                 from minisgl.client import merge_tool_calls
@@ -175,7 +173,7 @@ def ollama_router(
                 except Exception as e:  # noqa: BLE001 - after the first line an error travels in the stream
                     yield (json.dumps({"error": str(api_error(e).message)}) + "\n").encode()
                 finally:
-                    await stream.aclose()
+                    await close_stream(stream)
 
             return StreamingResponse(lines(), media_type="application/x-ndjson")
         out = await unless_disconnected(request, server.client.generate(prompt, **kwargs))
@@ -281,14 +279,3 @@ def ollama_router(
 
 class _NotFound(Exception):
     pass
-
-
-async def _first_chunk(stream: Any) -> Any:
-    """The first chunk, so that an error before any output is an HTTP error, not a 200 with an error line."""
-    try:
-        return await anext(stream)
-    except StopAsyncIteration:
-        return None
-    except BaseException:
-        await stream.aclose()
-        raise
