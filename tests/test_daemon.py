@@ -461,8 +461,11 @@ def test_a_killed_scheduler_fails_waiting_requests_and_stops_the_daemon(curve_da
 # ---------------------------------------------------------------------------- a forward that fails (tiny model, a test plugin)
 
 
-def _with_failing_plugin(tmp: Path, model_dir: Path, architecture: str) -> tuple[Path, dict[str, str]]:
-    """A copy of model_dir served by `architecture` of tests/failing_model_plugin.py, and the env that installs it."""
+def _with_test_plugin(
+    tmp: Path, model_dir: Path, architecture: str, monkeypatch: pytest.MonkeyPatch | None = None, **env: str
+) -> tuple[Path, dict[str, str]]:
+    """A copy of model_dir served by `architecture` of tests/failing_model_plugin.py, and the env that installs
+    it (plus `env`); with monkeypatch, that env is also set for the daemons this test starts."""
     site = tmp / "site"
     dist = site / "minisgl_failing_plugin-0.0.0.dist-info"
     dist.mkdir(parents=True)
@@ -474,7 +477,9 @@ def _with_failing_plugin(tmp: Path, model_dir: Path, architecture: str) -> tuple
     cfg = json.loads((model / "config.json").read_text())
     cfg["architectures"] = [architecture]
     (model / "config.json").write_text(json.dumps(cfg))
-    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep), **env}
+    for key, value in env.items() if monkeypatch is not None else ():
+        monkeypatch.setenv(key, value)
     return model, env
 
 
@@ -486,9 +491,7 @@ def test_a_failing_forward_fails_its_requests_with_a_typed_error_and_the_daemon_
     from minisgl.errors import EngineError
     from minisgl.runtime.launcher import stop_daemon, wait_ready
 
-    model, env = _with_failing_plugin(tmp_path, tiny_model_dir("llama"), "PoisonedLlamaForCausalLM")
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    model, _ = _with_test_plugin(tmp_path, tiny_model_dir("llama"), "PoisonedLlamaForCausalLM", monkeypatch)
     address = f"ipc://{daemon_runtime_dir}/poisoned.sock"
     log = daemon_runtime_dir / "poisoned.log"
     proc = start_serve(["--model", str(model), "--address", address, "--num-pages", "512", "--page-size", "4"], log)
@@ -523,9 +526,7 @@ def test_serve_with_a_forward_that_cannot_run_fails_at_start_with_a_clear_error(
     from minisgl.errors import EngineError
     from minisgl.runtime.launcher import wait_ready
 
-    model, env = _with_failing_plugin(tmp_path, tiny_model_dir("llama"), "NoKernelLlamaForCausalLM")
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    model, _ = _with_test_plugin(tmp_path, tiny_model_dir("llama"), "NoKernelLlamaForCausalLM", monkeypatch)
     address = f"ipc://{daemon_runtime_dir}/nokernel.sock"
     log = daemon_runtime_dir / "nokernel.log"
     proc = start_serve(["--model", str(model), "--address", address, "--dtype", "bfloat16"], log)
@@ -540,7 +541,7 @@ def test_serve_with_a_forward_that_cannot_run_fails_at_start_with_a_clear_error(
 
 def test_generate_with_a_forward_that_cannot_run_prints_a_clear_error(tiny_model_dir: Any, tmp_path: Path) -> None:
     """`minisgl generate --dtype bfloat16` on a machine without the kernel: one error line, exit 1, no traceback."""
-    model, env = _with_failing_plugin(tmp_path, tiny_model_dir("llama"), "NoKernelLlamaForCausalLM")
+    model, env = _with_test_plugin(tmp_path, tiny_model_dir("llama"), "NoKernelLlamaForCausalLM")
     proc = subprocess.run(
         [sys.executable, "-m", "minisgl", "generate", "hello", "--model", str(model), "--dtype", "bfloat16"],
         capture_output=True, text=True, timeout=300, env={**os.environ, **env},
@@ -628,11 +629,10 @@ def test_a_reasoning_parser_serves_the_think_part_apart_end_to_end(
     pieces = ["<think>", "France", " capital", "?", "</think>", "Paris", "!"]
     script = [tok.encode(piece, add_special_tokens=False) for piece in pieces]
     assert all(len(ids) == 1 for ids in script), script
-    model, env = _with_failing_plugin(
-        tmp_path, _build_tiny("llama", tmp_path / "tok", tmp_path / "thinker"), "ScriptedLlamaForCausalLM"
+    model, _ = _with_test_plugin(
+        tmp_path, _build_tiny("llama", tmp_path / "tok", tmp_path / "thinker"), "ScriptedLlamaForCausalLM", monkeypatch,
+        MINISGL_TEST_SCRIPT=",".join(str(ids[0]) for ids in script),
     )
-    for key, value in {**env, "MINISGL_TEST_SCRIPT": ",".join(str(ids[0]) for ids in script)}.items():
-        monkeypatch.setenv(key, value)
     address, port = f"ipc://{daemon_runtime_dir}/thinker.sock", free_port()
     log = daemon_runtime_dir / "thinker.log"
     proc = start_serve(["--model", str(model), "--address", address, "--reasoning-parser", "qwen3",
