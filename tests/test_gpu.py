@@ -182,19 +182,12 @@ def parity(ref32: list[torch.Tensor], outs: list[list[int]]) -> dict[str, float]
     """Top-1 agreement of our tokens with the fp32 reference: everywhere, and where its top-2 margin is clear.
 
     On random weights the logits of ~50k tokens are Gaussian-like, so a few positions are near-ties
-    that any bf16 kernel (HF's own included) flips; "clear" means a margin over 1% of the top logit.
+    that any bf16 kernel (HF's own included) flips; "clear" means a margin over 1% of the top logit
+    (`minisgl bench tp`'s measure, which the TP parity figures use too).
     """
-    hits = clear = clear_hits = total = 0
-    for logits, out in zip(ref32, outs):
-        top = logits.topk(2, dim=-1)
-        ok = top.indices[:, 0] == torch.tensor(out)
-        is_clear = (top.values[:, 0] - top.values[:, 1]) > 0.01 * top.values[:, 0].abs()
-        hits += int(ok.sum())
-        total += len(out)
-        clear += int(is_clear.sum())
-        clear_hits += int((ok & is_clear).sum())
-    return {"top1": round(hits / total, 4), "top1_clear_margin": round(clear_hits / max(clear, 1), 4),
-            "clear_positions": round(clear / total, 3)}
+    from minisgl.bench.tp import agreement
+
+    return agreement(ref32, outs)
 
 
 def rerun_parity(hf: Any, prompts: list[list[int]], info: dict[str, Any], key: str) -> None:
