@@ -409,6 +409,14 @@ def test_non_loopback_bind_without_api_key_is_refused():
         run_http_server("ipc:///unused", host="0.0.0.0", port=1)
 
 
+async def _until(cond: Any, seconds: float = 2.0) -> None:
+    """Let the server run until cond() holds (or the time is up; the caller asserts)."""
+    for _ in range(int(seconds / 0.02)):
+        if cond():
+            return
+        await asyncio.sleep(0.02)
+
+
 async def test_client_disconnect_mid_stream_aborts_the_request():
     stand_in = StandInClient(reply=" ".join(["word"] * 200), chunk_delay=0.02)
     app = create_app("ipc:///unused", "stand-in", None, client_factory=lambda: stand_in)
@@ -423,18 +431,12 @@ async def test_client_disconnect_mid_stream_aborts_the_request():
             async with http.stream("POST", "/v1/chat/completions", json=body) as r:
                 async for _ in r.aiter_lines():
                     break
-            for _ in range(100):
-                if stand_in.aborted:
-                    break
-                await asyncio.sleep(0.02)
+            await _until(lambda: stand_in.aborted)
             assert len(stand_in.aborted) == 1 and not stand_in.finished
             # Non-streaming too: a client that times out does not leave its request running.
             with pytest.raises(httpx.ReadTimeout):
                 await http.post("/v1/chat/completions", json={**body, "stream": False}, timeout=0.2)
-            for _ in range(100):
-                if len(stand_in.aborted) == 2:
-                    break
-                await asyncio.sleep(0.02)
+            await _until(lambda: len(stand_in.aborted) == 2)
             assert len(stand_in.aborted) == 2 and not stand_in.finished
             # Ollama's routes, streamed (its default) and whole, the same.
             ollama = {"messages": body["messages"], "options": {"num_predict": 200}}
@@ -443,10 +445,7 @@ async def test_client_disconnect_mid_stream_aborts_the_request():
                     break
             with pytest.raises(httpx.ReadTimeout):
                 await http.post("/api/chat", json={**ollama, "stream": False}, timeout=0.2)
-            for _ in range(100):
-                if len(stand_in.aborted) == 4:
-                    break
-                await asyncio.sleep(0.02)
+            await _until(lambda: len(stand_in.aborted) == 4)
             assert len(stand_in.aborted) == 4 and not stand_in.finished
     finally:
         server.should_exit = True
