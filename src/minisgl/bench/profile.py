@@ -13,9 +13,10 @@ batch's new tokens, so it appends them (`--rebuild`: every replay rebuilds the c
 as the first step after the batch changed does).
 
 `gpu` runs the 256-request workload of `minisgl bench throughput` (Qwen3-0.6B-shaped dummy model,
-bf16) step by step and reports, over the steady decode phase: wall time per step, the time the host
-waits for the GPU (event syncs), the GPU kernels by total time (torch.profiler), and the host's
-Python hot spots (cProfile).
+bf16) step by step and reports the whole run's time by forward kind (prefill; decode by batch size), wall
+time per step and the time the host waits for the GPU (event syncs) over stretches of the run, the GPU
+kernels by total time over 20 steps at batch ~256 and 20 steps of the tail (torch.profiler), the host's
+Python hot spots (cProfile), and with `--whole-run` every kernel of a second, profiled pass.
 """
 
 from __future__ import annotations
@@ -111,8 +112,10 @@ def gpu(args: argparse.Namespace) -> None:
               disable_cuda_graph=args.disable_cuda_graph)
     sched = llm.scheduler
     prompts, max_tokens = workload()
-    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
-        sched.add_request(f"r{i}", prompt, SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True))
+
+    def submit(tag: str) -> None:
+        for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
+            sched.add_request(f"{tag}{i}", prompt, SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True))
 
     waited = [0.0]
     sync = torch.cuda.Event.synchronize
@@ -122,42 +125,97 @@ def gpu(args: argparse.Namespace) -> None:
         sync(self)
         waited[0] += time.perf_counter() - t0
 
+    kind: list[tuple[bool, int] | None] = [None]  # this step's forward: (prefill, tokens or rows), None: none
+    launch = sched.engine.forward_and_sample
+
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event] | None] = [None]  # this step's forward + sampling on the GPU
+
+    def recording_launch(batch, sampled, bitmask_fn=None):  # type: ignore[no-untyped-def]
+        kind[0] = (batch.is_prefill, sum(batch.extend_lens) if batch.is_prefill else batch.size)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = launch(batch, sampled, bitmask_fn)
+        end.record()
+        events[0] = (begin, end)
+        return out
+
+    sched.engine.forward_and_sample = recording_launch  # type: ignore[method-assign]
     torch.cuda.Event.synchronize = timed_sync  # type: ignore[method-assign]
-    walls, waits, sizes = [], [], []
-    num_steps = 0
+    submit("r")
+    walls, waits, sizes, kinds, spans, windows = [], [], [], [], [], {}
+    num_steps, tail_at = 0, None
     t_start = time.perf_counter()
     while sched.has_work:
         num_steps += 1
-        if num_steps == 150:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-            prof.__enter__()
+        if tail_at is None and num_steps > 200 and len(sched.running) <= 16:
+            tail_at = num_steps
+        for name, begin in (("bs ~256", 150), ("tail, bs <= 16", tail_at)):
+            if begin is not None and num_steps in (begin, begin + 20):
+                if num_steps == begin:
+                    windows[name] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                    windows[name].__enter__()
+                else:
+                    windows[name].__exit__(None, None, None)
         if num_steps == 170:
-            prof.__exit__(None, None, None)
             cpu = cProfile.Profile()
             cpu.enable()
         if num_steps == 190:
             cpu.disable()
-        waited[0] = 0.0
+        waited[0], kind[0], events[0] = 0.0, None, None
         t0 = time.perf_counter()
         sched.step()
         walls.append(time.perf_counter() - t0)
         waits.append(waited[0])
         sizes.append(len(sched.running))
+        kinds.append(kind[0])
+        spans.append(events[0])
     total = time.perf_counter() - t_start
     torch.cuda.Event.synchronize = sync  # type: ignore[method-assign]
 
+    # Steps whose launch ran a forward; the step's wall is the host loop's, with overlap about the previous
+    # step's GPU time. Buckets by the batch size of the forward (decode) or "prefill".
     print(f"\n{num_steps} steps in {total:.2f}s")
+    torch.cuda.synchronize()
+    gpu_s = [span[0].elapsed_time(span[1]) / 1000 if span is not None else 0.0 for span in spans]
+    print(f"GPU busy {sum(gpu_s):.2f}s (from each forward's first kernel to its sampling's last), "
+          f"idle {total - sum(gpu_s):.2f}s")
+    buckets: dict[str, list[float]] = {}
+    for what, wall, wait, busy in zip(kinds, walls, waits, gpu_s):
+        if what is None:
+            key, n = "no forward", 0
+        else:
+            key, n = "prefill", what[1]
+            if not what[0]:
+                key = next(f"decode bs <= {b}" for b in (8, 32, 64, 128, 192, 256, 10**9) if n <= b)
+        b = buckets.setdefault(key, [0, 0.0, 0.0, 0, 0.0])
+        b[0], b[1], b[2], b[3], b[4] = b[0] + 1, b[1] + wall, b[2] + wait, b[3] + n, b[4] + busy
+    print(f"{'forward':18s} {'steps':>6s} {'seconds':>8s} {'share':>6s} {'ms/step':>8s} {'GPU ms/step':>11s} "
+          f"{'host waits ms':>13s} {'rows':>9s}")
+    for key in sorted(buckets, key=lambda k: (k.startswith("decode"), int(k.split()[-1]) if k.startswith("decode") else 0)):
+        n, wall, wait, rows, busy = buckets[key]
+        print(f"{key:18s} {n:6d} {wall:8.2f} {wall / total:6.1%} {1000 * wall / n:8.2f} {1000 * busy / n:11.2f} "
+              f"{1000 * wait / n:13.2f} {rows:9d}")
     for lo, hi in ((20, 120), (120, 150), (400, 500), (800, 900)):
         w, s = walls[lo:hi], waits[lo:hi]
         if w:
             print(f"steps {lo}-{hi}: running ~{sizes[lo]:3d}, wall {1000 * sum(w) / len(w):6.2f} ms/step, "
                   f"waiting for the GPU {1000 * sum(s) / len(s):6.2f} ms/step")
-    print("\nGPU kernels over 20 decode steps (bs ~256):")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
+    for name, prof in windows.items():
+        print(f"\nGPU kernels over 20 decode steps ({name}):")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
     out = io.StringIO()
     pstats.Stats(cpu, stream=out).sort_stats("tottime").print_stats(22)
     print("\nhost hot spots over 20 steps (cProfile, tottime):")
     print("\n".join(out.getvalue().splitlines()[:45]))
+    if args.whole_run:  # the same workload again (prefix cache emptied first), every kernel of it profiled
+        sched.reset_prefix_cache()
+        submit("w")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            while sched.has_work:
+                sched.step()
+            torch.cuda.synchronize()
+        print("\nGPU kernels over the whole run (a second pass, profiled):")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -170,6 +228,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-overlap", action="store_true", help="gpu")
     p.add_argument("--disable-cuda-graph", action="store_true", help="gpu")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="gpu")
+    p.add_argument("--whole-run", action="store_true", help="gpu: then the whole workload again under torch.profiler")
     p.set_defaults(func=run)
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from minisgl.core import Batch, Phase, get_context
+from minisgl.layers.embedding import ParallelLMHead
 
 if TYPE_CHECKING:
     from torch import nn
@@ -50,7 +51,9 @@ class CudaGraphRunner:
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.out_loc = torch.full((self.max_bs,), self.dummy_slot, dtype=torch.int64, device=device)
-        self.logits = torch.empty(self.max_bs, vocab_size, dtype=torch.float32, device=device)
+        # The LM head's own dtype: the sampler reads it once (engine/gumbel.py) or casts it where it needs float32.
+        dtype = next(model.parameters()).dtype
+        self.logits = torch.empty(self.max_bs, vocab_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         attn_backend.init_cuda_graph(self.max_bs, max_seq_len, dummy_page)
         self._capture()
@@ -91,7 +94,9 @@ class CudaGraphRunner:
     def _forward(self, bs: int) -> None:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs])
         lm_head = getattr(self.model, "lm_head", None)
-        if lm_head is not None:  # cast straight into the float32 buffer: one pass over the logits, not two
+        if isinstance(lm_head, ParallelLMHead) and lm_head.tp_size == 1:  # the GEMM writes the buffer itself
+            torch.mm(hidden, lm_head.weight.t(), out=self.logits[:bs])
+        elif lm_head is not None:
             self.logits[:bs].copy_(lm_head(hidden))
         else:
             self.logits[:bs] = self.model.compute_logits(hidden)
@@ -103,7 +108,8 @@ class CudaGraphRunner:
         return next(s for s in self.sizes if s >= bs)
 
     def run(self, batch: Batch) -> torch.Tensor:
-        """Logits [batch.size, vocab] of a decode batch (a view of a static buffer: read before the next run)."""
+        """Logits [batch.size, vocab] of a decode batch in the model's dtype (a view of a static buffer: read
+        before the next run)."""
         bs = batch.size
         padded = self.padded_size(bs)
         batch.padded_size = padded

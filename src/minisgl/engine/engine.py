@@ -153,7 +153,8 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
-        """Run the model on the batch; returns logits [num sampled rows, vocab] (float32)."""
+        """Run the model on the batch; returns logits [num sampled rows, vocab]: float32, but for a decode batch
+        replayed from a CUDA graph, which gives them in the model's dtype (the sampler casts where it needs to)."""
         return self._forward(batch)[0]
 
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -191,8 +192,14 @@ def _flashinfer_sampling() -> Any:
 
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+        from minisgl.engine import gumbel
+
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        # Temperature-only batches on CUDA: one Triton pass over the logits in their own dtype (engine/gumbel.py),
+        # its seeds drawn on the host from this stream (no device sync; the same on every TP rank).
+        self._gumbel = gumbel if self.device.type == "cuda" and gumbel._kernel() is not None else None
+        self._seeds = random.Random(seed)
         # GPU fast path: flashinfer's fused sampling kernels for batches without seeded rows or
         # min_p (same distribution as the torch path; seeded rows keep their per-request streams).
         self._fused = _flashinfer_sampling() if self.device.type == "cuda" else None
@@ -215,10 +222,30 @@ class Sampler:
             )
         return ids.to(torch.int64)
 
+    def _one_pass(self, logits: torch.Tensor, reqs: list["Req"], info: SamplingInfo, bitmask_fn: Any) -> torch.Tensor | None:
+        """Next ids straight from logits in their own dtype, when the batch needs nothing that reads float32
+        logits (penalties, masks, top-k/top-p/min-p, logprobs, seeded rows); None otherwise."""
+        if info.penalties or info.min_tokens or bitmask_fn is not None or info.logprobs_k >= 0:
+            return None
+        if info.greedy:
+            return logits.argmax(dim=-1)  # the float32 cast is exact: the same argmax
+        if self._gumbel is None or info.top_k is not None or info.top_p is not None or info.min_p is not None:
+            return None
+        if any(r.generator is not None for r in reqs):
+            return None
+        next_ids = self._gumbel.sample(logits, info.temperature, self._seeds.getrandbits(62))
+        if info.greedy_rows is not None:
+            next_ids = torch.where(info.greedy_rows, logits.argmax(dim=-1), next_ids)
+        return next_ids
+
     def sample(
         self, logits: torch.Tensor, reqs: list["Req"], info: SamplingInfo, bitmask_fn: Any = None
     ) -> tuple[torch.Tensor, list[Any] | None]:
         """logits [B, V] -> next token ids [B] (on logits.device) and per-row logprobs (or None)."""
+        if logits.dtype != torch.float32:
+            next_ids = self._one_pass(logits, reqs, info, bitmask_fn)
+            if next_ids is not None:
+                return next_ids, None
         logits = logits.float()
         if logits.is_inference() and not torch.is_inference_mode_enabled():
             logits = logits.clone()  # masks below write in place
