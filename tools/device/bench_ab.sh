@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../.."
 TEST=$1 SWITCH=$2
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source tools/device/env.sh
-timeout 180 python3 -m pytest -q -p no:cacheprovider "$TEST" 2>&1 | tail -2
+timeout 180 python3 -m pytest -q -p no:cacheprovider "$TEST" > "$OUT/test.log" 2>&1; tail -2 "$OUT/test.log"
 MD=$(python3 -c "import sys; from minisgl.bench.throughput import write_model_dir; from pathlib import Path; print(write_model_dir(Path('.carry/tok')))")
 run() { name=$1; shift; echo "=== $name"; timeout 150 env "$@" 2>"$OUT/$name.err" | grep RESULT | sed "s/^/$name /"; }
 run on python3 -m minisgl bench throughput run --model-dir "$MD" --latency

@@ -41,8 +41,7 @@ def _kernel() -> Any:
 
     @triton.jit
     def gumbel_max_kernel(
-        logits_ptr, stride, inv_temp_ptr, seed, best_val_ptr, best_idx_ptr, V, CHUNK,
-        SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+        logits_ptr, stride, inv_temp_ptr, seed, best_val_ptr, best_idx_ptr, V, CHUNK, SPLITS, BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)
         part = tl.program_id(1)
@@ -95,9 +94,11 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, splits: i
     best_idx = torch.empty(batch, splits, dtype=torch.int32, device=logits.device)
     block = min(BLOCK, 1 << max(0, vocab - 1).bit_length())  # a small vocabulary: a block of its size
     chunk = -(-chunk // block) * block
+    # Runtime ints (not constexpr): a batch size of its own must not compile a kernel of its own. The seed
+    # always has bit 62 set, so Triton always passes it as int64 (a value below 2**31 would compile an int32 twin).
     kernel[(batch, splits)](
-        logits, logits.stride(0), inv_temp, seed, best_val, best_idx, vocab, chunk, SPLITS=splits, BLOCK=block,
-        num_warps=4,
+        logits, logits.stride(0), inv_temp, (1 << 62) | (seed & ((1 << 62) - 1)), best_val, best_idx, vocab, chunk,
+        splits, BLOCK=block, num_warps=4,
     )
     winner = best_val.argmax(dim=1, keepdim=True)
     return best_idx.gather(1, winner).squeeze(1).to(torch.int64)

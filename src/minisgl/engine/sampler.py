@@ -222,6 +222,13 @@ class Sampler:
             )
         return ids.to(torch.int64)
 
+    def warm_up(self, dtype: torch.dtype) -> None:
+        """Compile the one-pass kernel for logits of `dtype` now, not on the first sampled request (its seed stream
+        is left alone)."""
+        if self._gumbel is not None:
+            logits = torch.zeros(1, self.vocab_size, dtype=dtype, device=self.device)
+            self._gumbel.sample(logits, torch.ones(1, device=self.device), seed=0)
+
     def _one_pass(self, logits: torch.Tensor, reqs: list["Req"], info: SamplingInfo, bitmask_fn: Any) -> torch.Tensor | None:
         """Next ids straight from logits in their own dtype, when the batch needs nothing that reads float32
         logits (penalties, masks, top-k/top-p/min-p, logprobs, seeded rows); None otherwise."""
