@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
     p.add_argument("--schedule-policy", default="lpm")
+    p.add_argument("--attention-backend", default="auto", help='e.g. "fa3,flashinfer": FA3 prefill on Hopper')
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)
@@ -161,6 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             model=args.model, cache=cache, device=args.device, dtype=args.dtype, load_format=args.load_format,
             max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
             page_size=args.page_size, kv_cache_gb=args.kv_cache_gb, schedule_policy=args.schedule_policy,
+            attention_backend=args.attention_backend,
         )
         sched = make_scheduler(config)
         vocab = sched.model_config.vocab_size
