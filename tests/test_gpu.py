@@ -336,3 +336,28 @@ def test_fused_top_k_top_p_sampling_stays_in_the_allowed_set():
     top5 = logits.topk(5, dim=-1).indices
     assert bool((draws[..., None] == top5[None]).any(-1).all())
     assert len(set(draws[:, 0].tolist())) > 1  # it does sample
+
+
+def test_sampling_from_model_dtype_logits_follows_softmax_over_temperature():
+    """A CUDA-graph decode hands the sampler bf16 logits: greedy rows take their argmax, sampled rows draw from
+    softmax(logits / T) (chi-square against the exact distribution; the wrong T fails it), as the float32 path."""
+    from minisgl.core import Req, SamplingParams
+    from minisgl.engine.sampler import Sampler, SamplingInfo
+
+    vocab, rows, temperature = 8, 4000, 0.7
+    sampler = Sampler(vocab, torch.device("cuda"), seed=0)
+    row = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, 1.5, -1.0, 0.7], device="cuda").to(torch.bfloat16)
+    greedy = [0, 1, 2]  # mixed into the batch
+    reqs = [Req(f"r{i}", [1], SamplingParams(temperature=0.0 if i in greedy else temperature), 1) for i in range(rows)]
+    info = SamplingInfo.from_reqs(reqs, vocab, torch.device("cuda"))
+    ids, logprobs = sampler.sample(row.repeat(rows, 1), reqs, info)
+    assert logprobs is None and ids.dtype == torch.int64
+    assert ids[greedy].tolist() == [3, 3, 3]
+    counts = torch.bincount(ids[len(greedy):].cpu(), minlength=vocab).double()
+
+    def chi2(t: float) -> float:
+        expected = torch.softmax(row.float().cpu() / t, dim=-1).double() * counts.sum()
+        return float(((counts - expected) ** 2 / expected).sum())
+
+    assert chi2(temperature) < 29.9  # 7 degrees of freedom, p = 1e-4
+    assert chi2(temperature / 2) > 29.9

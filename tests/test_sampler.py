@@ -66,3 +66,21 @@ def test_penalties_match_a_row_by_row_reference():
         for t in set(r.output_ids):  # OpenAI: output tokens, by count
             expected[i, t] -= p.frequency_penalty * r.output_ids.count(t) + p.presence_penalty
     torch.testing.assert_close(apply_penalties(logits, reqs), expected)
+
+
+def test_model_dtype_logits_give_the_float32_paths_tokens():
+    """bf16 logits (what a CUDA-graph decode returns): greedy ids are the float32 argmax's; every other batch is
+    cast and takes the float32 path (on the CPU the seeded draw is then the one of the float32 logits)."""
+    from minisgl.engine.sampler import Sampler, SamplingInfo
+
+    vocab = 50
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, vocab, generator=g) * 3).to(torch.bfloat16)
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_p=0.9)):
+        reqs = [Req(f"r{i}", [1], params, 1) for i in range(6)]
+        info = SamplingInfo.from_reqs(reqs, vocab, torch.device("cpu"))
+        got, _ = Sampler(vocab, torch.device("cpu"), seed=3).sample(logits, reqs, info)
+        want, _ = Sampler(vocab, torch.device("cpu"), seed=3).sample(logits.float(), reqs, info)
+        assert torch.equal(got, want)
+        if params.temperature == 0:
+            assert torch.equal(got, logits.float().argmax(-1))

@@ -3,7 +3,6 @@
 # kernel on and off (its switch set to 0), each in its own process (docs/benchmarks.md, sessions 5 and 7).
 # Device call: carry [".whl", ".carry/tok", ".carry/fi_aot"], command: bash tools/device/bench_ab.sh TEST SWITCH
 #   bash tools/device/bench_ab.sh tests/test_fused_qkv.py MINISGL_FUSED_QKV       # the fused q/k norm + RoPE + KV store
-#   bash tools/device/bench_ab.sh tests/test_gumbel.py MINISGL_FUSED_SAMPLING     # one-pass temperature sampling
 # PROFILE=1 then runs `minisgl bench profile gpu --whole-run` (kernel on). Carried (tools/README.md):
 #   .whl        wheels from ../shared/device/fetch-wheels.sh
 #   .carry/tok  SmolLM2's tokenizer.json, tokenizer_config.json, chat_template.jinja

@@ -51,7 +51,7 @@ class CudaGraphRunner:
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.out_loc = torch.full((self.max_bs,), self.dummy_slot, dtype=torch.int64, device=device)
-        # The LM head's own dtype: the sampler reads it once (engine/gumbel.py) or casts it where it needs float32.
+        # The LM head's own dtype (half the bytes of float32); the sampler casts where it needs float32.
         dtype = next(model.parameters()).dtype
         self.logits = torch.empty(self.max_bs, vocab_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -89,7 +89,6 @@ class Engine:
         ctx = get_context()
         ctx.attn_backend, ctx.kv_pool = self.attn_backend, self.kv_pool
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
-        self.sampler.warm_up(self.dtype)
         self.graph_runner: Any = None
         if (
             self.device.type == "cuda" and not config.disable_cuda_graph and config.cuda_graph_max_bs > 0

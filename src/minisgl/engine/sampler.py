@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -192,14 +191,8 @@ def _flashinfer_sampling() -> Any:
 
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
-        from minisgl.engine import gumbel
-
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        # Temperature-only batches on CUDA: one Triton pass over the logits in their own dtype (engine/gumbel.py),
-        # its seeds drawn on the host from this stream (no device sync; the same on every TP rank).
-        self._gumbel = gumbel if self.device.type == "cuda" and gumbel._kernel() is not None else None
-        self._seeds = random.Random(seed)
         # GPU fast path: flashinfer's fused sampling kernels for batches without seeded rows or
         # min_p (same distribution as the torch path; seeded rows keep their per-request streams).
         self._fused = _flashinfer_sampling() if self.device.type == "cuda" else None
@@ -222,26 +215,17 @@ class Sampler:
             )
         return ids.to(torch.int64)
 
-    def warm_up(self, dtype: torch.dtype) -> None:
-        """Compile the one-pass kernel for logits of `dtype` now, not on the first sampled request (its seed stream
-        is left alone)."""
-        if self._gumbel is not None:
-            logits = torch.zeros(1, self.vocab_size, dtype=dtype, device=self.device)
-            self._gumbel.sample(logits, torch.ones(1, device=self.device), seed=0)
-
     def _one_pass(self, logits: torch.Tensor, reqs: list["Req"], info: SamplingInfo, bitmask_fn: Any) -> torch.Tensor | None:
-        """Next ids straight from logits in their own dtype, when the batch needs nothing that reads float32
-        logits (penalties, masks, top-k/top-p/min-p, logprobs, seeded rows); None otherwise."""
+        """Next ids from logits in the model's dtype (a CUDA-graph decode's) without a float32 copy first, when
+        the batch needs nothing that writes into them (penalties, masks) or reads them whole (logprobs); None
+        otherwise. Greedy: argmax (the cast is exact: the same ids). Sampled: the division by the float32
+        temperatures gives the float32 logits the fused kernel reads, in the same pass."""
         if info.penalties or info.min_tokens or bitmask_fn is not None or info.logprobs_k >= 0:
             return None
         if info.greedy:
-            return logits.argmax(dim=-1)  # the float32 cast is exact: the same argmax
-        if self._gumbel is None or info.top_k is not None or info.top_p is not None or info.min_p is not None:
-            return None
-        if any(r.generator is not None for r in reqs):
-            return None
-        next_ids = self._gumbel.sample(logits, info.temperature, self._seeds.getrandbits(62))
-        if info.greedy_rows is not None:
+            return logits.argmax(dim=-1)
+        next_ids = self._sample_fused(logits, reqs, info)
+        if next_ids is not None and info.greedy_rows is not None:
             next_ids = torch.where(info.greedy_rows, logits.argmax(dim=-1), next_ids)
         return next_ids
 
