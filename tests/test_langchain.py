@@ -332,6 +332,26 @@ def test_second_call_with_the_same_long_system_prompt_reads_it_from_the_prefix_c
     assert second.usage_metadata["input_token_details"]["cache_read"] < second.usage_metadata["input_tokens"]
 
 
+def test_token_counts_are_the_models_own_and_match_a_calls_usage(llm, smollm2_dir):
+    """get_num_tokens* use SmolLM2's tokenizer and chat template (via the daemon), not LangChain's GPT-2 default."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(smollm2_dir)
+    text = "Shared-prefix agent workloads reuse the KV cache."
+    assert llm.get_token_ids(text) == hf.encode(text, add_special_tokens=False)
+    assert llm.get_num_tokens(text) == len(hf.encode(text, add_special_tokens=False))
+    messages = [SystemMessage("You are terse."), HumanMessage("What is 2 + 3?")]
+    rendered = hf.apply_chat_template([{"role": "system", "content": "You are terse."},
+                                       {"role": "user", "content": "What is 2 + 3?"}],
+                                      add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    count = llm.get_num_tokens_from_messages(messages)
+    assert count == len(rendered)
+    assert llm.invoke(messages, max_tokens=2).usage_metadata["input_tokens"] == count
+    with_tools = llm.get_num_tokens_from_messages(messages, tools=[add])
+    assert with_tools > count  # the tool's schema is in the prompt
+    assert llm.bind_tools([add]).invoke(messages, max_tokens=2).usage_metadata["input_tokens"] == with_tools
+
+
 def test_stream_reports_usage_on_exactly_one_chunk_the_last(llm):
     chunks = list(llm.stream("Say hi."))
     with_usage = [i for i, c in enumerate(chunks) if c.usage_metadata is not None]

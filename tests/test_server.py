@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient
 
 from daemon_fixtures import START_TIMEOUT_S, SMOLLM2_ENGINE, daemon_runtime_dir, free_port, start_serve  # noqa: F401
 from minisgl.core import SamplingParams
-from minisgl.errors import ConfigError, DaemonNotRunningError, PromptTooLongError, RequestAbortedError
+from minisgl.errors import ConfigError, DaemonNotRunningError, InvalidRequestError, PromptTooLongError, RequestAbortedError
 from minisgl.server.app import create_app, run_http_server
 
 # ---------------------------------------------------------------------------- HTTP layer
@@ -565,6 +565,60 @@ def test_openai_completions_text_and_token_prompts_and_batches(oai, client, smol
     assert batch.choices[0].text == client.generate(prompt, SamplingParams(temperature=0, max_tokens=4)).text
     streamed = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == ref.text
+
+
+def test_tokenize_and_detokenize_agree_with_hf_and_with_what_generation_counts(daemon, oai, client, smollm2_dir):
+    """vLLM's /tokenize and /detokenize (and Client.tokenize / detokenize) against the HF tokenizer itself."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(smollm2_dir)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post(path: str, **body: Any) -> httpx.Response:
+        return httpx.post(f"{daemon.base}{path}", json=body, headers=auth, timeout=60)
+
+    def hf_chat(add_generation_prompt: bool) -> list[int]:
+        rendered = hf.apply_chat_template(QUESTION, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                          return_dict=True)
+        return list(rendered["input_ids"])
+
+    prompt = "The capital of France is"
+    r = post("/tokenize", model="smollm2", prompt=prompt)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["tokens"] == hf.encode(prompt) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == oai.models.list().data[0].max_model_len
+    assert post("/tokenize", prompt=prompt, add_special_tokens=False).json()["tokens"] == hf.encode(
+        prompt, add_special_tokens=False)
+    chat = post("/tokenize", model="smollm2", messages=QUESTION).json()["tokens"]
+    assert chat == hf_chat(add_generation_prompt=True)
+    assert post("/tokenize", messages=QUESTION, add_generation_prompt=False).json()["tokens"] == hf_chat(False)
+    # What generation counts as the prompt is what /tokenize says.
+    usage = oai.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=1).usage
+    assert usage.prompt_tokens == len(chat)
+
+    r = post("/detokenize", model="smollm2", tokens=chat)
+    assert r.status_code == 200 and r.json()["prompt"] == hf.decode(chat)
+    assert client.tokenize(prompt) == hf.encode(prompt)
+    assert client.tokenize(QUESTION, add_generation_prompt=False) == hf_chat(False)
+    assert client.detokenize(chat, skip_special_tokens=True) == hf.decode(chat, skip_special_tokens=True)
+
+    # Bad input: typed 4xx errors, and the daemon goes on serving.
+    for path, body, status, words in (
+        ("/tokenize", {"prompt": prompt, "messages": QUESTION}, 400, "exactly one"),
+        ("/tokenize", {}, 400, "exactly one"),
+        ("/tokenize", {"prompt": prompt, "tools": [{"type": "function"}]}, 400, "need messages"),
+        ("/tokenize", {"prompt": prompt, "return_token_strs": True}, 400, "not supported"),
+        ("/detokenize", {"tokens": [1, len(hf) + 5]}, 400, "outside the tokenizer's vocabulary"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+        ("/tokenize", {"model": "gpt-4o", "prompt": prompt}, 404, "does not exist"),
+    ):
+        r = post(path, **body)
+        assert r.status_code == status and words in r.json()["error"]["message"], (path, body, r.text)
+    assert httpx.post(f"{daemon.base}/tokenize", json={"prompt": prompt}, timeout=60).status_code == 401
+    with pytest.raises(InvalidRequestError, match="outside"):
+        client.detokenize([-1])
+    assert client.tokenize(prompt) == hf.encode(prompt)
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_hf_transformers_does(oai, smollm2_dir):

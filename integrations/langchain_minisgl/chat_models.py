@@ -318,6 +318,21 @@ class ChatMiniSGL(BaseChatModel):
         keep_error = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | parse.with_fallbacks([keep_error], exception_key="parsing_error")
 
+    # ------------------------------------------------------------------ token counting (the model's own tokenizer)
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """The model's token ids of `text`, from its tokenizer in the daemon (no BOS); LangChain's default would
+        use GPT-2's. get_num_tokens(text) counts these."""
+        return self._client(self.model).tokenize(text, add_special_tokens=False)
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """The prompt tokens of these messages as this model reads them: rendered with its chat template (with the
+        tools and chat_template_kwargs), the count a call reports as usage_metadata["input_tokens"]."""
+        openai_tools = [convert_to_openai_tool(t) for t in tools] if tools else None
+        return len(self._client(self.model).tokenize(
+            _to_chat_messages(messages), tools=openai_tools, chat_template_kwargs=self.chat_template_kwargs,
+        ))
+
     # ------------------------------------------------------------------ clients
 
     def close(self) -> None:

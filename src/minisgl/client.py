@@ -41,6 +41,8 @@ from minisgl.runtime.launcher import PING_TIMEOUT_S
 from minisgl.runtime.protocol import (
     Abort,
     Chunk,
+    Detokenize,
+    DetokenizeReply,
     Error,
     Generate,
     GetModelInfo,
@@ -49,6 +51,8 @@ from minisgl.runtime.protocol import (
     Pong,
     ProtocolError,
     StatsReply,
+    Tokenize,
+    TokenizeReply,
     Usage,
 )
 
@@ -160,6 +164,18 @@ def _generate_message(prompt: Prompt, sampling_params: SamplingParams | None, ri
     raise InvalidRequestError(
         f"prompt must be a string, a list of token ids or a list of chat messages, got {type(prompt).__name__}"
     )
+
+
+def _tokenize_message(
+    prompt: Any, add_special_tokens: bool, add_generation_prompt: bool, tools: Any, chat_template_kwargs: Any
+) -> Tokenize:
+    if isinstance(prompt, str):
+        return Tokenize(uuid.uuid4().hex, prompt=prompt, add_special_tokens=add_special_tokens, tools=tools,
+                        chat_template_kwargs=chat_template_kwargs)
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+        return Tokenize(uuid.uuid4().hex, messages=prompt, add_generation_prompt=add_generation_prompt, tools=tools,
+                        chat_template_kwargs=chat_template_kwargs)
+    raise InvalidRequestError("tokenize takes a str prompt or a list of chat messages (dicts)")
 
 
 def _unexpected(reply: Any) -> ProtocolError:
@@ -421,6 +437,26 @@ class Client(_ClientCore):
         """The daemon's counters: total/free/cached/req pages, waiting/running/inflight requests, uptime."""
         return dict(_expect(self._call(GetStats(uuid.uuid4().hex)), StatsReply).stats)
 
+    def tokenize(
+        self,
+        prompt: str | list[dict[str, Any]],
+        *,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The token ids generate() would give the model for this prompt (str) or conversation (list of
+        messages, rendered with the chat template). add_special_tokens: a str prompt's BOS;
+        add_generation_prompt: a conversation's closing assistant header."""
+        msg = _tokenize_message(prompt, add_special_tokens, add_generation_prompt, tools, chat_template_kwargs)
+        return list(_expect(self._call(msg), TokenizeReply).input_ids)
+
+    def detokenize(self, input_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """The text of token ids (special tokens kept unless skip_special_tokens)."""
+        msg = Detokenize(uuid.uuid4().hex, list(input_ids), skip_special_tokens)
+        return _expect(self._call(msg), DetokenizeReply).text
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -587,6 +623,24 @@ class AsyncClient(_ClientCore):
 
     async def stats(self) -> dict[str, Any]:
         return dict(_expect(await self._call(GetStats(uuid.uuid4().hex)), StatsReply).stats)
+
+    async def tokenize(
+        self,
+        prompt: str | list[dict[str, Any]],
+        *,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """As Client.tokenize."""
+        msg = _tokenize_message(prompt, add_special_tokens, add_generation_prompt, tools, chat_template_kwargs)
+        return list(_expect(await self._call(msg), TokenizeReply).input_ids)
+
+    async def detokenize(self, input_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """As Client.detokenize."""
+        msg = Detokenize(uuid.uuid4().hex, list(input_ids), skip_special_tokens)
+        return (_expect(await self._call(msg), DetokenizeReply)).text
 
     async def close(self) -> None:
         conn, self._conn, self._connecting = self._conn, None, None

@@ -37,6 +37,8 @@ from minisgl.runtime.protocol import (  # STARTUP_FAILED, startup_failure: also 
     Abort,
     Chunk,
     Chunks,
+    Detokenize,
+    DetokenizeReply,
     Error,
     Generate,
     GetModelInfo,
@@ -49,6 +51,8 @@ from minisgl.runtime.protocol import (  # STARTUP_FAILED, startup_failure: also 
     SchedulerReady,
     Shutdown,
     StatsReply,
+    Tokenize,
+    TokenizeReply,
     WorkerFailed,
     WorkerReady,
     decode,
@@ -360,7 +364,7 @@ class Daemon:
         elif isinstance(msg, Abort):
             if msg.rid in self.inflight:
                 self.tokenizer.send(raw)
-        elif isinstance(msg, (Generate, GetStats)):
+        elif isinstance(msg, (Generate, GetStats, Tokenize, Detokenize)):
             if msg.rid in self.inflight:
                 self._reply(ident, Error(msg.rid, "InvalidRequestError", f"request id {msg.rid!r} is already in flight"))
                 return
@@ -381,6 +385,10 @@ class Daemon:
             if ident is not None:
                 self._reply(ident, msg)
                 self.tokenizer.send(encode(Abort(msg.rid)))  # the request's other samples, if any
+        elif isinstance(msg, (TokenizeReply, DetokenizeReply)):
+            ident = self.inflight.pop(msg.rid, None)
+            if ident is not None:
+                self._reply(ident, msg)
         elif isinstance(msg, StatsReply):
             ident = self.inflight.pop(msg.rid, None)
             if ident is not None:

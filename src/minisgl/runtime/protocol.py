@@ -55,6 +55,26 @@ class Generate(NamedTuple):
     chat_template_kwargs: dict[str, Any] | None = None  # extra chat-template variables (messages only)
 
 
+@_message("tokenize")
+class Tokenize(NamedTuple):
+    """The token ids of exactly one of prompt (text) or messages (chat, rendered as a generate request renders them)."""
+
+    rid: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True  # prompt only: the tokenizer's BOS (what a generate request gets)
+    add_generation_prompt: bool = True  # messages only: end with the assistant's turn opening
+    tools: list[dict[str, Any]] | None = None  # messages only
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only
+
+
+@_message("detokenize")
+class Detokenize(NamedTuple):
+    rid: str
+    input_ids: list[int]
+    skip_special_tokens: bool = False
+
+
 @_message("abort")
 class Abort(NamedTuple):
     rid: str
@@ -154,6 +174,19 @@ class ModelInfoReply(NamedTuple):
     info: dict[str, Any]
 
 
+@_message("tokens")
+class TokenizeReply(NamedTuple):
+    rid: str
+    input_ids: list[int]
+    max_model_len: int
+
+
+@_message("text")
+class DetokenizeReply(NamedTuple):
+    rid: str
+    text: str
+
+
 @_message("stats")
 class StatsReply(NamedTuple):
     rid: str
@@ -222,10 +255,11 @@ class WorkerFailed(NamedTuple):
 
 
 Message = Union[
-    Generate, Abort, Ping, GetModelInfo, GetStats, Shutdown, Chunks, Error, Pong, ModelInfoReply, StatsReply,
-    AddRequest, RequestMeta, TokenOutputs, WorkerInit, SchedulerReady, WorkerReady, WorkerFailed,
+    Generate, Tokenize, Detokenize, Abort, Ping, GetModelInfo, GetStats, Shutdown, Chunks, Error, Pong, ModelInfoReply,
+    TokenizeReply, DetokenizeReply, StatsReply, AddRequest, RequestMeta, TokenOutputs, WorkerInit, SchedulerReady,
+    WorkerReady, WorkerFailed,
 ]
-CLIENT_MESSAGES = (Generate, Abort, Ping, GetModelInfo, GetStats, Shutdown)
+CLIENT_MESSAGES = (Generate, Tokenize, Detokenize, Abort, Ping, GetModelInfo, GetStats, Shutdown)
 
 
 def encode(msg: Message) -> bytes:

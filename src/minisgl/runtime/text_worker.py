@@ -4,7 +4,7 @@
     frontend ◀──Chunks──── Detokenizer ◀──TokenOutputs─── scheduler
 
 Requests, aborts, stats requests and Shutdown go on to the scheduler in the order they came, so
-an abort never overtakes the request it cancels. Outputs are served before new requests: a
+an abort never overtakes the request it cancels; tokenize and detokenize requests are answered here. Outputs are served before new requests: a
 stream's next token never waits behind a burst of chat templates. One process instead of two
 costs nothing measurable (docs/benchmarks.md, "Text worker: one process vs two").
 """
@@ -22,10 +22,12 @@ from minisgl.runtime.detokenizer_worker import Detokenizer
 from minisgl.runtime.protocol import (
     Abort,
     Chunks,
+    Detokenize,
     Generate,
     GetStats,
     RequestMeta,
     Shutdown,
+    Tokenize,
     TokenOutputs,
     WorkerInit,
     WorkerReady,
@@ -91,6 +93,13 @@ class TextWorker:
                 self.frontend.send(encode(error_reply(msg.rid, e)))
                 return False
             self.scheduler.send(encode(add))
+        elif isinstance(msg, (Tokenize, Detokenize)):  # answered here: the scheduler is not involved
+            assert self.preparer is not None, "the daemon forwards requests only after start-up"
+            try:
+                reply = self.preparer.tokenize(msg) if isinstance(msg, Tokenize) else self.preparer.detokenize(msg)
+            except Exception as e:  # noqa: BLE001 - a bad request fails alone, with its error type
+                reply = error_reply(msg.rid, e)
+            self.frontend.send(encode(reply))
         elif isinstance(msg, (Abort, GetStats)):
             self.scheduler.send(raw)
         elif isinstance(msg, Shutdown):

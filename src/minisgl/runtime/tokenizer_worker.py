@@ -10,7 +10,7 @@ from typing import Any
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError, PromptTooLongError
-from minisgl.runtime.protocol import AddRequest, Generate
+from minisgl.runtime.protocol import AddRequest, Detokenize, DetokenizeReply, Generate, Tokenize, TokenizeReply
 from minisgl.tokenizer import apply_chat_template, encode_prompt
 
 
@@ -91,6 +91,37 @@ class RequestPreparer:
             "prompt_ids": input_ids if params.prompt_logprobs is not None else None,  # to name prompt_logprobs' tokens
         }
         return AddRequest(msg.rid, input_ids, params.to_dict(), detok)
+
+    def tokenize(self, msg: Tokenize) -> TokenizeReply:
+        """The ids a generate request with this prompt or these messages would get (vLLM's /tokenize)."""
+        for name in ("add_special_tokens", "add_generation_prompt"):
+            if not isinstance(getattr(msg, name), bool):
+                raise InvalidRequestError(f"{name} must be true or false")
+        if (msg.prompt is None) == (msg.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages")
+        if msg.messages is not None:
+            input_ids = apply_chat_template(
+                self.tokenizer, msg.messages, tools=msg.tools or None, add_generation_prompt=msg.add_generation_prompt,
+                chat_template_kwargs=msg.chat_template_kwargs,
+            )
+        elif msg.tools is not None or msg.chat_template_kwargs is not None:
+            raise InvalidRequestError("tools and chat_template_kwargs need messages, not a plain prompt")
+        elif not isinstance(msg.prompt, str):
+            raise InvalidRequestError(f"prompt must be a string, got {type(msg.prompt).__name__}")
+        else:
+            input_ids = self.tokenizer.encode(msg.prompt, add_special_tokens=msg.add_special_tokens)
+        return TokenizeReply(msg.rid, list(input_ids), self.context_length)
+
+    def detokenize(self, msg: Detokenize) -> DetokenizeReply:
+        ids, size = msg.input_ids, len(self.tokenizer)
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("tokens must be a list of token ids (ints)")
+        bad = next((t for t in ids if not 0 <= t < size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the tokenizer's vocabulary (0..{size - 1})")
+        if not isinstance(msg.skip_special_tokens, bool):
+            raise InvalidRequestError("skip_special_tokens must be true or false")
+        return DetokenizeReply(msg.rid, self.tokenizer.decode(ids, skip_special_tokens=msg.skip_special_tokens))
 
     def _opens_in_reasoning(self, input_ids: list[int]) -> bool:
         from minisgl.structured.reasoning import opens_in_reasoning

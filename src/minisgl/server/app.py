@@ -49,11 +49,15 @@ from minisgl.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
     TokenLogprob,
+    TokenizeRequest,
+    TokenizeResponse,
     ToolCall,
     TopLogprob,
     Usage,
@@ -323,6 +327,19 @@ def create_app(
         except (MiniSGLError, asyncio.TimeoutError):
             pass  # the server's own metrics are still worth scraping
         return Response(server.metrics.render(), media_type=server.metrics.content_type)
+
+    # vLLM's token routes (at the root, as vLLM serves them); the API key guards them too.
+    @app.post("/tokenize", dependencies=[Depends(check_key)])
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        await server.check_model(body.model)
+        prompt, kwargs = body.tokenize_args()
+        tokens = await server.client.tokenize(prompt, **kwargs)
+        return TokenizeResponse(count=len(tokens), max_model_len=await server.context_len(), tokens=tokens)
+
+    @app.post("/detokenize", dependencies=[Depends(check_key)])
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        await server.check_model(body.model)
+        return DetokenizeResponse(prompt=await server.client.detokenize(body.tokens))
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 

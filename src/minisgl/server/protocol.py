@@ -281,6 +281,48 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize body: a prompt, or chat messages rendered as /v1/chat/completions renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True  # prompt only (a chat template writes its own special tokens)
+    add_generation_prompt: bool = True  # messages only
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def tokenize_args(self) -> tuple[str | list[dict[str, Any]], dict[str, Any]]:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages")
+        if self.return_token_strs:
+            raise InvalidRequestError("return_token_strs is not supported: /detokenize turns ids into text")
+        kwargs = dict(tools=self.tools, chat_template_kwargs=self.chat_template_kwargs)
+        if self.messages is not None:
+            if not self.messages:
+                raise InvalidRequestError("messages must be a non-empty list")
+            messages = [flatten_message(m, i) for i, m in enumerate(self.messages)]
+            return messages, dict(kwargs, add_generation_prompt=self.add_generation_prompt)
+        return self.prompt or "", dict(kwargs, add_special_tokens=self.add_special_tokens)
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
