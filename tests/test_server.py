@@ -621,6 +621,25 @@ def test_tokenize_and_detokenize_agree_with_hf_and_with_what_generation_counts(d
     assert client.tokenize(prompt) == hf.encode(prompt)
 
 
+def test_flush_cache_forgets_cached_prefixes_and_changes_no_answer(daemon, oai, client):
+    """SGLang's /flush_cache, vLLM's /reset_prefix_cache and Client.flush_cache: the next request reads nothing from
+    the prefix cache (cached_tokens 0, as for a new prompt) and answers as before; the API key guards the routes."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    system = "You answer questions about European geography. " * 20
+    messages = [{"role": "system", "content": system}, *QUESTION]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    first = client.generate(messages, params)
+    again = client.generate(messages, params)
+    assert again.usage.cached_tokens > 0 and client.stats()["cached_pages"] > 0
+    for path in ("/flush_cache", "/reset_prefix_cache"):
+        assert httpx.post(f"{daemon.base}{path}", timeout=60).status_code == 401
+        r = httpx.post(f"{daemon.base}{path}", headers=auth, timeout=60)
+        assert r.status_code == 200 and r.json() == {"status": "ok", "cached_pages": 0}, r.text
+        after = client.generate(messages, params)
+        assert after.usage.cached_tokens == 0 and after.text == first.text
+    assert client.flush_cache()["cached_pages"] == 0 and client.stats()["cached_pages"] == 0
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_hf_transformers_does(oai, smollm2_dir):
     """What evaluation harnesses send for log-likelihoods: echo=True, logprobs=1, max_tokens=1."""
     import torch

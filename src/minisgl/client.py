@@ -44,6 +44,7 @@ from minisgl.runtime.protocol import (
     Detokenize,
     DetokenizeReply,
     Error,
+    FlushCache,
     Generate,
     GetModelInfo,
     GetStats,
@@ -437,6 +438,10 @@ class Client(_ClientCore):
         """The daemon's counters: total/free/cached/req pages, waiting/running/inflight requests, uptime."""
         return dict(_expect(self._call(GetStats(uuid.uuid4().hex)), StatsReply).stats)
 
+    def flush_cache(self) -> dict[str, Any]:
+        """Forget every cached prefix no running request holds (e.g. before a benchmark); the stats after it."""
+        return dict(_expect(self._call(FlushCache(uuid.uuid4().hex)), StatsReply).stats)
+
     def tokenize(
         self,
         prompt: str | list[dict[str, Any]],
@@ -623,6 +628,10 @@ class AsyncClient(_ClientCore):
 
     async def stats(self) -> dict[str, Any]:
         return dict(_expect(await self._call(GetStats(uuid.uuid4().hex)), StatsReply).stats)
+
+    async def flush_cache(self) -> dict[str, Any]:
+        """As Client.flush_cache."""
+        return dict(_expect(await self._call(FlushCache(uuid.uuid4().hex)), StatsReply).stats)
 
     async def tokenize(
         self,

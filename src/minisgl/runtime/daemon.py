@@ -40,6 +40,7 @@ from minisgl.runtime.protocol import (  # STARTUP_FAILED, startup_failure: also 
     Detokenize,
     DetokenizeReply,
     Error,
+    FlushCache,
     Generate,
     GetModelInfo,
     GetStats,
@@ -364,7 +365,7 @@ class Daemon:
         elif isinstance(msg, Abort):
             if msg.rid in self.inflight:
                 self.tokenizer.send(raw)
-        elif isinstance(msg, (Generate, GetStats, Tokenize, Detokenize)):
+        elif isinstance(msg, (Generate, GetStats, FlushCache, Tokenize, Detokenize)):
             if msg.rid in self.inflight:
                 self._reply(ident, Error(msg.rid, "InvalidRequestError", f"request id {msg.rid!r} is already in flight"))
                 return

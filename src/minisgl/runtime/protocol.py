@@ -55,6 +55,14 @@ class Generate(NamedTuple):
     chat_template_kwargs: dict[str, Any] | None = None  # extra chat-template variables (messages only)
 
 
+@_message("flush_cache")
+class FlushCache(NamedTuple):
+    """Forget every cached prefix no request holds (SGLang's /flush_cache, vLLM's /reset_prefix_cache); the reply
+    is a StatsReply taken after it."""
+
+    rid: str
+
+
 @_message("tokenize")
 class Tokenize(NamedTuple):
     """The token ids of exactly one of prompt (text) or messages (chat, rendered as a generate request renders them)."""
@@ -255,11 +263,11 @@ class WorkerFailed(NamedTuple):
 
 
 Message = Union[
-    Generate, Tokenize, Detokenize, Abort, Ping, GetModelInfo, GetStats, Shutdown, Chunks, Error, Pong, ModelInfoReply,
+    Generate, Tokenize, Detokenize, FlushCache, Abort, Ping, GetModelInfo, GetStats, Shutdown, Chunks, Error, Pong, ModelInfoReply,
     TokenizeReply, DetokenizeReply, StatsReply, AddRequest, RequestMeta, TokenOutputs, WorkerInit, SchedulerReady,
     WorkerReady, WorkerFailed,
 ]
-CLIENT_MESSAGES = (Generate, Tokenize, Detokenize, Abort, Ping, GetModelInfo, GetStats, Shutdown)
+CLIENT_MESSAGES = (Generate, Tokenize, Detokenize, FlushCache, Abort, Ping, GetModelInfo, GetStats, Shutdown)
 
 
 def encode(msg: Message) -> bytes:

@@ -20,6 +20,7 @@ from minisgl.core import SamplingParams
 from minisgl.runtime.protocol import (
     Abort,
     AddRequest,
+    FlushCache,
     GetStats,
     RequestMeta,
     SchedulerReady,
@@ -139,6 +140,9 @@ class SchedulerLoop:
         elif isinstance(msg, Abort):
             self.sched.abort(msg.rid)
         elif isinstance(msg, GetStats):
+            self._send_frontend(StatsReply(msg.rid, self.sched.stats()))
+        elif isinstance(msg, FlushCache):  # between steps; a running request's prefix stays (it is locked)
+            self.sched.reset_prefix_cache()
             self._send_frontend(StatsReply(msg.rid, self.sched.stats()))
         else:
             logger.warning("scheduler ignored an unexpected %s message", type(msg).__name__)

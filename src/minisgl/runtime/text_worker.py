@@ -3,7 +3,7 @@
     frontend ──requests──▶ RequestPreparer ──AddRequest──▶ scheduler
     frontend ◀──Chunks──── Detokenizer ◀──TokenOutputs─── scheduler
 
-Requests, aborts, stats requests and Shutdown go on to the scheduler in the order they came, so
+Requests, aborts, stats and cache-flush requests and Shutdown go on to the scheduler in the order they came, so
 an abort never overtakes the request it cancels; tokenize and detokenize requests are answered here. Outputs are served before new requests: a
 stream's next token never waits behind a burst of chat templates. One process instead of two
 costs nothing measurable (docs/benchmarks.md, "Text worker: one process vs two").
@@ -23,6 +23,7 @@ from minisgl.runtime.protocol import (
     Abort,
     Chunks,
     Detokenize,
+    FlushCache,
     Generate,
     GetStats,
     RequestMeta,
@@ -100,7 +101,7 @@ class TextWorker:
             except Exception as e:  # noqa: BLE001 - a bad request fails alone, with its error type
                 reply = error_reply(msg.rid, e)
             self.frontend.send(encode(reply))
-        elif isinstance(msg, (Abort, GetStats)):
+        elif isinstance(msg, (Abort, GetStats, FlushCache)):
             self.scheduler.send(raw)
         elif isinstance(msg, Shutdown):
             self.scheduler.send(raw)

@@ -341,6 +341,13 @@ def create_app(
         await server.check_model(body.model)
         return DetokenizeResponse(prompt=await server.client.detokenize(body.tokens))
 
+    # SGLang's and vLLM's names for dropping the prefix cache (what no running request holds).
+    @app.post("/flush_cache", dependencies=[Depends(check_key)])
+    @app.post("/reset_prefix_cache", dependencies=[Depends(check_key)])
+    async def flush_cache() -> JSONResponse:
+        stats = await server.client.flush_cache()
+        return JSONResponse({"status": "ok", "cached_pages": stats["cached_pages"]})
+
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
     @v1.get("/models")
