@@ -245,6 +245,46 @@ def test_prompt_logprobs_match_hf_and_skip_the_prefix_cache(tiny_model_dir):
     llm.check_integrity()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_embed_is_hf_last_hidden_state_of_the_last_token_normalised(tiny_model_dir, family):
+    """LLM.embed against HF: the last layer's hidden state (after the final norm) at the last prompt token, L2-normalised;
+    across prefill chunks, with a cached prefix (the prefix cache serves embeddings too) and mixed with generation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir(family)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    rng = random.Random(3)
+    vocab = hf.config.vocab_size
+    shared = [rng.randrange(10, vocab) for _ in range(40)]
+    prompts = [shared + [rng.randrange(10, vocab) for _ in range(n)] for n in (3, 30)] + [[rng.randrange(10, vocab)]]
+    llm = LLM(str(model_dir), max_prefill_tokens=16)  # several chunks per prompt
+    llm.generate([shared + [1, 2]], SamplingParams(max_tokens=1), use_tqdm=False)  # the shared prefix is cached
+    got = llm.embed(prompts)
+    for prompt, vector in zip(prompts, got):
+        with torch.no_grad():
+            last = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
+        ref = torch.nn.functional.normalize(last, dim=-1)
+        assert len(vector) == hf.config.hidden_size
+        torch.testing.assert_close(torch.tensor(vector), ref, atol=2e-5, rtol=1e-4)
+    again = llm.embed(prompts[1])[0]  # now its prompt is cached but for the last token
+    torch.testing.assert_close(torch.tensor(again), torch.tensor(got[1]), atol=1e-5, rtol=1e-4)
+    # Generation next to an embedding request (same batches) is unchanged by it.
+    alone = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].token_ids
+    llm.scheduler.add_request("e", prompts[2], SamplingParams(), embed=True)
+    llm.scheduler.add_request("g", prompts[0], SamplingParams(temperature=0, max_tokens=4))
+    outs: dict[str, list] = {"e": [], "g": []}
+    while llm.has_work:
+        for out in llm.step():
+            outs[out.rid].append(out)
+    assert [t for o in outs["g"] for t in o.new_token_ids] == alone
+    assert len(outs["e"]) == 1 and outs["e"][0].finished
+    torch.testing.assert_close(torch.tensor(outs["e"][0].embedding), torch.tensor(got[2]), atol=1e-5, rtol=1e-4)
+    with pytest.raises(errors.InvalidRequestError):
+        llm.embed([])
+    llm.check_integrity()
+
+
 def test_repetition_penalty_matches_hf(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
     from transformers import AutoConfig

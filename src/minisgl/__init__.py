@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 # the adapters to these names.
 __all__ = [
     "LLM", "SamplingParams", "Client", "AsyncClient", "CompletionOutput", "GenerateResult", "Chunk", "Usage",
-    "DEFAULT_TIMEOUT_S", "PING_TIMEOUT_S", "ping", "flatten_message",
+    "Embedding", "DEFAULT_TIMEOUT_S", "PING_TIMEOUT_S", "ping", "flatten_message",
     "MiniSGLError", "InvalidRequestError", "PromptTooLongError", "GrammarError", "ConfigError", "ModelLoadError",
     "UnknownModelError", "UnknownArchitectureError", "WeightsError", "OutOfMemoryError", "EngineError",
     "DaemonError", "DaemonNotRunningError", "DaemonTimeoutError", "RequestAbortedError",
@@ -38,6 +38,7 @@ __all__ = [
 _LAZY = {
     "LLM": "minisgl.llm", "Client": "minisgl.client", "AsyncClient": "minisgl.client",
     "GenerateResult": "minisgl.client", "Chunk": "minisgl.client", "Usage": "minisgl.client",
+    "Embedding": "minisgl.client",
     "DEFAULT_TIMEOUT_S": "minisgl.client", "PING_TIMEOUT_S": "minisgl.client", "ping": "minisgl.client",
     "flatten_message": "minisgl.tokenizer",
 }

@@ -63,7 +63,7 @@ _UNSET: Any = object()
 _R = TypeVar("_R")
 
 __all__ = [
-    "AsyncClient", "AsyncStream", "Chunk", "Client", "CompletionOutput", "DEFAULT_TIMEOUT_S", "GenerateResult",
+    "AsyncClient", "AsyncStream", "Chunk", "Client", "CompletionOutput", "DEFAULT_TIMEOUT_S", "Embedding", "GenerateResult",
     "PING_TIMEOUT_S", "Stream", "Usage", "ping",
 ]
 
@@ -96,6 +96,39 @@ class GenerateResult(FirstOutputShortcuts):
     @property
     def logprobs(self) -> list[dict[str, Any]] | None:
         return self.outputs[0].logprobs
+
+
+@dataclass
+class Embedding:
+    """An embedding request's answer: the prompt's last hidden state (after the final norm, L2-normalised)."""
+
+    embedding: list[float]
+    prompt_tokens: int
+
+
+def _embed_messages(inputs: Union[str, Sequence[int], Sequence[Union[str, Sequence[int]]]]) -> list[Generate]:
+    """One Generate(embed=True) per input: a text, a list of token ids, or a list of those."""
+    if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], int)):
+        inputs = [inputs]  # type: ignore[list-item]
+    if not isinstance(inputs, (list, tuple)) or not inputs:
+        raise InvalidRequestError("embed takes a text, a list of token ids, or a non-empty list of those")
+    msgs = []
+    for item in inputs:
+        if isinstance(item, str):
+            msgs.append(Generate(uuid.uuid4().hex, prompt=item, embed=True))
+        elif isinstance(item, (list, tuple)):
+            msgs.append(Generate(uuid.uuid4().hex, input_ids=list(item), embed=True))
+        else:
+            raise InvalidRequestError(f"an input to embed is a text or a list of token ids, got {type(item).__name__}")
+    return msgs
+
+
+def _embedding(chunks: list[Chunk]) -> Embedding:
+    vector = next((c.embedding for c in chunks if c.embedding is not None), None)
+    usage = next((c.usage for c in chunks if c.usage is not None), None)
+    if vector is None or usage is None:
+        raise ProtocolError("the daemon answered an embedding request without a vector")
+    return Embedding(list(vector), usage.prompt_tokens)
 
 
 def merge_tool_calls(calls: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
@@ -438,6 +471,29 @@ class Client(_ClientCore):
         """The daemon's counters: total/free/cached/req pages, waiting/running/inflight requests, uptime."""
         return dict(_expect(self._call(GetStats(uuid.uuid4().hex)), StatsReply).stats)
 
+    def embed(
+        self, inputs: Union[str, Sequence[int], Sequence[Union[str, Sequence[int]]]], *, timeout: float | None = _UNSET
+    ) -> list[Embedding]:
+        """Embeddings of texts or token-id lists (one per input, in order; all sent at once): each prompt's last
+        hidden state after the final norm, L2-normalised (last-token pooling, as vLLM pools decoder models).
+        The prefix cache serves them too."""
+        msgs, conn = _embed_messages(inputs), self._conn()
+        timeout = self.timeout if timeout is _UNSET else timeout
+        streams = []
+        try:
+            for msg in msgs:
+                conn.open(msg.rid)
+                conn.send(msg)
+                streams.append(Stream(self, conn, msg.rid, timeout))
+            out = []
+            for stream in streams:
+                with stream:
+                    out.append(_embedding(list(stream)))
+            return out
+        finally:
+            for stream in streams:
+                stream.close()
+
     def flush_cache(self) -> dict[str, Any]:
         """Forget every cached prefix no running request holds (e.g. before a benchmark); the stats after it."""
         return dict(_expect(self._call(FlushCache(uuid.uuid4().hex)), StatsReply).stats)
@@ -628,6 +684,18 @@ class AsyncClient(_ClientCore):
 
     async def stats(self) -> dict[str, Any]:
         return dict(_expect(await self._call(GetStats(uuid.uuid4().hex)), StatsReply).stats)
+
+    async def embed(
+        self, inputs: Union[str, Sequence[int], Sequence[Union[str, Sequence[int]]]], *, timeout: float | None = _UNSET
+    ) -> list[Embedding]:
+        """As Client.embed."""
+        timeout = self.timeout if timeout is _UNSET else timeout
+
+        async def one(msg: Generate) -> Embedding:
+            async with AsyncStream(self, msg, timeout) as stream:
+                return _embedding([chunk async for chunk in stream])
+
+        return list(await asyncio.gather(*(one(m) for m in _embed_messages(inputs))))
 
     async def flush_cache(self) -> dict[str, Any]:
         """As Client.flush_cache."""

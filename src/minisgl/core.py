@@ -188,6 +188,7 @@ class TokenOutput(NamedTuple):
     # With SamplingParams.prompt_logprobs, on the first output of sample 0: per prompt token, as new_logprobs
     # (None for the first token, which nothing predicts).
     prompt_logprobs: list[Any] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, on its first (and last) output
 
 
 class Phase(enum.Enum):
@@ -221,6 +222,8 @@ class Req:
     tokens_in_flight: int = 0  # sampled on the device, not yet read on the host (overlap scheduling)
     output_logprobs: list[Any] = field(default_factory=list)
     prompt_logprobs: list[Any] | None = None  # filled chunk by chunk while the prompt is computed (prompt_logprobs)
+    embed: bool = False  # an embedding request: its prompt's pooled hidden state is the answer (one token is sampled)
+    embedding: list[float] | None = None  # set by the prefill chunk that computes the last prompt token
     finished: bool = False
     finish_reason: str | None = None
     matched_stop: str | int | None = None

@@ -111,6 +111,38 @@ class LLM:
         outs = self._generate_ids(token_lists, sampling_params, use_tqdm)
         return outs[0] if single else outs
 
+    def embed(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]]) -> list[list[float]]:
+        """Embeddings of the prompts (texts or token ids), in order: each prompt's last hidden state after the
+        final norm, L2-normalised (last-token pooling, as vLLM's LLM.embed pools decoder models). Batched and
+        prefix-cached like generate; raises EngineError when a forward pass fails."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not isinstance(prompts, Sequence) or not prompts:
+            raise InvalidRequestError("embed takes a prompt (text or token ids) or a non-empty list of prompts")
+        token_lists = [encode_prompt(self.tokenizer, p) for p in prompts]  # type: ignore[union-attr]
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        for ids in token_lists:
+            self.scheduler.validate(ids, params.for_prompt(len(ids), self.max_seq_len))
+        rids = [f"embed-{next(self._ids)}" for _ in token_lists]
+        vectors: dict[str, list[float]] = {}
+        try:
+            for rid, ids in zip(rids, token_lists):
+                self.scheduler.add_request(rid, ids, params, embed=True)
+            while len(vectors) < len(rids):
+                for out in self.scheduler.step():
+                    if out.error_type == EngineError.__name__:
+                        raise EngineError(out.error)
+                    if out.embedding is not None:
+                        vectors[out.rid] = out.embedding
+                    elif out.finished:
+                        raise EngineError(out.error or f"embedding request {out.rid} ended without a vector")
+        except BaseException:
+            for rid in rids:
+                self.scheduler.abort(rid)
+            self.scheduler.step()  # flush the aborts' outputs
+            raise
+        return [vectors[rid] for rid in rids]
+
     def _generate_ids(
         self, token_lists: list[list[int]], sampling_params: Any, use_tqdm: bool
     ) -> list[RequestOutput]:

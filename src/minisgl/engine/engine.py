@@ -202,25 +202,43 @@ class Engine:
     @torch.inference_mode()
     def forward_and_sample(
         self, batch: Batch, sampled: list[Req], bitmask_fn: Any = None
-    ) -> tuple[torch.Tensor | None, list[Any] | None, dict[int, list[Any]] | None]:
+    ) -> tuple[torch.Tensor | None, list[Any] | None, dict[int, list[Any]] | None, dict[int, list[float]] | None]:
         """Queue the forward and the sampling of `sampled`; changes no request. Returns the next ids (on the
         device; None when nothing is sampled: a middle chunk of a prompt, its KV only), their logprobs,
-        and the prompt logprobs of the batch rows that asked for them (SamplingParams.prompt_logprobs; these
-        wait for the device) or None. bitmask_fn(logits) applies the grammar masks of `sampled`, or is None.
+        the prompt logprobs of the batch rows that asked for them (SamplingParams.prompt_logprobs) or None,
+        and the embeddings of the embedding requests whose prompt ends in this chunk ({row: vector}) or None;
+        these two wait for the device. bitmask_fn(logits) applies the grammar masks of `sampled`, or is None.
         """
         from minisgl.engine.sampler import SamplingInfo
 
-        prompt = None
-        if batch.is_prefill and any(r.wants_prompt_logprobs for r in batch.reqs):
+        prompt = embeddings = None
+        if batch.is_prefill and any(r.wants_prompt_logprobs or r.embed for r in batch.reqs):
             logits, hidden = self._forward(batch)
             assert hidden is not None, "a prefill runs eagerly"
-            prompt = self._prompt_logprobs(batch, hidden)
+            if any(r.wants_prompt_logprobs for r in batch.reqs):
+                prompt = self._prompt_logprobs(batch, hidden)
+            embeddings = self._embeddings(batch, hidden)
         else:
             logits = self.forward(batch)
         if not sampled:
-            return None, None, prompt
+            return None, None, prompt, embeddings
         info = SamplingInfo.from_reqs(sampled, self.model_config.vocab_size, self.device)
-        return (*self.sampler.sample(logits, sampled, info, bitmask_fn), prompt)
+        return (*self.sampler.sample(logits, sampled, info, bitmask_fn), prompt, embeddings)
+
+    def _embeddings(self, batch: Batch, hidden: torch.Tensor) -> dict[int, list[float]] | None:
+        """{batch row: L2-normalised float32 hidden state of the last prompt token} for the embedding requests
+        whose prompt this chunk finishes (last-token pooling, as vLLM pools decoder models)."""
+        rows, ends, end = [], [], 0
+        for i, (req, extend) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            end += extend
+            if req.embed and req.cached_len + extend == req.prompt_len:
+                rows.append(i)
+                ends.append(end - 1)
+        if not rows:
+            return None
+        last = hidden[torch.tensor(ends, device=hidden.device)].float()
+        vectors = torch.nn.functional.normalize(last, dim=-1).tolist()
+        return dict(zip(rows, vectors))
 
 
 def _min_over_ranks(n: int, device: torch.device) -> int:

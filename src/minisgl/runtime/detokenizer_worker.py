@@ -112,6 +112,9 @@ class Detokenizer:
             first = {"token_id": state.prompt_ids[0], "token": self._token(state.prompt_ids[0]), "logprob": None,
                      "top_logprobs": []}
             prompt_logprobs = [first, *self._logprobs(state.prompt_ids[1:], out.prompt_logprobs[1:])]
+        if out.embedding is not None:  # an embedding request: the vector is the answer, not its one sampled token
+            usage = usage._replace(completion_tokens=0) if usage is not None else None
+            return Chunk(out.rid, out.index, "", [], None, "stop", None, None, usage, done, embedding=out.embedding)
         return Chunk(
             out.rid, out.index, text, list(out.new_token_ids), logprobs, finish_reason,
             out.matched_stop if out.finished else None, tool_calls, usage, done, reasoning, prompt_logprobs,

@@ -53,6 +53,7 @@ class Generate(NamedTuple):
     tool_choice: Any = None  # "auto" | "none" | "required" | {"type": "function", "function": {"name": ...}}
     response_format: dict[str, Any] | None = None  # OpenAI-style {"type": "json_object" | "json_schema" | "text", ...}
     chat_template_kwargs: dict[str, Any] | None = None  # extra chat-template variables (messages only)
+    embed: bool = False  # an embedding request (prompt or input_ids): answered by one Chunk with `embedding`
 
 
 @_message("flush_cache")
@@ -139,6 +140,7 @@ class Chunk(NamedTuple):
     # With prompt_logprobs, once (first chunk of sample 0): per prompt token {token_id, token, logprob,
     # top_logprobs}; the first token's logprob is None (nothing predicts it).
     prompt_logprobs: list[dict[str, Any]] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector (its one chunk)
 
 
 @_message("chunks")
@@ -212,6 +214,7 @@ class AddRequest(NamedTuple):
     input_ids: list[int]
     params: dict[str, Any]
     detok: dict[str, Any]  # what the detokenizer needs (stop, skip_special_tokens, n, tools); passed through
+    embed: bool = False  # an embedding request (Scheduler.add_request's embed)
 
 
 @_message("request_meta")

@@ -132,7 +132,7 @@ class SchedulerLoop:
         if isinstance(msg, AddRequest):
             try:
                 params = SamplingParams.from_validated(msg.params)  # the tokenizer worker validated them
-                self.sched.add_request(msg.rid, msg.input_ids, params)
+                self.sched.add_request(msg.rid, msg.input_ids, params, msg.embed)
             except Exception as e:  # noqa: BLE001 - a bad request fails alone, with its error type
                 self._send_frontend(error_reply(msg.rid, e))
                 return

@@ -52,6 +52,9 @@ class RequestPreparer:
         given = [name for name in ("prompt", "input_ids", "messages") if getattr(msg, name) is not None]
         if len(given) != 1:
             raise InvalidRequestError(f"give exactly one of prompt, input_ids and messages (got {given or 'none'})")
+        if msg.embed is not False:
+            self._check_embed(msg)
+            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         params = apply_response_format(params, msg.response_format)
         tools, forced = self._tools(msg)
         if tools and msg.messages is None:
@@ -90,7 +93,16 @@ class RequestPreparer:
             "reasoning": self._opens_in_reasoning(input_ids) if self.reasoning_parser and msg.messages else None,
             "prompt_ids": input_ids if params.prompt_logprobs is not None else None,  # to name prompt_logprobs' tokens
         }
-        return AddRequest(msg.rid, input_ids, params.to_dict(), detok)
+        return AddRequest(msg.rid, input_ids, params.to_dict(), detok, msg.embed)
+
+    @staticmethod
+    def _check_embed(msg: Generate) -> None:
+        if msg.embed is not True:
+            raise InvalidRequestError("embed must be true or false")
+        if msg.messages is not None or msg.tools or msg.response_format or msg.chat_template_kwargs:
+            raise InvalidRequestError("an embedding request takes a prompt or token ids only (no chat, tools or formats)")
+        if msg.params:
+            raise InvalidRequestError("an embedding request takes no sampling parameters")
 
     def tokenize(self, msg: Tokenize) -> TokenizeReply:
         """The ids a generate request with this prompt or these messages would get (vLLM's /tokenize)."""

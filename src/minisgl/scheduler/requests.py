@@ -34,7 +34,7 @@ def check_request(
 
 def new_reqs(
     rid: str, input_ids: list[int], params: SamplingParams, eos_token_ids: frozenset[int], share_prompt: bool,
-    received: Callable[[Req], None] | None = None,
+    received: Callable[[Req], None] | None = None, embed: bool = False,
 ) -> list[Req]:
     """The request's n sequences; with share_prompt the later ones wait for the first's prompt KV.
 
@@ -46,7 +46,7 @@ def new_reqs(
         seed = params.seed + i if params.seed is not None else None
         req = Req(
             rid=rid, input_ids=list(input_ids), sampling_params=params, prompt_len=len(input_ids),
-            eos_token_ids=eos_token_ids, index=i, seed=seed, arrival=now,
+            eos_token_ids=eos_token_ids, index=i, seed=seed, arrival=now, embed=embed,
         )
         req.wait_for = new[0] if new and share_prompt else None
         if received is not None:
@@ -96,6 +96,7 @@ def make_output(
         cached_tokens=req.prefix_hit_len, completion_tokens=req.num_output, error=error, error_type=error_type,
         # Once, with the sequence's first output (the one whose new tokens are all of its tokens so far).
         prompt_logprobs=req.prompt_logprobs if len(new) == req.num_output else None,
+        embedding=req.embedding if len(new) == req.num_output else None,
     )
 
 

@@ -8,6 +8,7 @@ prefix cache is reached only through CacheManager (kvcache/manager.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -90,11 +91,14 @@ class Scheduler:
         if params.has_grammar:
             self.grammars.backend().validate(params)
 
-    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams, embed: bool = False) -> None:
         """Queue a request (n > 1 becomes n sequences that share the prompt's KV).
 
-        max_tokens=None: up to the end of the context window.
+        max_tokens=None: up to the end of the context window. embed: an embedding request, answered with its
+        prompt's last hidden state (after the final norm, L2-normalised) on its one output (params: n=1, max_tokens=1).
         """
+        if embed:
+            params = dataclasses.replace(params, n=1, max_tokens=1, temperature=0.0, ignore_eos=True)
         params = params.for_prompt(len(input_ids), self.max_seq_len)
         self.validate(input_ids, params)
         if any((rid, i) in self.reqs for i in range(params.n)):
@@ -102,7 +106,7 @@ class Scheduler:
         received = plugins.get_plugin_manager().hook.minisgl_request_received if self._hook_received else None
         new = new_reqs(
             rid, input_ids, params, self.eos_token_ids, self.config.cache == "radix",
-            (lambda req: received(req=req)) if received is not None else None,
+            (lambda req: received(req=req)) if received is not None else None, embed,
         )
         for req in new:
             init_req_state(req, self.device, self.tokenizer, self.grammars.backend)
@@ -157,11 +161,15 @@ class Scheduler:
         the batch is as it was scheduled (see _fail).
         """
         sampled = [r for r, m in zip(batch.reqs, batch.sample_mask) if m]
-        next_ids, logprobs, prompt = self.engine.forward_and_sample(batch, sampled, self.grammars.bitmask_fn(sampled))
+        next_ids, logprobs, prompt, embeddings = self.engine.forward_and_sample(
+            batch, sampled, self.grammars.bitmask_fn(sampled)
+        )
         self.num_steps += 1
         for row, entries in (prompt or {}).items():  # before cached_len moves: entries start at its old value
             req = batch.reqs[row]
             req.prompt_logprobs = (req.prompt_logprobs or [None]) + entries
+        for row, vector in (embeddings or {}).items():
+            batch.reqs[row].embedding = vector
         for req, extend in zip(batch.reqs, batch.extend_lens):
             req.cached_len += extend
         if batch.is_prefill:

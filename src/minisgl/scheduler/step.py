@@ -68,7 +68,7 @@ def warmup(config: EngineConfig, engine: Any, kv: ReqKV, eos_token_ids: frozense
             if not kv.reserve(req, 1):
                 break  # a pool too small for two tokens still serves one-token requests
             reserved = 1
-            next_ids, _, _ = engine.forward_and_sample(kv.make_batch(phase, [(req, 1)]), [req])
+            next_ids, *_ = engine.forward_and_sample(kv.make_batch(phase, [(req, 1)]), [req])
             assert next_ids is not None
             kv.last_tokens[req.table_idx] = next_ids[0]
             req.cached_len, reserved = req.cached_len + 1, 0

@@ -70,10 +70,10 @@ class TPScheduler(RankGroup):
     def validate(self, input_ids: list[int], params: SamplingParams) -> None:
         self.sched.validate(input_ids, params)
 
-    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams, embed: bool = False) -> None:
         # Rank 0 first: a request it rejects raises here and never reaches the other ranks.
-        self.sched.add_request(rid, input_ids, params)
-        self._ops.append(("add", rid, list(input_ids), params.to_dict()))
+        self.sched.add_request(rid, input_ids, params, embed)
+        self._ops.append(("add", rid, list(input_ids), params.to_dict(), embed))
 
     def abort(self, rid: str) -> None:
         self.sched.abort(rid)
@@ -129,7 +129,7 @@ class TPScheduler(RankGroup):
 def _apply(sched: Any, ops: list[Any], rank: int) -> None:
     for op in ops:
         if op[0] == "add":
-            sched.add_request(op[1], op[2], SamplingParams.from_validated(op[3]))  # rank 0 validated them
+            sched.add_request(op[1], op[2], SamplingParams.from_validated(op[3]), op[4])  # rank 0 validated them
         elif op[0] == "abort":
             sched.abort(op[1])
         elif op[0] == "reset_prefix_cache":

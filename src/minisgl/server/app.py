@@ -51,6 +51,10 @@ from minisgl.server.protocol import (
     DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
@@ -387,6 +391,23 @@ def create_app(
         timer.done(200, u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens)
         return JSONResponse(response.model_dump())
 
+    @v1.post("/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        timer = server.metrics.request("embeddings")
+        try:
+            await server.check_model(body.model)
+            out = await _unless_disconnected(request, server.client.embed(body.inputs()))
+        except BaseException as e:
+            return _fail(timer, e)
+        data = [
+            EmbeddingData(index=i, embedding=_base64_floats(e.embedding) if body.encoding_format == "base64" else e.embedding)
+            for i, e in enumerate(out)
+        ]
+        tokens = sum(e.prompt_tokens for e in out)
+        timer.done(200, tokens, 0, 0)
+        response = EmbeddingResponse(data=data, model=model_name, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+        return JSONResponse(response.model_dump())
+
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         timer = server.metrics.request("completions")
@@ -416,6 +437,14 @@ def create_app(
 
     app.include_router(ollama_router(server, check_key, api_error))  # for tools written for Ollama
     return app
+
+
+def _base64_floats(values: list[float]) -> str:
+    """OpenAI's encoding_format="base64": the vector as little-endian float32 bytes, base64-encoded."""
+    import base64
+    import struct
+
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
 
 
 def _version() -> str:

@@ -243,6 +243,23 @@ def ollama_router(
         return {"name": model_name, "model": model_name, "modified_at": _now(), "size": 0, "digest": "",
                 "details": details}
 
+    @api.post("/embed")
+    @_route
+    async def embed(request: Request) -> Response:
+        body = await _body(request)
+        inputs = body.get("input")
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        if not isinstance(inputs, list) or not inputs or not all(isinstance(x, str) and x for x in inputs):
+            raise InvalidRequestError("input must be a non-empty string or a list of non-empty strings")
+        start = time.perf_counter()
+        out = await unless_disconnected(request, server.client.embed(inputs))
+        return JSONResponse({
+            "model": body.get("model") or model_name, "embeddings": [e.embedding for e in out],
+            "total_duration": int((time.perf_counter() - start) * 1e9), "load_duration": 0,
+            "prompt_eval_count": sum(e.prompt_tokens for e in out),
+        })
+
     @api.get("/tags")
     @_route
     async def tags(request: Request) -> Response:

@@ -281,6 +281,41 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class EmbeddingRequest(_Request):
+    """OpenAI's /v1/embeddings body: a text, token ids, or a list of either."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        if self.dimensions is not None:
+            raise InvalidRequestError("dimensions is not supported: the embedding has the model's hidden size")
+        items = [self.input] if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)) else self.input
+        if not items or any(not x for x in items):
+            raise InvalidRequestError("input must be a non-empty text or token list, or a non-empty list of them")
+        return list(items)  # type: ignore[arg-type]
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64 of little-endian float32 with encoding_format="base64"
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
 class TokenizeRequest(_Request):
     """vLLM's /tokenize body: a prompt, or chat messages rendered as /v1/chat/completions renders them."""
 
