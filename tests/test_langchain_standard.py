@@ -26,10 +26,10 @@ from unittest import mock
 import pytest
 from langchain_core.exceptions import OutputParserException
 from langchain_core.load import dumpd, load
-from langchain_tests.integration_tests import ChatModelIntegrationTests
+from langchain_tests.integration_tests import ChatModelIntegrationTests, EmbeddingsIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from langchain_minisgl import ChatMiniSGL
+from langchain_minisgl import ChatMiniSGL, MiniSGLEmbeddings
 from test_langchain import langchain_daemon  # noqa: F401 - fixture used by name
 
 
@@ -165,3 +165,22 @@ class TestChatMiniSGLIntegration(ChatModelIntegrationTests):
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     def test_agent_loop(self, model: ChatMiniSGL) -> None:
         super().test_agent_loop(model)
+
+
+class TestMiniSGLEmbeddingsIntegration(EmbeddingsIntegrationTests):
+    """LangChain's embeddings suite against MiniSGLEmbeddings on the shared SmolLM2 daemon."""
+
+    address: str = ""
+
+    @pytest.fixture(autouse=True, scope="class")
+    @classmethod
+    def _daemon(cls, langchain_daemon: str) -> None:  # noqa: F811
+        cls.address = langchain_daemon
+
+    @property
+    def embeddings_class(self) -> type[MiniSGLEmbeddings]:
+        return MiniSGLEmbeddings
+
+    @property
+    def embedding_model_params(self) -> dict[str, Any]:
+        return {"model": "smollm2", "address": self.address, "timeout": 180}

@@ -70,6 +70,29 @@ def test_completion_matches_the_client_with_finish_reason_and_usage(daemon):
     assert r.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt was just served
 
 
+def test_embedding_and_aembedding_are_hf_last_hidden_states(daemon, smollm2_dir):
+    """litellm.embedding / aembedding through the provider against HF: SmolLM2's final hidden state at the last
+    token, L2-normalised; usage counts the prompt tokens; dimensions is refused as a BadRequestError."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    texts = ["Paris is the capital of France.", "Agents share long system prompts."]
+    with torch.no_grad():
+        want = [torch.nn.functional.normalize(hf(torch.tensor([tok.encode(t)]), output_hidden_states=True)
+                                              .hidden_states[-1][0, -1], dim=-1) for t in texts]
+    r = litellm.embedding(model=MODEL, input=texts, api_base=daemon.address)
+    ar = asyncio.run(litellm.aembedding(model=MODEL, input=texts, api_base=daemon.address))
+    for response in (r, ar):
+        assert [d["index"] for d in response.data] == [0, 1]
+        for d, w in zip(response.data, want):
+            torch.testing.assert_close(torch.tensor(d["embedding"]), w, atol=1e-4, rtol=1e-3)
+        assert response.usage.prompt_tokens == sum(len(tok.encode(t)) for t in texts)
+    with pytest.raises(litellm.BadRequestError, match="dimensions"):
+        litellm.embedding(model=MODEL, input=texts, api_base=daemon.address, dimensions=8)
+
+
 def test_streaming_joins_to_the_completion_and_reports_usage_last(daemon):
     full = litellm.completion(**ask(daemon))
     chunks = list(litellm.completion(**ask(daemon), stream=True, stream_options={"include_usage": True}))

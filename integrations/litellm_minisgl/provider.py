@@ -22,9 +22,9 @@ from typing import Any, AsyncIterator, Callable, Iterator
 import httpx
 import openai
 from litellm import CustomLLM
-from litellm.types.utils import GenericStreamingChunk, ModelResponse
+from litellm.types.utils import EmbeddingResponse, GenericStreamingChunk, ModelResponse, Usage
 
-from minisgl import PING_TIMEOUT_S, AsyncClient, Client, DaemonNotRunningError, SamplingParams, ping
+from minisgl import PING_TIMEOUT_S, AsyncClient, Client, DaemonNotRunningError, InvalidRequestError, SamplingParams, ping
 
 from litellm_minisgl.translate import Request, build_request, litellm_error, stream_chunks, to_model_response
 
@@ -188,6 +188,15 @@ class MiniSGLLLM(CustomLLM):
             finally:
                 stream.close()  # aborts the request in the daemon if the caller stopped early
 
+    def embedding(self, model: str, input: list, model_response: EmbeddingResponse, print_verbose: Callable,
+                  logging_obj: Any, optional_params: dict, api_key: Any = None, api_base: str | None = None,
+                  timeout: Any = None, litellm_params: Any = None) -> EmbeddingResponse:
+        """litellm.embedding(model="minisgl/<model>", input=[...]): Client.embed (last-token pooled, normalised)."""
+        with _litellm_errors(model):
+            inputs = _embedding_inputs(input, optional_params)
+            out = self.daemons.client(model, api_base or None, _seconds(timeout)).embed(inputs, timeout=_seconds(timeout))
+        return _embedding_response(out, model_response, model)
+
     # ------------------------------------------------------------------ async
 
     async def acompletion(self, model: str, messages: list, api_base: str | None, custom_prompt_dict: dict,
@@ -219,3 +228,28 @@ class MiniSGLLLM(CustomLLM):
                         yield generic
             finally:
                 await stream.aclose()  # aborts the request in the daemon if the caller stopped early
+
+    async def aembedding(self, model: str, input: list, model_response: EmbeddingResponse, print_verbose: Callable,
+                         logging_obj: Any, optional_params: dict, api_key: Any = None, api_base: str | None = None,
+                         timeout: Any = None, litellm_params: Any = None) -> EmbeddingResponse:
+        with _litellm_errors(model):
+            inputs = _embedding_inputs(input, optional_params)
+            client = await self.daemons.aclient(model, api_base or None, _seconds(timeout))
+            out = await client.embed(inputs, timeout=_seconds(timeout))
+        return _embedding_response(out, model_response, model)
+
+
+def _embedding_inputs(input: Any, optional_params: dict) -> list[Any]:
+    if optional_params.get("dimensions") is not None:
+        raise InvalidRequestError("dimensions is not supported: the embedding has the model's hidden size")
+    if isinstance(input, str):
+        return [input]
+    return list(input)
+
+
+def _embedding_response(out: list[Any], response: EmbeddingResponse, model: str) -> EmbeddingResponse:
+    response.model = model
+    response.data = [{"object": "embedding", "index": i, "embedding": e.embedding} for i, e in enumerate(out)]
+    tokens = sum(e.prompt_tokens for e in out)
+    response.usage = Usage(prompt_tokens=tokens, completion_tokens=0, total_tokens=tokens)
+    return response
