@@ -43,8 +43,12 @@ def test_a_prefix_cache_reset_reaches_every_rank(tiny_model_dir):
         assert all(o.cached_tokens == 0 for o in again)  # nothing served from a cache that was reset
         # Prompt logprobs bypass the (now warm) cache on every rank alike, and agree with TP=1's.
         scored = llm.generate(PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        embedded = llm.embed(PROMPTS)  # the add op carries the embed flag to every rank
         llm.check_integrity()
-    single = LLM(str(model_dir)).generate(PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    one = LLM(str(model_dir))
+    single = one.generate(PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    for got, want in zip(embedded, one.embed(PROMPTS)):
+        assert got == pytest.approx(want, abs=1e-4)
     for got, want in zip(scored, single):
         assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(want.prompt_logprobs)
         assert [e[0] for e in got.prompt_logprobs[1:]] == pytest.approx([e[0] for e in want.prompt_logprobs[1:]], abs=1e-4)

@@ -17,7 +17,7 @@ from minisgl import errors
 from minisgl.core import TokenOutput
 from minisgl.errors import DaemonError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: embed, tokenize, detokenize, flush_cache
 
 _BY_TAG: dict[str, type] = {}
 _T = TypeVar("_T")
