@@ -677,6 +677,7 @@ def test_embeddings_through_openai_and_ollama_are_hf_last_hidden_states(daemon, 
     for got, w in zip(e.embeddings, want):
         close(got, w)
     assert e.prompt_eval_count == r.usage.prompt_tokens
+    close(o.embeddings(model="smollm2", prompt=texts[1]).embedding, want[1])  # the older /api/embeddings
 
     with pytest.raises(openai.BadRequestError, match="dimensions"):
         oai.embeddings.create(model="smollm2", input=texts[0], dimensions=8)

@@ -260,6 +260,16 @@ def ollama_router(
             "prompt_eval_count": sum(e.prompt_tokens for e in out),
         })
 
+    @api.post("/embeddings")
+    @_route
+    async def embeddings(request: Request) -> Response:  # Ollama's older route: one prompt, one vector
+        body = await _body(request)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidRequestError("prompt must be a non-empty string")
+        out = await unless_disconnected(request, server.client.embed(prompt))
+        return JSONResponse({"embedding": out[0].embedding})
+
     @api.get("/tags")
     @_route
     async def tags(request: Request) -> Response:
