@@ -33,6 +33,24 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_embeddings(smollm2_dir: Path) -> Callable[[list[str]], list[Any]]:
+    """texts -> HF's reference embeddings: SmolLM2's (fp32) last-layer hidden state, after the final norm, at each
+    text's last token, L2-normalised (what minisgl's embedding requests return)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+
+    def embed(texts: list[str]) -> list[Any]:
+        with torch.no_grad():
+            return [torch.nn.functional.normalize(hf(torch.tensor([tok.encode(t)]), output_hidden_states=True)
+                                                  .hidden_states[-1][0, -1], dim=-1) for t in texts]
+
+    return embed
+
+
+@pytest.fixture(scope="session")
 def tokenizer_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoTokenizer
 

@@ -352,19 +352,14 @@ def test_token_counts_are_the_models_own_and_match_a_calls_usage(llm, smollm2_di
     assert llm.bind_tools([add]).invoke(messages, max_tokens=2).usage_metadata["input_tokens"] == with_tools
 
 
-def test_embeddings_are_hf_last_hidden_states_sync_and_async(langchain_daemon, smollm2_dir):
+def test_embeddings_are_hf_last_hidden_states_sync_and_async(langchain_daemon, smollm2_embeddings):
     """MiniSGLEmbeddings against HF: SmolLM2's final hidden state at the last token, L2-normalised."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from langchain_minisgl import MiniSGLEmbeddings
 
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
     texts = ["Paris is the capital of France.", "Agents share long system prompts."]
-    with torch.no_grad():
-        want = [torch.nn.functional.normalize(hf(torch.tensor([tok.encode(t)]), output_hidden_states=True)
-                                              .hidden_states[-1][0, -1], dim=-1) for t in texts]
+    want = smollm2_embeddings(texts)
     emb = MiniSGLEmbeddings(model="smollm2", address=langchain_daemon)
     try:
         docs = emb.embed_documents(texts)

@@ -70,18 +70,15 @@ def test_completion_matches_the_client_with_finish_reason_and_usage(daemon):
     assert r.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt was just served
 
 
-def test_embedding_and_aembedding_are_hf_last_hidden_states(daemon, smollm2_dir):
+def test_embedding_and_aembedding_are_hf_last_hidden_states(daemon, smollm2_dir, smollm2_embeddings):
     """litellm.embedding / aembedding through the provider against HF: SmolLM2's final hidden state at the last
     token, L2-normalised; usage counts the prompt tokens; dimensions is refused as a BadRequestError."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     texts = ["Paris is the capital of France.", "Agents share long system prompts."]
-    with torch.no_grad():
-        want = [torch.nn.functional.normalize(hf(torch.tensor([tok.encode(t)]), output_hidden_states=True)
-                                              .hidden_states[-1][0, -1], dim=-1) for t in texts]
+    want = smollm2_embeddings(texts)
     r = litellm.embedding(model=MODEL, input=texts, api_base=daemon.address)
     ar = asyncio.run(litellm.aembedding(model=MODEL, input=texts, api_base=daemon.address))
     for response in (r, ar):

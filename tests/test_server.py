@@ -640,29 +640,24 @@ def test_flush_cache_forgets_cached_prefixes_and_changes_no_answer(daemon, oai, 
     assert client.flush_cache()["cached_pages"] == 0 and client.stats()["cached_pages"] == 0
 
 
-def test_embeddings_through_openai_and_ollama_are_hf_last_hidden_states(daemon, oai, client, smollm2_dir):
+def test_embeddings_through_openai_and_ollama_are_hf_last_hidden_states(daemon, oai, client, smollm2_dir,
+                                                                        smollm2_embeddings):
     """/v1/embeddings (the openai package, float and its default base64), Ollama's /api/embed (the ollama package)
     and Client.embed against HF: SmolLM2's last hidden state after the final norm at the last token, L2-normalised."""
     import ollama
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    hidden_size = AutoConfig.from_pretrained(smollm2_dir).hidden_size
     texts = ["The capital of France is Paris.", "Prefix caching helps agents that share long system prompts."]
-
-    def ref(text: str) -> torch.Tensor:
-        with torch.no_grad():
-            out = hf(torch.tensor([tok.encode(text)]), output_hidden_states=True)
-        return torch.nn.functional.normalize(out.hidden_states[-1][0, -1], dim=-1)
-
-    want = [ref(t) for t in texts]
+    want = smollm2_embeddings(texts)
 
     def close(got: Any, expected: torch.Tensor) -> None:
         torch.testing.assert_close(torch.tensor(list(got), dtype=torch.float32), expected, atol=1e-4, rtol=1e-3)
 
     r = oai.embeddings.create(model="smollm2", input=texts, encoding_format="float")
-    assert [d.index for d in r.data] == [0, 1] and len(r.data[0].embedding) == hf.config.hidden_size
+    assert [d.index for d in r.data] == [0, 1] and len(r.data[0].embedding) == hidden_size
     for d, w in zip(r.data, want):
         close(d.embedding, w)
     assert r.usage.prompt_tokens == sum(len(tok.encode(t)) for t in texts) == r.usage.total_tokens
