@@ -297,6 +297,30 @@ def test_repetition_penalty_matches_hf(tiny_model_dir):
     assert [o.token_ids for o in outs] == [trim_after_eos(r, eos) for r in ref]
 
 
+def test_logit_bias_matches_hf_sequence_bias(tiny_model_dir):
+    """OpenAI's logit_bias (string keys, as JSON sends them) against HF generate's sequence_bias with the same
+    single-token biases: a forbidden favourite and a boosted outsider change the greedy output the same way."""
+    model_dir = tiny_model_dir("llama")
+    from transformers import AutoConfig
+
+    prompts = make_prompts(AutoConfig.from_pretrained(str(model_dir)).vocab_size, seed=9)[:3]
+    llm = LLM(str(model_dir))
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    favourite, outsider = greedy[0].token_ids[0], 17
+    bias = {str(favourite): -100.0, str(outsider): 6.5}
+    ref = hf_greedy(model_dir, prompts, MAX_NEW, sequence_bias={(favourite,): -100.0, (outsider,): 6.5})
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, logit_bias=bias), use_tqdm=False)
+    eos = set(llm.model_config.eos_token_ids)
+    assert [o.token_ids for o in outs] == [trim_after_eos(r, eos) for r in ref]
+    assert outs[0].token_ids != greedy[0].token_ids and favourite not in outs[0].token_ids
+    for bad in ({"x": 1.0}, {"5": 101.0}, {"-1": 1.0}, [1, 2]):
+        with pytest.raises(errors.InvalidRequestError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(errors.InvalidRequestError, match="logit_bias"):
+        llm.generate(prompts[:1], SamplingParams(logit_bias={10**7: 1.0}), use_tqdm=False)
+    llm.check_integrity()
+
+
 def test_small_kv_pool_retracts_and_all_64_requests_finish_identically(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
     from transformers import AutoConfig

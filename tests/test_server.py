@@ -621,6 +621,20 @@ def test_tokenize_and_detokenize_agree_with_hf_and_with_what_generation_counts(d
     assert client.tokenize(prompt) == hf.encode(prompt)
 
 
+def test_logit_bias_reaches_the_sampler_and_bad_biases_are_400(oai, smollm2_dir):
+    """OpenAI's logit_bias through the openai package: +100 on one token makes a greedy answer repeat it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    paris = tok.encode(" Paris", add_special_tokens=False)[0]
+    r = oai.completions.create(model="smollm2", prompt="My favourite city is", max_tokens=3, temperature=0,
+                               logit_bias={str(paris): 100})
+    assert r.choices[0].text == tok.decode([paris] * 3)
+    for bias in ({str(paris): 250}, {"not-a-token": 1}, {str(10**7): 1}):
+        with pytest.raises(openai.BadRequestError, match="logit_bias"):
+            oai.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=2, logit_bias=bias)
+
+
 def test_flush_cache_forgets_cached_prefixes_and_changes_no_answer(daemon, oai, client):
     """SGLang's /flush_cache, vLLM's /reset_prefix_cache and Client.flush_cache: the next request reads nothing from
     the prefix cache (cached_tokens 0, as for a new prompt) and answers as before; the API key guards the routes."""

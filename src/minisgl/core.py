@@ -38,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: chosen token plus top-k alternatives
     prompt_logprobs: int | None = None  # the same for each prompt token (the first has none); computes the whole prompt
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias in [-100, 100], added to the logits
     # Structured output: at most one of these (see minisgl.structured).
     json_schema: str | dict | None = None
     regex: str | None = None
@@ -48,6 +49,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.logit_bias is not None:
+            self.logit_bias = _token_biases(self.logit_bias)
         self.validate()
 
     def validate(self) -> None:
@@ -168,6 +171,24 @@ class SamplingParams:
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+
+
+def _token_biases(bias: Any) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id": bias}, keys as strings in JSON) as {int: float}; None when empty."""
+    if not isinstance(bias, Mapping):
+        raise InvalidRequestError(f"invalid SamplingParams: logit_bias must map token ids to biases, got {bias!r}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"invalid SamplingParams: logit_bias key {key!r} is not a token id") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
+            raise InvalidRequestError(f"invalid SamplingParams: logit_bias values must be in [-100, 100], got {value!r}")
+        if token < 0:
+            raise InvalidRequestError(f"invalid SamplingParams: logit_bias key {key!r} is not a token id")
+        out[token] = float(value)
+    return out or None
 
 
 class TokenOutput(NamedTuple):

@@ -24,6 +24,7 @@ class SamplingInfo:
     penalties: bool
     logprobs_k: int
     min_tokens: bool = False  # some row may not stop yet  # max top-k alternatives requested in the batch; -1 when no row wants logprobs
+    logit_bias: bool = False  # some row has a logit_bias
 
     @classmethod
     def from_reqs(cls, reqs: list["Req"], vocab_size: int, device: torch.device) -> "SamplingInfo":
@@ -32,8 +33,9 @@ class SamplingInfo:
         logprobs_k = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         penalties = any(p.has_penalties for p in params)
         min_tokens = any(r.num_sampled < r.sampling_params.min_tokens for r in reqs)
+        bias = any(p.logit_bias for p in params)
         if all(greedy_flags):
-            return cls(True, torch.ones(0), None, None, None, None, penalties, logprobs_k, min_tokens)
+            return cls(True, torch.ones(0), None, None, None, None, penalties, logprobs_k, min_tokens, bias)
         temps = [p.temperature if not g else 1.0 for p, g in zip(params, greedy_flags)]
         temperature = torch.tensor(temps, dtype=torch.float32).view(-1, 1).to(device, non_blocking=True)
         top_k = top_p = min_p = None
@@ -45,7 +47,7 @@ class SamplingInfo:
         if any(p.min_p > 0.0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device, non_blocking=True)
         greedy_rows = torch.tensor(greedy_flags).to(device, non_blocking=True) if any(greedy_flags) else None
-        return cls(False, temperature, top_k, top_p, min_p, greedy_rows, penalties, logprobs_k, min_tokens)
+        return cls(False, temperature, top_k, top_p, min_p, greedy_rows, penalties, logprobs_k, min_tokens, bias)
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
@@ -78,6 +80,20 @@ def apply_penalties(logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
         counts = counts.view(B, V)
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
+    """OpenAI's logit_bias: each row's biases added to its logits (one index_add from one non-blocking copy)."""
+    rows, cols, values = [], [], []
+    for i, r in enumerate(reqs):
+        for token, bias in (r.sampling_params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token)
+            values.append(bias)
+    B, V = logits.shape
+    flat = _flat_index(rows, cols, V, logits.device)
+    add = torch.tensor(values, dtype=logits.dtype).to(logits.device, non_blocking=True)
+    return logits.view(-1).index_add(0, flat, add).view(B, V)
 
 
 def mask_stops_before_min_tokens(logits: torch.Tensor, reqs: list["Req"]) -> torch.Tensor:
@@ -220,7 +236,7 @@ class Sampler:
         the batch needs nothing that writes into them (penalties, masks) or reads them whole (logprobs); None
         otherwise. Greedy: argmax (the cast is exact: the same ids). Sampled: the division by the float32
         temperatures gives the float32 logits the fused kernel reads, in the same pass."""
-        if info.penalties or info.min_tokens or bitmask_fn is not None or info.logprobs_k >= 0:
+        if info.penalties or info.logit_bias or info.min_tokens or bitmask_fn is not None or info.logprobs_k >= 0:
             return None
         if info.greedy:
             return logits.argmax(dim=-1)
@@ -242,6 +258,8 @@ class Sampler:
             logits = logits.clone()  # masks below write in place
         if info.penalties:
             logits = apply_penalties(logits, reqs)
+        if info.logit_bias:
+            logits = apply_logit_bias(logits, reqs)
         if info.min_tokens:
             logits = mask_stops_before_min_tokens(logits, reqs)
         if bitmask_fn is not None:

@@ -19,6 +19,8 @@ def check_request(
         raise InvalidRequestError("empty prompt: give at least one token")
     if min(input_ids) < 0 or max(input_ids) >= vocab_size:
         raise InvalidRequestError(f"token ids must be in [0, {vocab_size}) for this model")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size}) for this model")
     if len(input_ids) >= max_seq_len:
         raise PromptTooLongError(
             f"prompt has {len(input_ids)} tokens but the context window is {max_seq_len}: "

@@ -53,6 +53,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None  # vLLM's extra: the prompt tokens' logprobs (top-k), in the choice
+    logit_bias: dict[str, float] | None = None  # OpenAI's: {"token id": bias in [-100, 100]}
 
     @property
     def include_usage(self) -> bool:
