@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import re
 import time
 import uuid
 from types import SimpleNamespace
@@ -633,6 +634,30 @@ def test_logit_bias_reaches_the_sampler_and_bad_biases_are_400(oai, smollm2_dir)
     for bias in ({str(paris): 250}, {"not-a-token": 1}, {str(10**7): 1}):
         with pytest.raises(openai.BadRequestError, match="logit_bias"):
             oai.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=2, logit_bias=bias)
+
+
+def test_sglang_and_vllm_structured_output_extras_constrain_the_answer(oai):
+    """The grammar extras vLLM and SGLang users send in extra_body (they were ignored before): each constrains the
+    greedy answer; two at once are a 400."""
+    ask = dict(model="smollm2", messages=[{"role": "user", "content": "Is Paris in France? Answer."}], temperature=0,
+               max_tokens=24)
+
+    def answer(**extra: Any) -> str:
+        return oai.chat.completions.create(**ask, extra_body=extra).choices[0].message.content
+
+    assert answer(guided_choice=["yes", "no"]) in ("yes", "no")
+    assert answer(structured_outputs={"choice": ["Oui", "Non"]}) in ("Oui", "Non")
+    assert re.fullmatch(r"[0-9]{3}", answer(regex="[0-9]{3}"))
+    assert re.fullmatch(r"[A-Z]{2}", answer(guided_regex="[A-Z]{2}"))
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    jsonschema.validate(json.loads(answer(guided_json=schema)), schema)
+    jsonschema.validate(json.loads(answer(json_schema=json.dumps(schema))), schema)
+    assert answer(ebnf='root ::= "A" | "B"') in ("A", "B")
+    with pytest.raises(openai.BadRequestError, match="at most one"):
+        answer(guided_regex="[0-9]", guided_choice=["a"])
+    with pytest.raises(openai.BadRequestError, match="choice"):
+        answer(guided_choice=[])
 
 
 def test_flush_cache_forgets_cached_prefixes_and_changes_no_answer(daemon, oai, client):

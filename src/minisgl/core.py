@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple, Sequence
@@ -144,6 +145,7 @@ class SamplingParams:
         d["max_tokens"] = given.get("max_completion_tokens", given.get("max_tokens"))
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
+        d.update(_guided_grammar(given))
         logprobs = given.get("logprobs")
         if isinstance(logprobs, bool) or "top_logprobs" in given:
             if "top_logprobs" in given and not logprobs:
@@ -171,6 +173,29 @@ class SamplingParams:
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+
+
+def _guided_grammar(given: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's structured-output extras as our grammar fields: guided_json / guided_regex / guided_choice /
+    guided_grammar, and the newer structured_outputs={"json" | "regex" | "choice" | "grammar": ...}. A choice
+    becomes an EBNF alternation of the literal strings. At most one grammar in all (SamplingParams checks)."""
+    found: list[tuple[str, Any]] = []
+    nested = given.get("structured_outputs")
+    if nested is not None and not isinstance(nested, Mapping):
+        raise InvalidRequestError("structured_outputs must be an object like {'json': {...}} or {'choice': [...]}")
+    for source, prefix in ((given, "guided_"), (nested or {}, "")):
+        for kind, field_name in (("json", "json_schema"), ("regex", "regex"), ("grammar", "ebnf"), ("choice", "ebnf")):
+            value = source.get(prefix + kind)
+            if value is None:
+                continue
+            if kind == "choice":
+                if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                    raise InvalidRequestError(f"{prefix or 'structured_outputs.'}choice must be a list of non-empty strings")
+                value = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+            found.append((field_name, value))
+    if len(found) > 1 or (found and any(given.get(f) is not None for f in ("json_schema", "regex", "ebnf"))):
+        raise GrammarError("give at most one of json_schema, regex, ebnf and vLLM's guided_* / structured_outputs")
+    return dict(found)
 
 
 def _token_biases(bias: Any) -> dict[int, float] | None:

@@ -54,6 +54,16 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None  # vLLM's extra: the prompt tokens' logprobs (top-k), in the choice
     logit_bias: dict[str, float] | None = None  # OpenAI's: {"token id": bias in [-100, 100]}
+    # Grammar-constrained output as SGLang (json_schema, regex, ebnf) and vLLM (guided_*, structured_outputs) take
+    # it in the body (SamplingParams.from_openai maps them); response_format is OpenAI's way.
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
