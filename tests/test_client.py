@@ -5,6 +5,7 @@ in-test ROUTER (a double of the daemon's frontend, for the transport only)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -364,6 +365,33 @@ def test_detokenizer_parses_tool_calls_out_of_the_text(tokenizer: Any) -> None:
         merge_tool_calls(calls, c.tool_calls or [])
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("get_weather", '{"city": "Paris"}')]
     assert chunks[-1].finish_reason == "tool_calls"
+
+
+def test_parallel_tool_calls_false_keeps_only_the_first_call(tokenizer: Any) -> None:
+    """OpenAI's parallel_tool_calls=false: the request's detokenizer meta allows one call, and of a text with two
+    calls only the first comes out (streamed deltas and assembled); the default keeps both."""
+    from minisgl.client import merge_tool_calls
+    from minisgl.runtime.detokenizer_worker import Detokenizer
+    from minisgl.runtime.tokenizer_worker import RequestPreparer
+
+    prep = RequestPreparer(tokenizer, {"context_length": 4096, "model_type": "llama"})
+    messages = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+    single = prep.prepare(P.Generate("r", messages=messages, tools=[WEATHER_TOOL], parallel_tool_calls=False)).detok
+    default = prep.prepare(P.Generate("r", messages=messages, tools=[WEATHER_TOOL])).detok
+    assert (single["max_tool_calls"], default["max_tool_calls"]) == (1, None)
+    with pytest.raises(InvalidRequestError, match="parallel_tool_calls"):
+        prep.prepare(P.Generate("r", messages=messages, tools=[WEATHER_TOOL], parallel_tool_calls="no"))
+    call = '<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{}"}}}}\n</tool_call>'
+    ids = tokenizer.encode(call.format("Paris") + "\n" + call.format("Rome"), add_special_tokens=False)
+    for meta, cities in ((single, ["Paris"]), (default, ["Paris", "Rome"])):
+        detok = Detokenizer(tokenizer)
+        detok.add_request("r", meta)
+        chunks, _ = detok.process(_outputs("r", 0, ids, "stop", 2))
+        calls: list[dict[str, Any]] = []
+        for c in chunks:
+            merge_tool_calls(calls, c.tool_calls or [])
+        assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == cities
+        assert chunks[-1].finish_reason == "tool_calls"
 
 
 def _reasoning_of(tokenizer: Any, meta: dict[str, Any], text: str) -> tuple[str, str, list[Any]]:

@@ -130,10 +130,11 @@ def test_chat_completion_maps_openai_fields_to_sampling_params():
             "model": "stand-in", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
             "temperature": 0.3, "top_p": 0.9, "max_completion_tokens": 50, "stop": "\n", "seed": 7,
             "presence_penalty": 0.5, "frequency_penalty": 0.25, "n": 2, "some_future_field": True,
-            "chat_template_kwargs": {"enable_thinking": False},
+            "chat_template_kwargs": {"enable_thinking": False}, "parallel_tool_calls": False,
         })
     assert r.status_code == 200, r.text
     call = stand_in.calls[0]
+    assert call["parallel_tool_calls"] is False
     p = call["params"]
     assert (p.temperature, p.top_p, p.max_tokens, p.stop, p.seed, p.n) == (0.3, 0.9, 50, ["\n"], 7, 2)
     assert (p.presence_penalty, p.frequency_penalty, p.logprobs) == (0.5, 0.25, None)

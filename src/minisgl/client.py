@@ -181,7 +181,7 @@ class _ResultBuilder:
 
 
 def _generate_message(prompt: Prompt, sampling_params: SamplingParams | None, rid: str | None, **chat: Any) -> Generate:
-    """chat: tools, tool_choice, response_format, chat_template_kwargs (Generate's fields of the same names)."""
+    """chat: tools, tool_choice, response_format, chat_template_kwargs, parallel_tool_calls (Generate's fields)."""
     rid = rid if rid is not None else uuid.uuid4().hex
     if not isinstance(rid, str) or not rid:
         raise InvalidRequestError("rid must be a non-empty string")
@@ -408,13 +408,14 @@ class Client(_ClientCore):
         tool_choice: Any = None,
         response_format: dict[str, Any] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         rid: str | None = None,
         timeout: float | None = _UNSET,
     ) -> Stream:
         """Send the request now; iterate the returned Stream (in this thread) for its Chunks."""
         msg, timeout = self._request(
             prompt, sampling_params, rid, timeout, tools=tools, tool_choice=tool_choice, response_format=response_format,
-            chat_template_kwargs=chat_template_kwargs,
+            chat_template_kwargs=chat_template_kwargs, parallel_tool_calls=parallel_tool_calls,
         )
         conn = self._conn()
         conn.open(msg.rid)
@@ -430,17 +431,18 @@ class Client(_ClientCore):
         tool_choice: Any = None,
         response_format: dict[str, Any] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         rid: str | None = None,
         timeout: float | None = _UNSET,
     ) -> GenerateResult:
         """Run one request to the end. prompt: text, token ids, or chat messages [{"role", "content"}].
 
-        With messages: tools / tool_choice (OpenAI-style), response_format, and chat_template_kwargs (extra
-        chat-template variables, e.g. {"enable_thinking": False} for Qwen3 models).
+        With messages: tools / tool_choice (OpenAI-style; parallel_tool_calls=False: at most one call), response_format,
+        and chat_template_kwargs (extra chat-template variables, e.g. {"enable_thinking": False} for Qwen3 models).
         """
         stream = self.stream(
             prompt, sampling_params, tools=tools, tool_choice=tool_choice, response_format=response_format,
-            chat_template_kwargs=chat_template_kwargs, rid=rid, timeout=timeout,
+            chat_template_kwargs=chat_template_kwargs, parallel_tool_calls=parallel_tool_calls, rid=rid, timeout=timeout,
         )
         builder = _ResultBuilder(stream.rid)
         with stream:
@@ -634,13 +636,14 @@ class AsyncClient(_ClientCore):
         tool_choice: Any = None,
         response_format: dict[str, Any] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         rid: str | None = None,
         timeout: float | None = _UNSET,
     ) -> AsyncStream:
         """`async for chunk in client.stream(...)`; arguments as Client.stream."""
         return AsyncStream(self, *self._request(
             prompt, sampling_params, rid, timeout, tools=tools, tool_choice=tool_choice, response_format=response_format,
-            chat_template_kwargs=chat_template_kwargs,
+            chat_template_kwargs=chat_template_kwargs, parallel_tool_calls=parallel_tool_calls,
         ))
 
     async def generate(
@@ -652,12 +655,13 @@ class AsyncClient(_ClientCore):
         tool_choice: Any = None,
         response_format: dict[str, Any] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         rid: str | None = None,
         timeout: float | None = _UNSET,
     ) -> GenerateResult:
         stream = self.stream(
             prompt, sampling_params, tools=tools, tool_choice=tool_choice, response_format=response_format,
-            chat_template_kwargs=chat_template_kwargs, rid=rid, timeout=timeout,
+            chat_template_kwargs=chat_template_kwargs, parallel_tool_calls=parallel_tool_calls, rid=rid, timeout=timeout,
         )
         builder = _ResultBuilder(stream.rid)
         async with stream:

@@ -19,6 +19,7 @@ class RequestState:
         self.stop = list(meta.get("stop") or [])
         self.skip_special_tokens = bool(meta.get("skip_special_tokens", True))
         self.tool_parser_name = meta.get("tool_parser")  # set when the request has tools
+        self.max_tool_calls: int | None = meta.get("max_tool_calls")  # 1 with parallel_tool_calls=false
         self.reasoning = meta.get("reasoning")  # None: no reasoning parser; else whether the output opens inside <think>
         self.reasoning_parsers: dict[int, Any] = {}
         self.prompt_ids: list[int] | None = meta.get("prompt_ids")
@@ -93,6 +94,8 @@ class Detokenizer:
             from minisgl.structured.parsers import split_deltas
 
             text, tool_calls = split_deltas(parser.feed(text) + (parser.finish() if out.finished else []))
+            if tool_calls and state.max_tool_calls is not None:  # the calls after the allowed ones are dropped
+                tool_calls = [c for c in tool_calls if c["index"] < state.max_tool_calls] or None
             if tool_calls:
                 state.called.add(out.index)
         finish_reason = out.finish_reason if out.finished else None

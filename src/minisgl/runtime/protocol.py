@@ -54,6 +54,7 @@ class Generate(NamedTuple):
     response_format: dict[str, Any] | None = None  # OpenAI-style {"type": "json_object" | "json_schema" | "text", ...}
     chat_template_kwargs: dict[str, Any] | None = None  # extra chat-template variables (messages only)
     embed: bool = False  # an embedding request (prompt or input_ids): answered by one Chunk with `embedding`
+    parallel_tool_calls: bool | None = None  # OpenAI's: False allows at most one tool call (messages with tools)
 
 
 @_message("flush_cache")

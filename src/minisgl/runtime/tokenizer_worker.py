@@ -59,6 +59,8 @@ class RequestPreparer:
         tools, forced = self._tools(msg)
         if tools and msg.messages is None:
             raise InvalidRequestError("tools need a chat request: send messages, not a plain prompt")
+        if msg.parallel_tool_calls not in (None, True, False):
+            raise InvalidRequestError("parallel_tool_calls must be true or false")
         if msg.chat_template_kwargs is not None and msg.messages is None:
             raise InvalidRequestError("chat_template_kwargs need a chat request: send messages, not a plain prompt")
         if forced:
@@ -89,6 +91,7 @@ class RequestPreparer:
             "stop": params.stop,
             "skip_special_tokens": params.skip_special_tokens,
             "tool_parser": self.tool_format if tools else None,
+            "max_tool_calls": 1 if msg.parallel_tool_calls is False else None,
             # Chat answers of a thinking model: does the prompt leave the output inside <think>?
             "reasoning": self._opens_in_reasoning(input_ids) if self.reasoning_parser and msg.messages else None,
             "prompt_ids": input_ids if params.prompt_logprobs is not None else None,  # to name prompt_logprobs' tokens

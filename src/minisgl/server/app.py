@@ -374,6 +374,7 @@ def create_app(
                 tool_choice=body.tool_choice,
                 response_format=body.response_format_dict(),
                 chat_template_kwargs=body.chat_template_kwargs,
+                parallel_tool_calls=body.parallel_tool_calls,
             )
             messages = body.chat_messages()
             rid = new_id("chatcmpl")
