@@ -661,6 +661,40 @@ def test_sglang_and_vllm_structured_output_extras_constrain_the_answer(oai):
         answer(guided_choice=[])
 
 
+def test_responses_api_whole_and_streamed_matches_the_chat_answer(oai, client):
+    """OpenAI's Responses API through the openai package: the answer is the daemon's greedy chat answer to the same
+    messages (instructions as the system message), streamed deltas join to it, usage and max_output_tokens hold;
+    what it cannot do (tools, stored conversations, images) is a 400."""
+    system = "You are a geography assistant."
+    ref = client.generate([{"role": "system", "content": system}, *QUESTION], SamplingParams(temperature=0, max_tokens=20))
+    r = oai.responses.create(model="smollm2", instructions=system, input=QUESTION[0]["content"], temperature=0,
+                             max_output_tokens=20)
+    assert r.object == "response" and r.output_text == ref.text and r.output_text
+    assert r.usage.input_tokens == ref.usage.prompt_tokens and r.usage.output_tokens == ref.usage.completion_tokens
+    assert r.status == ("incomplete" if ref.finish_reason == "length" else "completed")
+    as_items = oai.responses.create(model="smollm2", temperature=0, max_output_tokens=20, input=[
+        {"role": "developer", "content": system},
+        {"role": "user", "content": [{"type": "input_text", "text": QUESTION[0]["content"]}]}])
+    assert as_items.output_text == ref.text
+
+    events = list(oai.responses.create(model="smollm2", instructions=system, input=QUESTION[0]["content"],
+                                       temperature=0, max_output_tokens=20, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ref.text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = events[-1].response
+    assert done.output_text == ref.text and done.usage.output_tokens == ref.usage.completion_tokens
+
+    short = oai.responses.create(model="smollm2", input="Count: 1, 2, 3,", temperature=0, max_output_tokens=2)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    for bad in (dict(tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}]),
+                dict(previous_response_id="resp_123"),
+                dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}])):
+        with pytest.raises(openai.BadRequestError):
+            oai.responses.create(model="smollm2", **{"input": "Hi", **bad})
+
+
 def test_flush_cache_forgets_cached_prefixes_and_changes_no_answer(daemon, oai, client):
     """SGLang's /flush_cache, vLLM's /reset_prefix_cache and Client.flush_cache: the next request reads nothing from
     the prefix cache (cached_tokens 0, as for a new prompt) and answers as before; the API key guards the routes."""

@@ -434,6 +434,9 @@ def create_app(
         return JSONResponse(response.model_dump())
 
     app.include_router(v1)
+    from minisgl.server.responses import responses_router
+
+    app.include_router(responses_router(server, check_key, _fail, _response_error))
     from minisgl.server.ollama import ollama_router
 
     app.include_router(ollama_router(server, check_key, api_error))  # for tools written for Ollama
@@ -446,6 +449,12 @@ def _base64_floats(values: list[float]) -> str:
     import struct
 
     return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+
+
+def _response_error(e: BaseException) -> dict[str, Any]:
+    """The fields of a Responses API "error" event."""
+    err = api_error(e)
+    return {"code": err.code or err.type, "message": err.message, "param": err.param}
 
 
 def _version() -> str:
