@@ -747,6 +747,16 @@ def test_embeddings_through_openai_and_ollama_are_hf_last_hidden_states(daemon, 
         close(got, w)
     assert e.prompt_eval_count == r.usage.prompt_tokens
     close(o.embeddings(model="smollm2", prompt=texts[1]).embedding, want[1])  # the older /api/embeddings
+    # Ollama's truncate (on by default): a text longer than the context window is cut to its first tokens.
+    fits = min(oai.models.list().data[0].max_model_len, client.stats()["total_pages"]) - 1  # page size 1
+    long_text = "Paris is lovely in spring. " * 2000
+    assert len(tok.encode(long_text)) > fits + 1
+    cut = client.embed([tok.encode(long_text)[:fits]])[0]
+    truncated = o.embed(model="smollm2", input=long_text)
+    close(truncated.embeddings[0], torch.tensor(cut.embedding))
+    assert truncated.prompt_eval_count == fits
+    with pytest.raises(ollama.ResponseError, match="context window"):
+        o.embed(model="smollm2", input=long_text, truncate=False)
 
     with pytest.raises(openai.BadRequestError, match="dimensions"):
         oai.embeddings.create(model="smollm2", input=texts[0], dimensions=8)

@@ -252,7 +252,15 @@ def ollama_router(
             inputs = [inputs]
         if not isinstance(inputs, list) or not inputs or not all(isinstance(x, str) and x for x in inputs):
             raise InvalidRequestError("input must be a non-empty string or a list of non-empty strings")
+        truncate = body.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise InvalidRequestError("truncate must be true or false")
         start = time.perf_counter()
+        if truncate:  # Ollama's default: an input longer than the context is cut to fit, not refused
+            info, stats = await server.info(), await server.client.stats()  # the KV pool may hold less than a context
+            limit = min(int(info["context_length"]), stats["total_pages"] * int(info.get("page_size") or 1)) - 1
+            ids = [await server.client.tokenize(text) for text in inputs]
+            inputs = [text if len(t) <= limit else t[:limit] for text, t in zip(inputs, ids)]
         out = await unless_disconnected(request, server.client.embed(inputs))
         return JSONResponse({
             "model": body.get("model") or model_name, "embeddings": [e.embedding for e in out],
