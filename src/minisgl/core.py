@@ -161,6 +161,11 @@ class SamplingParams:
         params.max_tokens = max(1, context_length - prompt_len)
         return params
 
+    @classmethod
+    def for_embedding(cls) -> "SamplingParams":
+        """An embedding request's params: its one greedy token ends it (the vector comes from the prefill)."""
+        return cls(max_tokens=1, temperature=0.0, ignore_eos=True)
+
     def with_grammar(self, **grammar: Any) -> "SamplingParams":
         """A copy constrained by one grammar field (json_schema, regex or ebnf); these params have none."""
         if self.has_grammar:

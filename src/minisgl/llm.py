@@ -120,7 +120,7 @@ class LLM:
         if not isinstance(prompts, Sequence) or not prompts:
             raise InvalidRequestError("embed takes a prompt (text or token ids) or a non-empty list of prompts")
         token_lists = [encode_prompt(self.tokenizer, p) for p in prompts]  # type: ignore[union-attr]
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        params = SamplingParams.for_embedding()
         for ids in token_lists:
             self.scheduler.validate(ids, params.for_prompt(len(ids), self.max_seq_len))
         rids = [f"embed-{next(self._ids)}" for _ in token_lists]

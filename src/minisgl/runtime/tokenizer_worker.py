@@ -54,7 +54,7 @@ class RequestPreparer:
             raise InvalidRequestError(f"give exactly one of prompt, input_ids and messages (got {given or 'none'})")
         if msg.embed is not False:
             self._check_embed(msg)
-            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            params = SamplingParams.for_embedding()
         params = apply_response_format(params, msg.response_format)
         tools, forced = self._tools(msg)
         if tools and msg.messages is None:

@@ -8,7 +8,6 @@ prefix cache is reached only through CacheManager (kvcache/manager.py).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -95,10 +94,11 @@ class Scheduler:
         """Queue a request (n > 1 becomes n sequences that share the prompt's KV).
 
         max_tokens=None: up to the end of the context window. embed: an embedding request, answered with its
-        prompt's last hidden state (after the final norm, L2-normalised) on its one output (params: n=1, max_tokens=1).
+        prompt's last hidden state (after the final norm, L2-normalised) on its one output (its params are
+        SamplingParams.for_embedding(), whatever is given).
         """
         if embed:
-            params = dataclasses.replace(params, n=1, max_tokens=1, temperature=0.0, ignore_eos=True)
+            params = SamplingParams.for_embedding()
         params = params.for_prompt(len(input_ids), self.max_seq_len)
         self.validate(input_ids, params)
         if any((rid, i) in self.reqs for i in range(params.n)):

@@ -10,6 +10,7 @@ Modelfile's. /api/generate renders the prompt (and `system`) with the chat templ
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -259,8 +260,8 @@ def ollama_router(
         if truncate:  # Ollama's default: an input longer than the context is cut to fit, not refused
             info, stats = await server.info(), await server.client.stats()  # the KV pool may hold less than a context
             limit = min(int(info["context_length"]), stats["total_pages"] * int(info.get("page_size") or 1)) - 1
-            ids = [await server.client.tokenize(text) for text in inputs]
-            inputs = [text if len(t) <= limit else t[:limit] for text, t in zip(inputs, ids)]
+            # Tokenized once here (concurrently); the daemon then embeds the ids as they are.
+            inputs = [ids[:limit] for ids in await asyncio.gather(*(server.client.tokenize(t) for t in inputs))]
         out = await unless_disconnected(request, server.client.embed(inputs))
         return JSONResponse({
             "model": body.get("model") or model_name, "embeddings": [e.embedding for e in out],
