@@ -16,6 +16,9 @@ Stages of `all` (each engine in its own process, so each sizes its KV pool from 
            model (40 layers, hidden 5120, 40 q / 8 kv heads, intermediate 17408, vocab 151936, untied),
            bf16, TP=1 (one GPU) vs TP=2.
   hfpatch  `minisgl bench hf-generate` --num-prompts 256 --device cuda on a Qwen3-0.6B-shaped HF checkpoint.
+  kill     a `minisgl serve --tp 2` daemon (Qwen3-0.6B shape, dummy weights) has rank 1 SIGKILLed in the middle of a
+           stream: the stream must end with a typed error, the daemon exit non-zero and nothing of its process
+           session outlive it, all within bounded time (kill_rank_check; tests/test_tp.py runs it on CPU).
   agents   `minisgl bench agents` -k 64 -t 6 on the Qwen3-0.6B-shaped dummy model, radix and naive each in
            its own process (the first engine's KV pool is not given back inside one process).
 """
@@ -314,6 +317,89 @@ def stage_parity(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], l
     print("parity:", json.dumps(p))
 
 
+def session_pids(sid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process of session sid (Linux /proc)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[3]) != sid or fields[0] == "Z":
+                continue
+            found.append((int(d.name), (d / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def kill_rank_check(model_dir: Path, serve_args: list[str], log_path: Path, start_timeout: float = 300,
+                    exit_timeout: float = 120) -> dict[str, Any]:
+    """Start `minisgl serve --tp 2`, stream a long generation, SIGKILL rank 1 mid-stream; report what follows.
+
+    Returns the stream's error (type, message), the daemon's exit code, the seconds from the kill to the
+    stream's error and to the daemon's exit, and the processes of the daemon's session still alive after it.
+    """
+    from minisgl import Client, MiniSGLError, SamplingParams
+    from minisgl.runtime.launcher import wait_ready
+
+    address = f"ipc://{tempfile.mkdtemp(prefix='msgl-kill-')}/d.sock"
+    cmd = [sys.executable, "-m", "minisgl", "serve", "--model", str(model_dir), "--tp", "2", "--address", address,
+           *serve_args]
+    print("$", " ".join(cmd), flush=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    r: dict[str, Any] = {}
+    try:
+        wait_ready(address, start_timeout, proc=proc, log_path=log_path)
+        with Client(str(model_dir), address, auto_start=False, timeout=60) as client:
+            first = client.generate([11, 12, 13, 14], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            r["served_before_kill"] = len(first.outputs[0].token_ids) == 8
+            ranks = [pid for pid, line in session_pids(proc.pid) if "minisgl.scheduler.tp" in line]
+            r["rank_processes"] = len(ranks)
+            if len(ranks) != 1:
+                r["error"] = f"expected one rank-1 process in the daemon's session, found {ranks}"
+                return r
+            stream = client.stream([21, 22, 23], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+            got = 0
+            for chunk in stream:  # let it run a few steps, then kill rank 1 in the middle of the stream
+                got += len(chunk.token_ids)
+                if got >= 16:
+                    break
+            t_kill = time.monotonic()
+            os.kill(ranks[0], signal.SIGKILL)
+            r["tokens_before_kill"] = got
+            try:
+                for chunk in stream:
+                    got += len(chunk.token_ids)
+                r["stream_error"] = None  # ended without an error: a failure of this check
+            except MiniSGLError as e:
+                r["stream_error"] = f"{type(e).__name__}: {e}"
+            r["seconds_to_stream_error"] = round(time.monotonic() - t_kill, 2)
+        try:
+            r["daemon_exit"] = proc.wait(timeout=exit_timeout)
+        except subprocess.TimeoutExpired:
+            r["daemon_exit"] = "still running"
+        r["seconds_to_daemon_exit"] = round(time.monotonic() - t_kill, 2)
+        time.sleep(1.0)
+        r["left_behind"] = [line for _, line in session_pids(proc.pid)]
+        return r
+    finally:
+        kill_group(proc)
+
+
+def stage_kill(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log: Path) -> None:
+    model = write_config_dir(QWEN3_06B, Path(args.tokenizer_dir), "qwen3-0.6b-dummy-")
+    k = kill_rank_check(model, ["--load-format", "dummy", "--device", args.device, "--dtype", args.dtype,
+                                "--dist-timeout", "60", "--cuda-graph-max-bs", "16", "--num-pages", "20000"],
+                        out_dir / "kill_daemon.log")
+    k["pass"] = (bool(k.get("stream_error")) and k.get("daemon_exit") not in (0, "still running")
+                 and not k.get("left_behind") and k.get("seconds_to_daemon_exit", 1e9) < 60)
+    res["kill"] = k
+    print("kill:", json.dumps(k), flush=True)
+
+
 def parse(out: str, tag: str) -> dict[str, Any] | None:
     for line in out.splitlines():
         if line.startswith(tag + " "):
@@ -417,6 +503,11 @@ def print_table(r: dict[str, Any]) -> None:
                   f"identical rows {h['identical_rows']}")
         else:
             print(f"hfpatch: {h}")
+    k = r.get("kill")
+    if k:
+        print(f"killed rank 1 mid-stream (serve --tp 2): stream error after {k.get('seconds_to_stream_error')}s "
+              f"({k.get('stream_error')}); daemon exit {k.get('daemon_exit')} after {k.get('seconds_to_daemon_exit')}s; "
+              f"left behind {k.get('left_behind')} -> {'PASS' if k.get('pass') else 'FAIL'}")
     for budget, a in r.get("agents", {}).items():
         if "ttft_p50_ratio_naive_over_radix" in a:
             ra, na = a["radix"], a["naive"]
@@ -440,7 +531,8 @@ def cmd_all(args: argparse.Namespace) -> None:
                            "stages": args.stages}
     t_start = time.perf_counter()
     path = out_dir / "tp.json"
-    stages = [("parity", stage_parity), ("tput", stage_tput), ("hfpatch", stage_hfpatch), ("agents", stage_agents)]
+    stages = [("parity", stage_parity), ("tput", stage_tput), ("kill", stage_kill), ("hfpatch", stage_hfpatch),
+              ("agents", stage_agents)]
     for name, fn in stages:
         if name not in args.stages:
             continue
@@ -468,7 +560,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer-dir", default=os.environ.get("MINISGL_TOKENIZER_DIR", ".carry/tok"))
     p.add_argument("--out-dir", default="tp-out")
     p.add_argument("--out")
-    p.add_argument("--stages", default="parity,nodes,tput,hfpatch,agents")
+    p.add_argument("--stages", default="parity,nodes,tput,kill,hfpatch,agents")
     p.add_argument("--agents-prefill", default="8192", help="agents: max_prefill_tokens values, comma-separated")
     p.add_argument("--hfpatch-args", default="", help="hfpatch: more `minisgl bench hf-generate` arguments")
     p.add_argument("--deadline", type=float, default=540, help="seconds: later stages are skipped past it")
