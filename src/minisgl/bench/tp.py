@@ -147,10 +147,39 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(result), flush=True)
     if args.latency:
         print("LATENCY " + json.dumps(decode_latency(llm)), flush=True)
+    if args.profile_dir and hasattr(llm.scheduler, "profile"):
+        print("PROFILE " + json.dumps(profile_steps(llm, args.profile_dir)), flush=True)
     t0 = time.perf_counter()
     llm.shutdown()
     print(f"shutdown {time.perf_counter() - t0:.1f}s", flush=True)
     os._exit(0)
+
+
+def profile_steps(llm: Any, out_dir: str, batch: int = 256, prompt_len: int = 128, new_tokens: int = 64) -> dict:
+    """torch.profiler on every rank over one batch (2-3 prefill steps, then decode at full batch).
+
+    Each rank writes rank{R}.json / rank{R}.txt under out_dir (distributed/profile.py); returns the ranks'
+    per-step figures without the per-step list.
+    """
+    from minisgl import SamplingParams
+
+    rng = random.Random(2)
+    prompts = [[rng.randrange(10, 10000) for _ in range(prompt_len)] for _ in range(batch)]
+    llm.scheduler.profile("start", out_dir)
+    llm.generate(prompts, SamplingParams(temperature=0.6, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    llm.scheduler.profile("stop")
+    llm.generate([prompts[0]], SamplingParams(max_tokens=1), use_tqdm=False)  # a step carries the stop to the ranks
+    deadline = time.monotonic() + 30
+    paths = [Path(out_dir) / f"rank{r}.json" for r in range(llm.scheduler.config.tp // llm.scheduler.config.nnodes)]
+    while not all(path.exists() for path in paths) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    summaries = {}
+    for path in paths:
+        if path.exists():
+            summary = json.loads(path.read_text())
+            summary.pop("step_ms", None)
+            summaries[path.stem] = summary
+    return summaries
 
 
 # ---------------------------------------------------------------------------- orchestration
@@ -414,11 +443,16 @@ def stage_tput(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log
         env = {"CUDA_VISIBLE_DEVICES": "0"} if tp == 1 else {}
         cmd = [sys.executable, "-m", "minisgl", "bench", "tp", "bench", "--model-dir", str(model), "--tp", str(tp),
                "--num-requests", str(args.num_requests)] + (["--latency"] if args.latency else [])
+        if tp == 2 and args.profile:
+            cmd += ["--profile-dir", str(out_dir / "tp2_profile")]
         code, out = run_child(cmd, args.bench_timeout, env=env, log=log)
         r = parse(out, "RESULT") or {"error": f"exit {code}"}
         lat = parse(out, "LATENCY")
         if lat:
             r.update(lat)
+        prof = parse(out, "PROFILE")
+        if prof:
+            r["profile"] = prof
         t[f"tp{tp}"] = r
     if "output_tok_s" in t.get("tp1", {}) and "output_tok_s" in t.get("tp2", {}):
         t["speedup"] = round(t["tp2"]["output_tok_s"] / t["tp1"]["output_tok_s"], 2)
@@ -493,6 +527,10 @@ def print_table(r: dict[str, Any]) -> None:
                       f"{x['kv_pages']} KV slots, init {x['init_s']}s{lat}")
             else:
                 print(f"  TP={tp}: {x}")
+        for rank, x in t.get("tp2", {}).get("profile", {}).items():
+            print(f"  TP=2 {rank} profile: {x['steps']} steps, wall {x['wall_ms_per_step']} ms/step, host "
+                  f"{x['host_ms_per_step']}, ops wait {x['ops_wait_ms_per_step']}, device wait "
+                  f"{x['device_wait_ms_per_step']}; GPU {x['gpu_total_ms_per_step']} ms/step {x['gpu_ms_per_step']}")
         if "speedup" in t:
             print(f"  TP=2 / TP=1 = {t['speedup']}x -> {'PASS' if t['pass'] else 'FAIL'} (>= 1.6x)")
     for h in r.get("hfpatch", []):
@@ -569,6 +607,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--dist-init-addr")
+    p.add_argument("--profile", action="store_true", help="all/tput: profile TP=2's ranks over one batch after the run")
+    p.add_argument("--profile-dir", help="bench: profile the ranks over one batch after the run, into this directory")
     p.add_argument("--teacher-force", help="gen: also score these outputs (json) teacher-forced")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-new", type=int, default=48)
