@@ -74,7 +74,25 @@ def init_distributed(config: EngineConfig, rank: int, store: Any) -> None:
     set_tp_info(rank, config.tp)
 
 
-def abort_communicators() -> None:
+def _bounded(fn: Any, timeout: float, what: str) -> bool:
+    """Run fn in a daemon thread, abandoned after timeout seconds (NCCL teardown can block for good)."""
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - already aborted / torn down / a backend without it
+            logger.debug("tensor-parallel %s: %s", what, e)
+
+    t = threading.Thread(target=run, name=f"minisgl-tp-{what}", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        logger.warning("tensor-parallel %s did not finish in %.0fs; leaving it", what, timeout)
+        return False
+    return True
+
+
+def abort_communicators(timeout: float = 10.0) -> None:
     """Abort this rank's NCCL communicators: kernels waiting for a dead peer return. Safe from any thread."""
     import torch.distributed as dist
 
@@ -85,34 +103,27 @@ def abort_communicators() -> None:
     if abort is None:
         logger.warning("this torch cannot abort an NCCL communicator; a collective may wait until dist_timeout")
         return
-    try:
-        abort()
-    except Exception as e:  # noqa: BLE001 - already aborted / torn down
-        logger.debug("NCCL abort: %s", e)
+    _bounded(abort, timeout, "abort")
 
 
-def close_groups(timeout: float = 30.0) -> None:
-    """Leave the process groups without waiting for the peers.
+def close_groups(clean: bool, timeout: float = 10.0) -> None:
+    """Leave the process groups, in bounded time.
 
-    Aborting is local and immediate; destroy_process_group waits for the peers' teardown (it took
-    over 30 s with NCCL), so it is only the fallback, in a thread abandoned after `timeout` seconds.
+    clean: every rank is leaving now and calls this at the same time, so destroying the groups is a quick
+    collective teardown. Otherwise (a peer failed or is gone) the groups are aborted, which is local.
+    Either is abandoned after `timeout` seconds: with NCCL, a destroy whose peers have already exited,
+    or an abort with a peer in a bad state, can block for good (torch waits on it even past its own timeout).
     """
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    if abort is not None:
-        try:
-            abort()
-            return
-        except Exception as e:  # noqa: BLE001 - an older torch or a backend without abort
-            logger.debug("abort of the process groups failed (%s); destroying them instead", e)
-    t = threading.Thread(target=dist.destroy_process_group, name="minisgl-tp-teardown", daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        logger.warning("tensor-parallel teardown did not finish in %.0fs; leaving it", timeout)
+    if clean:
+        _bounded(dist.destroy_process_group, timeout, "teardown")
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None) or dist.destroy_process_group
+    _bounded(abort, timeout, "abort")
+
 
 def spawn_worker(config: EngineConfig, rank: int, init_addr: str) -> subprocess.Popen:
     """Start rank `rank` as `python -m minisgl.scheduler.tp` (no re-import of the caller's __main__)."""
@@ -176,7 +187,7 @@ class RankGroup:
         """Rank 0 could not start: stop the ranks; returns the error to raise."""
         error = self._as_rank_failure(error)
         self._stop.set()
-        close_groups(5)
+        close_groups(clean=False, timeout=5)
         for w in self.workers:
             w.kill()
             w.wait()
@@ -257,7 +268,7 @@ class RankGroup:
             self._fail(self._failure or "a tensor-parallel rank did not confirm the shutdown")
         self._stop.set()
         self._monitor.join(timeout=5)
-        close_groups()
+        close_groups(clean)
         for w in self.workers:
             try:
                 w.wait(timeout=EXIT_WAIT_S)

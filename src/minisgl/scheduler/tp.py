@@ -23,7 +23,8 @@ import torch
 from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams, TokenOutput
 from minisgl.distributed.launch import (
-    EXITED_KEY, FAILED_KEY, OPS_KEY, RankGroup, RankZeroWatch, connect_store, init_distributed, leave,
+    EXIT_WAIT_S, EXITED_KEY, FAILED_KEY, OPS_KEY, RankGroup, RankZeroWatch, close_groups, connect_store,
+    init_distributed, leave,
 )
 from minisgl.distributed.profile import active_profiler, apply_profile_op
 
@@ -170,6 +171,7 @@ def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
                 if sched.device.type == "cuda":
                     torch.cuda.synchronize()  # this rank's last collectives: rank 0 waits on them
                 store.add(EXITED_KEY, 1)
+                close_groups(clean=True, timeout=EXIT_WAIT_S)  # with rank 0's, at the same time
                 return 0
             _apply(sched, ops, rank)
             sched.step()
