@@ -155,22 +155,30 @@ def cmd_bench(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def profile_steps(llm: Any, out_dir: str, batch: int = 256, prompt_len: int = 128, new_tokens: int = 64) -> dict:
-    """torch.profiler on every rank over one batch (2-3 prefill steps, then decode at full batch).
+def profile_steps(llm: Any, out_dir: str, batch: int = 256, prompt_len: int = 128, steps: int = 32) -> dict:
+    """torch.profiler on every rank over `steps` decode steps at full batch (after the batch's prefill).
 
     Each rank writes rank{R}.json / rank{R}.txt under out_dir (distributed/profile.py); returns the ranks'
     per-step figures without the per-step list.
     """
     from minisgl import SamplingParams
 
+    sched = llm.scheduler
     rng = random.Random(2)
-    prompts = [[rng.randrange(10, 10000) for _ in range(prompt_len)] for _ in range(batch)]
-    llm.scheduler.profile("start", out_dir)
-    llm.generate(prompts, SamplingParams(temperature=0.6, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
-    llm.scheduler.profile("stop")
-    llm.generate([prompts[0]], SamplingParams(max_tokens=1), use_tqdm=False)  # a step carries the stop to the ranks
+    params = SamplingParams(temperature=0.6, max_tokens=steps + 16, ignore_eos=True)
+    for i in range(batch):
+        sched.add_request(f"profile-{i}", [rng.randrange(10, 10000) for _ in range(prompt_len)], params)
+    for _ in range(8):  # the prefill (batch * prompt_len tokens in max_prefill_tokens chunks), then a few decodes
+        sched.step()
+    sched.profile("start", out_dir)
+    for _ in range(steps):
+        sched.step()
+    sched.profile("stop")
+    while sched.has_work:
+        sched.step()
+    sched.step()  # a step carries the stop to the other ranks even when the batch ended with the last one
     deadline = time.monotonic() + 30
-    paths = [Path(out_dir) / f"rank{r}.json" for r in range(llm.scheduler.config.tp // llm.scheduler.config.nnodes)]
+    paths = [Path(out_dir) / f"rank{r}.json" for r in range(sched.config.tp // sched.config.nnodes)]
     while not all(path.exists() for path in paths) and time.monotonic() < deadline:
         time.sleep(0.2)
     summaries = {}
@@ -439,12 +447,14 @@ def parse(out: str, tag: str) -> dict[str, Any] | None:
 def stage_tput(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log: Path) -> None:
     model = write_config_dir(QWEN3_14B, Path(args.tokenizer_dir), "qwen3-14b-dummy-")
     t = res.setdefault("tput", {"model": "Qwen3-14B-shaped dummy, bf16", "requests": args.num_requests})
-    for tp in (1, 2):
-        env = {"CUDA_VISIBLE_DEVICES": "0"} if tp == 1 else {}
+    runs: list[tuple[str, int, dict[str, str]]] = [("tp1", 1, {"CUDA_VISIBLE_DEVICES": "0"}), ("tp2", 2, {})]
+    for extra in filter(None, args.tp2_env.split(";")):  # more TP=2 runs, each with its environment variables
+        runs.append((f"tp2 {extra}", 2, dict(kv.split("=", 1) for kv in extra.split())))
+    for key, tp, env in runs:
         cmd = [sys.executable, "-m", "minisgl", "bench", "tp", "bench", "--model-dir", str(model), "--tp", str(tp),
                "--num-requests", str(args.num_requests)] + (["--latency"] if args.latency else [])
         if tp == 2 and args.profile:
-            cmd += ["--profile-dir", str(out_dir / "tp2_profile")]
+            cmd += ["--profile-dir", str(out_dir / (key.replace(" ", "_").replace("=", "-") + "_profile"))]
         code, out = run_child(cmd, args.bench_timeout, env=env, log=log)
         r = parse(out, "RESULT") or {"error": f"exit {code}"}
         lat = parse(out, "LATENCY")
@@ -453,9 +463,12 @@ def stage_tput(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log
         prof = parse(out, "PROFILE")
         if prof:
             r["profile"] = prof
-        t[f"tp{tp}"] = r
-    if "output_tok_s" in t.get("tp1", {}) and "output_tok_s" in t.get("tp2", {}):
-        t["speedup"] = round(t["tp2"]["output_tok_s"] / t["tp1"]["output_tok_s"], 2)
+        t[key] = r
+    for key, _, _ in runs[1:]:
+        if "output_tok_s" in t.get("tp1", {}) and "output_tok_s" in t[key]:
+            t[key]["speedup"] = round(t[key]["output_tok_s"] / t["tp1"]["output_tok_s"], 2)
+    if "speedup" in t["tp2"]:
+        t["speedup"] = t["tp2"]["speedup"]
         t["pass"] = t["speedup"] >= 1.6
 
 
@@ -519,18 +532,20 @@ def print_table(r: dict[str, Any]) -> None:
     t = r.get("tput")
     if t:
         print(f"throughput, {t['model']}, {t['requests']} requests (issue 8 workload)")
-        for tp in (1, 2):
-            x = t.get(f"tp{tp}", {})
+        for key in [k for k in t if k.startswith("tp")]:
+            x = t[key]
+            name = key.replace("tp", "TP=", 1)
             if "output_tok_s" in x:
                 lat = f", bs1 {x['decode_ms_per_token_bs1']} ms/token" if "decode_ms_per_token_bs1" in x else ""
-                print(f"  TP={tp}: {x['output_tok_s']:.1f} output tok/s, {x['seconds']:.2f}s, "
+                speedup = f" = {x['speedup']}x TP=1" if "speedup" in x else ""
+                print(f"  {name}: {x['output_tok_s']:.1f} output tok/s{speedup}, {x['seconds']:.2f}s, "
                       f"{x['kv_pages']} KV slots, init {x['init_s']}s{lat}")
             else:
-                print(f"  TP={tp}: {x}")
-        for rank, x in t.get("tp2", {}).get("profile", {}).items():
-            print(f"  TP=2 {rank} profile: {x['steps']} steps, wall {x['wall_ms_per_step']} ms/step, host "
-                  f"{x['host_ms_per_step']}, ops wait {x['ops_wait_ms_per_step']}, device wait "
-                  f"{x['device_wait_ms_per_step']}; GPU {x['gpu_total_ms_per_step']} ms/step {x['gpu_ms_per_step']}")
+                print(f"  {name}: {x}")
+            for rank, y in x.get("profile", {}).items():
+                print(f"    {rank} profile: {y['steps']} steps, wall {y['wall_ms_per_step']} ms/step, host "
+                      f"{y['host_ms_per_step']}, ops wait {y['ops_wait_ms_per_step']}, device wait "
+                      f"{y['device_wait_ms_per_step']}; GPU {y['gpu_total_ms_per_step']} ms/step {y['gpu_ms_per_step']}")
         if "speedup" in t:
             print(f"  TP=2 / TP=1 = {t['speedup']}x -> {'PASS' if t['pass'] else 'FAIL'} (>= 1.6x)")
     for h in r.get("hfpatch", []):
@@ -607,6 +622,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--dist-init-addr")
+    p.add_argument("--tp2-env", default="", help='tput: more TP=2 runs, ";"-separated, each "VAR=value ..."')
     p.add_argument("--profile", action="store_true", help="all/tput: profile TP=2's ranks over one batch after the run")
     p.add_argument("--profile-dir", help="bench: profile the ranks over one batch after the run, into this directory")
     p.add_argument("--teacher-force", help="gen: also score these outputs (json) teacher-forced")

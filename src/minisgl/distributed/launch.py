@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from minisgl.config import EngineConfig
-from minisgl.distributed import set_tp_info
+from minisgl.distributed import reset_symm_mem, set_tp_info, setup_symm_mem
 from minisgl.errors import MiniSGLError
 
 logger = logging.getLogger("minisgl")
@@ -72,6 +72,8 @@ def init_distributed(config: EngineConfig, rank: int, store: Any) -> None:
         timeout=datetime.timedelta(seconds=config.dist_timeout),
     )
     set_tp_info(rank, config.tp)
+    if use_cuda and config.nnodes == 1:  # one host: the GPUs reach each other's memory
+        setup_symm_mem(torch.device("cuda", torch.cuda.current_device()))
 
 
 def _bounded(fn: Any, timeout: float, what: str) -> bool:
@@ -116,6 +118,7 @@ def close_groups(clean: bool, timeout: float = 10.0) -> None:
     """
     import torch.distributed as dist
 
+    reset_symm_mem()
     if not dist.is_initialized():
         return
     if clean:
