@@ -1,22 +1,10 @@
-"""Tensor-parallel process group: rank/size and the two collectives the layers need.
-
-On GPUs the all-reduce of small tensors (a decode step's activations) goes through a buffer in PyTorch's
-symmetric memory (one-shot: every GPU reads its peers' buffers over NVLink and sums), which takes a few
-microseconds where NCCL's ring takes tens; larger tensors (prefill) and CPU (gloo) use the process group.
-MINISGL_TP_ALLREDUCE=nccl turns the symmetric-memory path off.
-"""
+"""Tensor-parallel process group: rank/size and the two collectives the layers need."""
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-
-logger = logging.getLogger("minisgl")
-SYMM_MEM_MAX_BYTES = 8 * 2**20  # tensors up to this size take the symmetric-memory all-reduce
 
 
 @dataclass(frozen=True)
@@ -41,67 +29,9 @@ def get_tp_info() -> TPInfo:
     return _TP
 
 
-class SymmMemAllReduce:
-    """One-shot all-reduce through a symmetric-memory buffer that every rank registered (CUDA only)."""
-
-    def __init__(self, device: torch.device, max_bytes: int = SYMM_MEM_MAX_BYTES) -> None:
-        import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.group = dist.group.WORLD.group_name
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed by older torch, a no-op later
-        if enable is not None:
-            import warnings
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                enable(self.group)
-        self.buf = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self.buf, self.group)  # collective: every rank at the same point
-
-    def fits(self, x: torch.Tensor) -> bool:
-        nbytes = x.numel() * x.element_size()
-        return (x.is_cuda and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32)
-                and nbytes <= self.buf.numel() and nbytes % 16 == 0)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.view(-1)
-        slot = self.buf.view(x.dtype)[: flat.numel()]
-        slot.copy_(flat)
-        torch.ops.symm_mem.one_shot_all_reduce_out(slot, "sum", self.group, flat)
-        return x
-
-
-_SYMM: SymmMemAllReduce | None = None
-
-
-def setup_symm_mem(device: torch.device) -> None:
-    """After the process group exists, on every rank: the symmetric-memory all-reduce where it can run."""
-    global _SYMM
-    _SYMM = None
-    choice = os.environ.get("MINISGL_TP_ALLREDUCE", "auto")
-    if choice not in ("auto", "nccl", "symm_mem"):
-        raise ValueError(f"MINISGL_TP_ALLREDUCE must be auto, nccl or symm_mem, got {choice!r}")
-    if choice == "nccl" or device.type != "cuda":
-        return
-    try:
-        _SYMM = SymmMemAllReduce(device)
-    except Exception as e:  # noqa: BLE001 - an older torch, no peer access: the process group does it all
-        if choice == "symm_mem":
-            raise
-        logger.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL", type(e).__name__, e)
-
-
-def reset_symm_mem() -> None:
-    global _SYMM
-    _SYMM = None
-
-
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _TP.size == 1:
         return x
-    if _SYMM is not None and _SYMM.fits(x):
-        return _SYMM(x)
     import torch.distributed as dist
 
     dist.all_reduce(x)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from minisgl.config import EngineConfig
-from minisgl.distributed import reset_symm_mem, set_tp_info, setup_symm_mem
+from minisgl.distributed import set_tp_info
 from minisgl.errors import MiniSGLError
 
 logger = logging.getLogger("minisgl")
@@ -67,13 +67,15 @@ def init_distributed(config: EngineConfig, rank: int, store: Any) -> None:
     if use_cuda:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(rank % torch.cuda.device_count())
+        if "OMP_NUM_THREADS" not in os.environ:
+            # The host side of a GPU rank is small tensors; every rank's pool of CPU threads waking up for
+            # each of them, on shared cores, made the host the bottleneck of a step (as vLLM's workers, 1).
+            torch.set_num_threads(1)
     dist.init_process_group(
         backend="nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=config.tp,
         timeout=datetime.timedelta(seconds=config.dist_timeout),
     )
     set_tp_info(rank, config.tp)
-    if use_cuda and config.nnodes == 1:  # one host: the GPUs reach each other's memory
-        setup_symm_mem(torch.device("cuda", torch.cuda.current_device()))
 
 
 def _bounded(fn: Any, timeout: float, what: str) -> bool:
@@ -118,7 +120,6 @@ def close_groups(clean: bool, timeout: float = 10.0) -> None:
     """
     import torch.distributed as dist
 
-    reset_symm_mem()
     if not dist.is_initialized():
         return
     if clean:

@@ -95,7 +95,9 @@ class ReqKV:
         dev = self.device
         rows_t = torch.tensor(rows, dtype=torch.int64)
         pos_t = torch.tensor(positions, dtype=torch.int64)
-        token_rows = torch.repeat_interleave(rows_t, torch.tensor(extend_lens))
+        # Each request's row once per token it computes. Plain Python: torch's CPU repeat_interleave is a
+        # parallel op whose thread wake-ups cost milliseconds when other processes (TP ranks) share the CPUs.
+        token_rows = rows_t if decode else torch.tensor([r for r, n in zip(rows, extend_lens) for _ in range(n)])
         # non_blocking everywhere: a blocking host-to-device copy waits for the GPU to drain.
         pos_d = pos_t.to(dev, non_blocking=True)
         rows_d = rows_t.to(dev, non_blocking=True)
