@@ -992,3 +992,107 @@ def test_the_ollama_client_lists_shows_and_gets_typed_errors(daemon):
     with pytest.raises(ollama.ResponseError) as e:  # the server's API key guards /api as it guards /v1
         ollama.Client(host=daemon.base).chat(model="smollm2", messages=QUESTION)
     assert e.value.status_code == 401
+
+
+# ---------------------------------------------------------------------------- SGLang's native API
+
+
+def _sse_events(response: Any) -> list[Any]:
+    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_sglang_generate_is_hf_greedy_with_its_logprobs_and_streams_cumulative_text(daemon, client, smollm2_dir):
+    """POST /generate as SGLang's docs call it (text or input_ids, sampling_params, stream, return_logprob),
+    scored against HF transformers on the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = "The capital of France is"
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    ids = tok(prompt).input_ids
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+    with torch.no_grad():
+        gen = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        logits = hf(torch.tensor([ids + gen])).logits[0].float()
+    ref_lp = torch.log_softmax(logits, dim=-1)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+            "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}
+    r = httpx.post(f"{daemon.base}/generate", json=body, headers=headers, timeout=300)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["output_ids"] == gen and out["text"] == tok.decode(gen)
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+    assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == 12
+    for t, (lp, token, text) in enumerate(meta["output_token_logprobs"]):
+        assert token == gen[t] and text is None
+        assert lp == pytest.approx(float(ref_lp[len(ids) - 1 + t, gen[t]]), abs=2e-3)
+        assert meta["output_top_logprobs"][t][0][0] == pytest.approx(float(ref_lp[len(ids) - 1 + t].max()), abs=2e-3)
+    assert [e[1] for e in meta["input_token_logprobs"]] == ids and meta["input_token_logprobs"][0][0] is None
+    assert meta["input_token_logprobs"][3][0] == pytest.approx(float(ref_lp[2, ids[3]]), abs=2e-3)
+
+    # The same request streamed: each event's text and ids are everything so far (SGLang's default), then [DONE].
+    r = httpx.post(f"{daemon.base}/generate", json={"input_ids": ids, "stream": True,
+                   "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}},
+                   headers=headers, timeout=300)
+    events = _sse_events(r)
+    assert len(events) > 1 and events[-1]["output_ids"] == gen and events[-1]["text"] == out["text"]
+    for before, after in zip(events, events[1:]):
+        assert after["text"].startswith(before["text"]) and after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+    assert [e["meta_info"]["finish_reason"] for e in events][-1] == {"type": "length", "length": 12}
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+
+
+def test_sglang_generate_batches_n_stops_and_typed_errors(daemon, client):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = f"{daemon.base}/generate"
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    refs = [client.generate(p, SamplingParams(temperature=0, max_tokens=8)) for p in prompts]
+    r = httpx.post(url, json={"text": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
+                   headers=headers, timeout=300).json()
+    assert [a["text"] for a in r] == [ref.text for ref in refs] and [a["output_ids"] for a in r] == [ref.token_ids for ref in refs]
+    # One sampling_params per prompt, and n samples each: prompt-major, n entries per prompt.
+    r = httpx.post(url, json={"text": prompts, "sampling_params": [
+        {"temperature": 0, "max_new_tokens": 3, "n": 2}, {"temperature": 0, "max_new_tokens": 5, "n": 2}]},
+        headers=headers, timeout=300).json()
+    assert [a["meta_info"]["completion_tokens"] for a in r] == [3, 3, 5, 5]
+    assert r[0]["output_ids"] == refs[0].token_ids[:3] == r[1]["output_ids"]
+    # A stop string: trimmed, and reported as the match; no_stop_trim keeps it.
+    stop = refs[1].text[2:4]
+    trimmed = httpx.post(url, json={"text": prompts[1], "sampling_params": {"temperature": 0, "max_new_tokens": 8,
+                                                                             "stop": stop}}, headers=headers).json()
+    assert trimmed["text"] == refs[1].text[: refs[1].text.index(stop)]
+    assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    kept = httpx.post(url, json={"text": prompts[1], "sampling_params": {"temperature": 0, "max_new_tokens": 8,
+                                                                          "stop": stop, "no_stop_trim": True}},
+                      headers=headers).json()
+    assert kept["text"] == trimmed["text"] + stop
+    # Typed errors, as the rest of the server answers them; nothing is left running.
+    for bad in ({"text": "hi", "input_ids": [1, 2]}, {"text": "hi", "sampling_params": {"best_of": 2}},
+                {"text": "hi", "sampling_params": {"temperature": -1}}, {"text": ["a", "b"], "sampling_params": [{}]},
+                {"text": "hi", "image_data": "x.png"}):
+        r = httpx.post(url, json=bad, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["message"], (bad, r.text)
+    assert httpx.post(url, json={"text": "hi"}).status_code == 401
+    for _ in range(100):
+        stats = client.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            break
+        time.sleep(0.1)
+    assert stats["free_pages"] + stats["cached_pages"] == stats["total_pages"], stats
+
+
+def test_sglang_model_and_server_info_and_deep_health(daemon, client):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    info = client.model_info()
+    model = httpx.get(f"{daemon.base}/get_model_info", headers=headers).json()
+    assert model["model_path"] == info["path"] and model["is_generation"] is True
+    assert model["architectures"] == [info["architecture"]]
+    server = httpx.get(f"{daemon.base}/get_server_info", headers=headers).json()
+    assert server["context_length"] == info["context_length"] and server["page_size"] == info["page_size"]
+    assert server["internal_states"][0]["total_pages"] == client.stats()["total_pages"]
+    assert httpx.get(f"{daemon.base}/get_model_info").status_code == 401
+    assert httpx.get(f"{daemon.base}/health_generate", timeout=60).status_code == 200

@@ -13,9 +13,8 @@ import ipaddress
 import json
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Callable, Sequence
 
-import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,6 +33,7 @@ from minisgl.errors import (
 from minisgl.server.metrics import RequestTimer, ServerMetrics
 from minisgl.server.streams import ClientDisconnected
 from minisgl.server.streams import close_stream as _close
+from minisgl.server.streams import gather_all, merge_streams
 from minisgl.server.streams import first_item as _first
 from minisgl.server.streams import unless_disconnected as _unless_disconnected
 from minisgl.server.protocol import (
@@ -70,7 +70,6 @@ from minisgl.server.protocol import (
 
 logger = logging.getLogger("minisgl.server")
 
-_T = TypeVar("_T")
 _LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 
 
@@ -174,45 +173,6 @@ def _chunk_json(chunk: ChatCompletionChunk | CompletionResponse, include_usage: 
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave several streams as (stream index, item); an error in any one ends them all."""
-    if len(streams) == 1:
-        try:
-            async for item in streams[0]:
-                yield 0, item
-        finally:
-            await _close(streams[0])
-        return
-    queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[Any]) -> None:
-        try:
-            async for item in stream:
-                await queue.put((i, item, None, False))
-            await queue.put((i, None, None, True))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
-            await queue.put((i, None, e, True))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        live = len(streams)
-        while live:
-            i, item, error, finished = await queue.get()
-            if error is not None:
-                raise error
-            if finished:
-                live -= 1
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for s in streams:
-                await _close(s)
 
 
 # ---------------------------------------------------------------------------- the app
@@ -420,11 +380,11 @@ def create_app(
             rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
             if body.stream:
                 streams = [server.client.stream(p, rid=r, **kwargs) for p, r in zip(prompts, rids)]
-                merged = _merge(streams)
+                merged = merge_streams(streams)
                 first = await _first(merged)
                 return _sse_response(_completion_events(body, rid, model_name, first, merged, timer))
             outs = await _unless_disconnected(
-                request, _gather([server.client.generate(p, rid=r, **kwargs) for p, r in zip(prompts, rids)])
+                request, gather_all([server.client.generate(p, rid=r, **kwargs) for p, r in zip(prompts, rids)])
             )
         except BaseException as e:
             return _fail(timer, e)
@@ -440,6 +400,9 @@ def create_app(
     from minisgl.server.ollama import ollama_router
 
     app.include_router(ollama_router(server, check_key, api_error))  # for tools written for Ollama
+    from minisgl.server.native import native_router
+
+    app.include_router(native_router(server, check_key, _fail, _error_event))  # SGLang's /generate and friends
     return app
 
 
@@ -473,18 +436,6 @@ def _fail(timer: RequestTimer, e: BaseException) -> Response:
     err = api_error(e)
     timer.done(err.status)
     return err.response()
-
-
-async def _gather(works: list[Awaitable[_T]]) -> list[_T]:
-    """All results, in order; the first failure cancels the rest (whose requests the Client aborts)."""
-    tasks = [asyncio.ensure_future(w) for w in works]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            t.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:

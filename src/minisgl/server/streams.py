@@ -55,3 +55,54 @@ async def unless_disconnected(request: Request, work: Awaitable[_T]) -> _T:
             task.cancel()
             with anyio.CancelScope(shield=True):
                 await asyncio.gather(task, return_exceptions=True)
+
+
+async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several streams as (stream index, item); an error in any one ends them all."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await close_stream(streams[0])
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item, None, False))
+            await queue.put((i, None, None, True))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            await queue.put((i, None, e, True))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(streams)
+        while live:
+            i, item, error, finished = await queue.get()
+            if error is not None:
+                raise error
+            if finished:
+                live -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for s in streams:
+                await close_stream(s)
+
+
+async def gather_all(works: list[Awaitable[_T]]) -> list[_T]:
+    """All results, in order; the first failure cancels the rest (whose requests the Client aborts)."""
+    tasks = [asyncio.ensure_future(w) for w in works]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
