@@ -21,7 +21,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
-from minisgl.server.streams import close_stream, first_item, gather_all, merge_streams, unless_disconnected
+from minisgl.server.streams import (
+    close_stream, first_item, gather_all, json_object, merge_streams, unless_disconnected,
+)
 
 # SGLang sampling_params key -> SamplingParams field
 _PARAMS = {
@@ -155,12 +157,7 @@ def native_router(server: Any, check_key: Callable[[Request], Awaitable[None]], 
         timer = server.metrics.request("generate")
         started = time.perf_counter()
         try:
-            try:
-                body = await request.json()
-            except ValueError:
-                raise InvalidRequestError("the body must be a JSON object") from None
-            if not isinstance(body, dict):
-                raise InvalidRequestError("the body must be a JSON object")
+            body = await json_object(request)
             unknown = sorted(k for k, v in body.items() if k not in _FIELDS and v not in (None, False))
             if unknown:
                 raise InvalidRequestError(f"unsupported fields for this server: {unknown}")

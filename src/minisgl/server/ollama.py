@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
-from minisgl.server.streams import close_stream, first_item, unless_disconnected
+from minisgl.server.streams import close_stream, first_item, json_object, unless_disconnected
 from minisgl.tokenizer import flatten_message
 
 # Ollama option -> SamplingParams.from_openai key
@@ -131,12 +131,7 @@ def ollama_router(
     model_name = server.model_name
 
     async def _body(request: Request) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise InvalidRequestError("the body must be a JSON object") from None
-        if not isinstance(body, dict):
-            raise InvalidRequestError("the body must be a JSON object")
+        body = await json_object(request)
         model = body.get("model")
         if model and model != model_name:
             info = await server.info()

@@ -1,6 +1,7 @@
-"""Client streams under an HTTP request, for every router of the server (OpenAI's and Ollama's):
+"""Client streams under an HTTP request, for every router of the server (OpenAI's, Ollama's, SGLang's):
 the first item read before any byte is sent, closing that aborts the request even while cancelled,
-and a watch that cancels work whose HTTP client went away."""
+several streams merged, several requests gathered, a watch that cancels work whose HTTP client went
+away; and the JSON-object body the hand-parsed routes read."""
 
 from __future__ import annotations
 
@@ -10,7 +11,20 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 import anyio
 from fastapi import Request
 
+from minisgl.errors import InvalidRequestError
+
 _T = TypeVar("_T")
+
+
+async def json_object(request: Request) -> dict[str, Any]:
+    """The request's body, which must be a JSON object (InvalidRequestError otherwise: a 400)."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise InvalidRequestError("the body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the body must be a JSON object")
+    return body
 
 
 class ClientDisconnected(Exception):
