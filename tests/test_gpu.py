@@ -322,6 +322,30 @@ def test_backends_and_page_sizes_agree(qwen3_dir, hf_fp32, backend, page_size):
     assert metrics["top1_clear_margin"] >= 0.99
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page_size):
+    """kv_cache_dtype="fp8_e4m3" on FlashInfer (fused KV store, CUDA graphs, overlap) against fp32 HF whose cache
+    rounds K/V to fp8 the same way (tests/test_kv_fp8.py's RoundingCache), teacher-forced on our outputs."""
+    from test_kv_fp8 import RoundingCache
+
+    from minisgl import SamplingParams
+
+    prompts = make_prompts(seed=4)
+    got, info = generate(qwen3_dir, prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+                         kv_cache_dtype="fp8_e4m3", page_size=page_size)
+    assert info["backend"] == "FlashInferBackend" and info["graphs"] and info["overlap"]
+    rows = []
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, got):
+            cache = RoundingCache(torch.float8_e4m3fn, config=hf_fp32.config)
+            seq = torch.tensor([prompt + out], device="cuda")
+            rows.append(hf_fp32(seq, past_key_values=cache, use_cache=True).logits[0, len(prompt) - 1 : -1].float().cpu())
+    metrics = parity(rows, got)
+    plain = parity(teacher_forced(hf_fp32, prompts, got), got)  # against HF's full-precision cache, for the record
+    report(f"fp8_kv_page{page_size}", {"vs_hf_fp32_fp8_cache": metrics, "vs_hf_fp32_bf16_cache": plain})
+    assert metrics["top1_clear_margin"] >= 0.99
+
+
 def test_fused_top_k_top_p_sampling_stays_in_the_allowed_set():
     from minisgl.core import Req, SamplingParams
     from minisgl.engine.sampler import Sampler, SamplingInfo

@@ -9,6 +9,7 @@ from typing import Any
 from minisgl.errors import ConfigError
 
 CACHE_KINDS = ("radix", "naive")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's and SGLang's --kv-cache-dtype names
 # --reasoning-parser names (vLLM's and SGLang's); all of these models write <think>...</think>.
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
@@ -20,6 +21,7 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when available, else cpu
     cache: str = "radix"
     page_size: int = 1
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8_e4m3" (or "fp8") / "fp8_e5m2": half the bytes
     num_pages: int | None = None  # None: sized from memory (mem_fraction on CUDA, kv_cache_gb on CPU)
     kv_cache_gb: float = 1.0  # CPU: memory given to the KV pool
     mem_fraction: float = 0.85  # CUDA: fraction of free memory after weights for the KV pool
@@ -68,6 +70,8 @@ class EngineConfig:
             )
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16", "auto"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 

@@ -60,7 +60,8 @@ class FlashInferBackend(AttentionBackend):
         self.num_kv_heads = kv_pool.num_kv_heads
         self.head_dim = model_config.head_dim
         self.scale = model_config.head_dim**-0.5
-        self.dtype = kv_pool.dtype
+        self.dtype = kv_pool.model_dtype  # the queries'
+        self.kv_dtype = kv_pool.dtype  # the pool's: fp8 with kv_cache_dtype="fp8_e4m3"
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=prefill_backend)
         self.decode_tensor_cores = decode_uses_tensor_cores(self.num_qo_heads // self.num_kv_heads)
@@ -119,7 +120,7 @@ class FlashInferBackend(AttentionBackend):
         self._next_pinned(wrapper)
         wrapper.plan(
             indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+            sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
         )
 
     def prepare(self, batch: "Batch") -> None:
@@ -137,7 +138,7 @@ class FlashInferBackend(AttentionBackend):
         self.prefill_wrapper.plan(
             torch.tensor(qo_indptr, dtype=torch.int32), indptr, indices, last,
             self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            causal=True, sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+            causal=True, sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
         )
         batch.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
 

@@ -119,7 +119,8 @@ class TorchNativeBackend(AttentionBackend):
         mirror = None
         if self.device.type == "cpu" and max_extend == 1:
             k_pool = self.kv_pool.k(0)
-            mirror = self.mirror.plan(batch, (self.num_layers, k_pool.shape[1], k_pool.shape[2]), k_pool.dtype, self.device)
+            shape = (self.num_layers, k_pool.shape[1], k_pool.shape[2])
+            mirror = self.mirror.plan(batch, shape, self.kv_pool.read_dtype, self.device)
         else:
             self.mirror.invalidate()
 
@@ -153,14 +154,15 @@ class TorchNativeBackend(AttentionBackend):
 
         if md.mirror != "append":
             keys, values = (
-                pool.index_select(0, md.kv_indices).view(md.bs, md.max_seq, num_kv_heads, head_dim).transpose(1, 2)
-                for pool in (self.kv_pool.k(layer_id), self.kv_pool.v(layer_id))
+                self.kv_pool.gather(layer_id, which, md.kv_indices)
+                .view(md.bs, md.max_seq, num_kv_heads, head_dim).transpose(1, 2)
+                for which in (0, 1)
             )
         if md.mirror is not None:
             dense = self.mirror.buffer[layer_id, :, : md.bs]  # type: ignore[index]
             if md.mirror == "append":  # the pool's new entries, as a gather would read them
-                dense[0].index_put_(md.last_pos, k.to(self.kv_pool.dtype))
-                dense[1].index_put_(md.last_pos, v.to(self.kv_pool.dtype))
+                dense[0].index_put_(md.last_pos, self.kv_pool.as_read(k))
+                dense[1].index_put_(md.last_pos, self.kv_pool.as_read(v))
             else:
                 dense[0, :, :, : md.max_seq], dense[1, :, :, : md.max_seq] = keys, values
             keys, values = dense[0, :, :, : md.max_seq], dense[1, :, :, : md.max_seq]

@@ -58,7 +58,7 @@ def run_minisgl(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(
         str(args.model_dir), dtype="bfloat16", load_format="dummy", max_prefill_tokens=args.max_prefill_tokens,
         page_size=args.page_size, disable_overlap=args.disable_overlap, disable_cuda_graph=args.disable_cuda_graph,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
     )
     init_s = time.perf_counter() - t0
     result = timed_workload(llm, llm.scheduler, workload())
@@ -214,6 +214,8 @@ def main_all(args: argparse.Namespace) -> None:
     if not args.quick:
         results["no_overlap"] = sub(model_dir, "run", "--disable-overlap", *common)
         results["no_cuda_graph"] = sub(model_dir, "run", "--disable-cuda-graph", *common)
+    if args.with_fp8_kv:  # its own row: an fp8 KV cache changes the numerics (tests/test_gpu.py scores them)
+        results["fp8_kv"] = sub(model_dir, "run", "--latency", "--kv-cache-dtype", "fp8_e4m3", *common)
     if not args.skip_hf:
         results["hf"] = sub(model_dir, "hf", "--hf-batch", str(args.hf_batch), "--hf-requests", str(args.hf_requests))
     if args.report and Path(args.report).exists():
@@ -228,13 +230,17 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"\n## {r['gpu']}, {r['date']}, Qwen3-0.6B-shaped dummy bf16, 256 requests (issue 8 workload)")
     print(f"{'configuration':40s} {'output tok/s':>14s} {'seconds':>9s} {'of floor':>9s}")
     for key, name in (("minisgl", "minisgl (overlap + CUDA graphs)"), ("no_overlap", "  --disable-overlap"),
-                      ("no_cuda_graph", "  --disable-cuda-graph"), ("hf", "HF generate (SDPA, static batches)")):
+                      ("no_cuda_graph", "  --disable-cuda-graph"), ("fp8_kv", "  --kv-cache-dtype fp8_e4m3"),
+                      ("hf", "HF generate (SDPA, static batches)")):
         if key in r and "output_tok_s" in r[key]:
             tps = r[key]["output_tok_s"]
             print(f"{name:40s} {tps:14.1f} {r[key]['seconds']:9.2f} {tps / floor:9.1%}")
         elif key in r:
             print(f"{name:40s} {r[key]}")
     print(f"{'bandwidth floor (decode KV + weights)':40s} {floor:14.1f} {r['floor']['floor_seconds']:9.2f}")
+    if "decode_ms_per_token_bs1" in r.get("fp8_kv", {}):
+        print(f"fp8 KV cache: batch-1 decode {r['fp8_kv']['decode_ms_per_token_bs1']} ms/token, "
+              f"{r['fp8_kv']['kv_pages']} KV slots (bf16: {main.get('kv_pages')})")
     if "decode_ms_per_token_bs1" in main:
         print(f"decode latency, batch 1: {main['decode_ms_per_token_bs1']} ms/token (TTFT {main['ttft_ms_bs1']} ms)")
     if "hf" in r and "output_tok_s" in r["hf"] and "output_tok_s" in main:
@@ -255,6 +261,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=16384)
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", help="run: auto (bf16) or fp8_e4m3 / fp8_e5m2")
+    p.add_argument("--with-fp8-kv", action="store_true", help="all: one more row with an fp8_e4m3 KV cache")
     p.add_argument("--disable-overlap", action="store_true")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--latency", action="store_true")

@@ -11,7 +11,7 @@ import torch
 from minisgl.config import EngineConfig
 from minisgl.core import Batch, Req, get_context
 from minisgl.errors import ConfigError
-from minisgl.kvcache.pool import KVPool
+from minisgl.kvcache.pool import FP8_DTYPES, KVPool
 
 logger = logging.getLogger("minisgl")
 
@@ -72,18 +72,20 @@ class Engine:
         mc = self.model_config
         self.max_seq_len = min(config.max_seq_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.page_size = config.page_size
+        self.kv_dtype = FP8_DTYPES.get(config.kv_cache_dtype, self.dtype)
         backend_names = self._backend_names(plugins.attention_backends())
         # On CUDA one extra page past num_pages is scratch: padded CUDA-graph rows write their KV there.
         self.num_pages = self._num_pages()
         scratch = 1 if self.device.type == "cuda" else 0
         self.kv_pool = KVPool(
             mc.num_layers, self.num_pages + scratch, self.page_size, self._local_kv_heads(), mc.head_dim,
-            self.dtype, self.device,
+            self.kv_dtype, self.device, model_dtype=self.dtype,
         )
         self.table = TableManager(config.max_running_requests + 2, self.max_seq_len, self.device)
         logger.info(
-            "KV pool: %d pages x %d tokens (%.2f GiB)", self.num_pages, self.page_size,
+            "KV pool: %d pages x %d tokens (%.2f GiB, %s)", self.num_pages, self.page_size,
             self.kv_pool.buffer.numel() * self.kv_pool.buffer.element_size() / 2**30,
+            str(self.kv_dtype).removeprefix("torch."),
         )
         self.attn_backend = self._make_backend(plugins.attention_backends(), backend_names)
         ctx = get_context()
@@ -112,7 +114,7 @@ class Engine:
         cfg, mc = self.config, self.model_config
         if cfg.num_pages is not None:
             return cfg.num_pages
-        per_page = KVPool.bytes_per_page(mc.num_layers, self.page_size, self._local_kv_heads(), mc.head_dim, self.dtype)
+        per_page = KVPool.bytes_per_page(mc.num_layers, self.page_size, self._local_kv_heads(), mc.head_dim, self.kv_dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * cfg.mem_fraction
@@ -140,6 +142,8 @@ class Engine:
                 raise ConfigError(f"attention backend {part!r} needs a CUDA GPU: use 'torch' on {self.device}")
             if part != "torch" and self.dtype not in (torch.float16, torch.bfloat16):
                 raise ConfigError(f"attention backend {part!r} needs dtype bfloat16 or float16, got {self.dtype}")
+        if self.kv_dtype != self.dtype and parts[0] == "fa3":
+            raise ConfigError("an fp8 KV cache needs FlashInfer's FA2 prefill (attention_backend 'flashinfer'), not 'fa3'")
         return parts[0], parts[-1]
 
     def _make_backend(self, backends: dict[str, Any], names: tuple[str, str]) -> Any:

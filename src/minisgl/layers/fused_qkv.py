@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 _DTYPES = (torch.float16, torch.bfloat16)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # pool dtypes whose stores saturate (kv_cache_dtype="fp8_*")
 
 
 @functools.cache
@@ -37,7 +38,7 @@ def _kernel() -> Any:
     def qkv_kernel(
         qkv_ptr, qkv_stride, pos_ptr, cos_sin_ptr, cos_sin_stride, q_norm_ptr, k_norm_ptr, eps,
         q_out_ptr, k_cache_ptr, v_cache_ptr, cache_stride, loc_ptr,
-        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
+        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, KV_MAX: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -48,6 +49,9 @@ def _kernel() -> Any:
         x2 = tl.load(src + half + offs).to(tl.float32)
         loc = tl.load(loc_ptr + t).to(tl.int64)
         if h >= H + HKV:  # v: copied to its slot
+            if KV_MAX > 0:  # an fp8 pool: saturated to its range, as KVPool.store does
+                x1 = tl.minimum(tl.maximum(x1, -KV_MAX), KV_MAX)
+                x2 = tl.minimum(tl.maximum(x2, -KV_MAX), KV_MAX)
             dst = v_cache_ptr + loc * cache_stride + (h - H - HKV) * D
             tl.store(dst + offs, x1.to(v_cache_ptr.dtype.element_ty))
             tl.store(dst + half + offs, x2.to(v_cache_ptr.dtype.element_ty))
@@ -72,6 +76,9 @@ def _kernel() -> Any:
                 tl.store(dst + offs, o1.to(q_out_ptr.dtype.element_ty))
                 tl.store(dst + half + offs, o2.to(q_out_ptr.dtype.element_ty))
             else:
+                if KV_MAX > 0:
+                    o1 = tl.minimum(tl.maximum(o1, -KV_MAX), KV_MAX)
+                    o2 = tl.minimum(tl.maximum(o2, -KV_MAX), KV_MAX)
                 dst = k_cache_ptr + loc * cache_stride + (h - H) * D
                 tl.store(dst + offs, o1.to(k_cache_ptr.dtype.element_ty))
                 tl.store(dst + half + offs, o2.to(k_cache_ptr.dtype.element_ty))
@@ -102,7 +109,7 @@ def fused_qkv(
 
     cos_sin: [max_position, head_dim] float32 (cos of each frequency, then sin); q_norm, k_norm: the
     per-head RMSNorm weights (both or neither); k_cache, v_cache: [slots, num_kv_heads, head_dim]
-    written at the slots out_loc [T].
+    written at the slots out_loc [T] (in their dtype: an fp8 pool gets saturated, rounded values).
     """
     assert qkv.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert (q_norm is None) == (k_norm is None)
@@ -116,5 +123,6 @@ def fused_qkv(
         q_norm if has_norm else cos_sin, k_norm if has_norm else cos_sin, eps,
         q, k_cache, v_cache, k_cache.stride(0), out_loc,
         H=num_heads, HKV=num_kv_heads, D=head_dim, HAS_NORM=has_norm, num_warps=1,
+        KV_MAX=float(torch.finfo(k_cache.dtype).max) if k_cache.dtype in _FP8 else 0.0,
     )
     return q
