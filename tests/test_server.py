@@ -351,7 +351,7 @@ def test_json_schema_response_format_without_a_schema_is_a_400():
 def test_unreachable_daemon_is_503_and_unhealthy():
     stand_in = StandInClient(error=DaemonNotRunningError("no daemon at ipc:///unused"))
     with _app_client(stand_in) as http:
-        assert http.get("/health").status_code == 503
+        assert http.get("/health").status_code == 503 and http.get("/ping").status_code == 503
         r = http.post("/v1/completions", json={"prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
 
@@ -376,6 +376,13 @@ def test_api_key_guards_v1_routes_but_not_health():
         assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "stand-in"
         assert http.get("/health").status_code == 200
         assert http.get("/v1/models").json()["error"]["code"] == "invalid_api_key"
+        # The probes other servers answer stay open too: Ollama's root (GET and HEAD), vLLM's /version and /ping.
+        assert http.get("/").status_code == 200 and "minisgl is running" in http.get("/").text
+        assert http.head("/").status_code == 200
+        from minisgl import __version__
+
+        assert http.get("/version").json() == {"version": __version__}
+        assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
 
 
 def test_openai_package_maps_errors_to_its_exception_types():

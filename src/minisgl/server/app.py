@@ -284,6 +284,21 @@ def create_app(
             return APIError(503, f"the minisgl daemon is unavailable: {reason}", "service_unavailable").response()
         return JSONResponse({"status": "ok", "model": model_name})
 
+    # What other servers answer at these paths, for clients that probe them: Ollama's root ("Ollama is running",
+    # GET and HEAD, which its CLI and chat UIs check), vLLM's /version and /ping (the SageMaker liveness route).
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        return Response(f"minisgl is running ({model_name}): OpenAI /v1, Ollama /api, SGLang /generate",
+                        media_type="text/plain")
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": _version()})
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
+
     @app.get("/metrics")
     async def metrics() -> Response:
         try:
