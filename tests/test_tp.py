@@ -97,6 +97,36 @@ def test_a_rank_killed_mid_stream_stops_the_daemon_with_a_typed_error(tiny_model
     assert r["left_behind"] == [], r
 
 
+STUCK_SCRIPT = """
+import os, signal, sys, threading
+from minisgl import LLM, SamplingParams
+from minisgl.distributed import launch
+launch.STUCK_EXIT_S = 2.0
+llm = LLM(sys.argv[1], tp=2, device="cpu", dist_timeout=60)
+sched = llm.scheduler
+
+def stuck_step():  # what a symmetric-memory all-reduce does once its peer is gone: wait forever
+    os.kill(sched.workers[0].pid, signal.SIGKILL)
+    threading.Event().wait()
+
+sched.sched.step = stuck_step
+llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
+print("the stuck step came back")
+"""
+
+
+def test_a_step_stuck_after_a_rank_died_ends_the_process_loudly(tiny_model_dir):
+    """A kernel that waits for a dead peer forever (no abort reaches it) must not hang rank 0's process: the
+    failure watch ends it with the reason, so the daemon above it reports the failure."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", STUCK_SCRIPT, str(tiny_model_dir("llama"))], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr[-3000:])
+    assert "has not come back" in proc.stderr and "rank(s) [1] exited" in proc.stderr, proc.stderr[-3000:]
+    assert "came back" not in proc.stdout
+    assert time.monotonic() - t0 < 90
+
+
 def test_two_nodes_on_one_machine_match_single_node(tiny_model_dir):
     model_dir = tiny_model_dir("qwen3")
     ref = tp1_tokens(model_dir)

@@ -372,7 +372,7 @@ def session_pids(sid: int) -> list[tuple[int, str]]:
 
 
 def kill_rank_check(model_dir: Path, serve_args: list[str], log_path: Path, start_timeout: float = 300,
-                    exit_timeout: float = 120) -> dict[str, Any]:
+                    exit_timeout: float = 120, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Start `minisgl serve --tp 2`, stream a long generation, SIGKILL rank 1 mid-stream; report what follows.
 
     Returns the stream's error (type, message), the daemon's exit code, the seconds from the kill to the
@@ -386,7 +386,8 @@ def kill_rank_check(model_dir: Path, serve_args: list[str], log_path: Path, star
            *serve_args]
     print("$", " ".join(cmd), flush=True)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
     r: dict[str, Any] = {}
     try:
         wait_ready(address, start_timeout, proc=proc, log_path=log_path)
@@ -427,14 +428,17 @@ def kill_rank_check(model_dir: Path, serve_args: list[str], log_path: Path, star
 
 
 def stage_kill(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log: Path) -> None:
+    """The kill check with the default environment, then with each of --tp2-env's (e.g. the symm-mem all-reduce)."""
     model = write_config_dir(QWEN3_06B, Path(args.tokenizer_dir), "qwen3-0.6b-dummy-")
-    k = kill_rank_check(model, ["--load-format", "dummy", "--device", args.device, "--dtype", args.dtype,
-                                "--dist-timeout", "60", "--cuda-graph-max-bs", "16", "--num-pages", "20000"],
-                        out_dir / "kill_daemon.log")
-    k["pass"] = (bool(k.get("stream_error")) and k.get("daemon_exit") not in (0, "still running")
-                 and not k.get("left_behind") and k.get("seconds_to_daemon_exit", 1e9) < 60)
-    res["kill"] = k
-    print("kill:", json.dumps(k), flush=True)
+    for extra in ["", *filter(None, args.tp2_env.split(";"))]:
+        env = dict(kv.split("=", 1) for kv in extra.split())
+        k = kill_rank_check(model, ["--load-format", "dummy", "--device", args.device, "--dtype", args.dtype,
+                                    "--dist-timeout", "60", "--cuda-graph-max-bs", "16", "--num-pages", "20000"],
+                            out_dir / "kill_daemon.log", env=env)
+        k["pass"] = (bool(k.get("stream_error")) and k.get("daemon_exit") not in (0, "still running")
+                     and not k.get("left_behind") and k.get("seconds_to_daemon_exit", 1e9) < 60)
+        res["kill" if not extra else f"kill {extra}"] = k
+        print(f"kill {extra}:", json.dumps(k), flush=True)
 
 
 def parse(out: str, tag: str) -> dict[str, Any] | None:
@@ -556,9 +560,9 @@ def print_table(r: dict[str, Any]) -> None:
                   f"identical rows {h['identical_rows']}")
         else:
             print(f"hfpatch: {h}")
-    k = r.get("kill")
-    if k:
-        print(f"killed rank 1 mid-stream (serve --tp 2): stream error after {k.get('seconds_to_stream_error')}s "
+    for key in [k for k in r if k.startswith("kill")]:
+        k = r[key]
+        print(f"{key}: rank 1 SIGKILLed mid-stream (serve --tp 2): stream error after {k.get('seconds_to_stream_error')}s "
               f"({k.get('stream_error')}); daemon exit {k.get('daemon_exit')} after {k.get('seconds_to_daemon_exit')}s; "
               f"left behind {k.get('left_behind')} -> {'PASS' if k.get('pass') else 'FAIL'}")
     for budget, a in r.get("agents", {}).items():
@@ -622,7 +626,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--dist-init-addr")
-    p.add_argument("--tp2-env", default="", help='tput: more TP=2 runs, ";"-separated, each "VAR=value ..."')
+    p.add_argument("--tp2-env", default="", help='tput and kill: more TP=2 runs, ";"-separated, each "VAR=value ..."')
     p.add_argument("--profile", action="store_true", help="all/tput: profile TP=2's ranks over one batch after the run")
     p.add_argument("--profile-dir", help="bench: profile the ranks over one batch after the run, into this directory")
     p.add_argument("--teacher-force", help="gen: also score these outputs (json) teacher-forced")

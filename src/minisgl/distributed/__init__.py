@@ -1,10 +1,21 @@
-"""Tensor-parallel process group: rank/size and the two collectives the layers need."""
+"""Tensor-parallel process group: rank/size and the two collectives the layers need.
+
+The all-reduce is the process group's (NCCL on GPUs, gloo on the CPU). MINISGL_TP_ALLREDUCE=symm_mem (opt-in,
+one host) sends tensors up to 8 MB (a decode step's activations) through a buffer in PyTorch's symmetric memory
+instead: one-shot, every GPU reads its peers' buffers over NVLink and sums. Its kernels cannot be aborted: with a
+peer dead they spin, and rank 0's watch then ends the process (distributed/launch.py).
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger("minisgl")
+SYMM_MEM_MAX_BYTES = 8 * 2**20  # tensors up to this size take the symmetric-memory all-reduce
 
 
 @dataclass(frozen=True)
@@ -29,9 +40,62 @@ def get_tp_info() -> TPInfo:
     return _TP
 
 
+class SymmMemAllReduce:
+    """One-shot all-reduce through a symmetric-memory buffer that every rank registered (CUDA only)."""
+
+    def __init__(self, device: torch.device, max_bytes: int = SYMM_MEM_MAX_BYTES) -> None:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group = dist.group.WORLD.group_name
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed by older torch, a no-op later
+        if enable is not None:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                enable(self.group)
+        self.buf = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buf, self.group)  # collective: every rank at the same point
+
+    def fits(self, x: torch.Tensor) -> bool:
+        nbytes = x.numel() * x.element_size()
+        return (x.is_cuda and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32)
+                and nbytes <= self.buf.numel() and nbytes % 16 == 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.view(-1)
+        slot = self.buf.view(x.dtype)[: flat.numel()]
+        slot.copy_(flat)
+        torch.ops.symm_mem.one_shot_all_reduce_out(slot, "sum", self.group, flat)
+        return x
+
+
+_SYMM: SymmMemAllReduce | None = None
+
+
+def setup_symm_mem(device: torch.device) -> None:
+    """After the process group exists, on every rank: the symmetric-memory all-reduce where it can run."""
+    global _SYMM
+    _SYMM = None
+    choice = os.environ.get("MINISGL_TP_ALLREDUCE", "nccl")
+    if choice not in ("nccl", "symm_mem"):
+        raise ValueError(f"MINISGL_TP_ALLREDUCE must be nccl or symm_mem, got {choice!r}")
+    if choice == "symm_mem" and device.type == "cuda":
+        _SYMM = SymmMemAllReduce(device)
+        logger.info("tensor-parallel all-reduce up to %d MB through symmetric memory", SYMM_MEM_MAX_BYTES >> 20)
+
+
+def reset_symm_mem() -> None:
+    global _SYMM
+    _SYMM = None
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _TP.size == 1:
         return x
+    if _SYMM is not None and _SYMM.fits(x):
+        return _SYMM(x)
     import torch.distributed as dist
 
     dist.all_reduce(x)

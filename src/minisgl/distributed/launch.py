@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from minisgl.config import EngineConfig
-from minisgl.distributed import set_tp_info
+from minisgl.distributed import reset_symm_mem, set_tp_info, setup_symm_mem
 from minisgl.errors import MiniSGLError
 
 logger = logging.getLogger("minisgl")
@@ -39,6 +39,7 @@ EXITED_KEY = "minisgl/exited"  # ranks that left cleanly after rank 0's "exit"
 WATCH_INTERVAL_S = 0.5  # how often rank 0 checks its ranks and ranks > 0 check on rank 0
 FAILURE_GRACE_S = 2.0  # after a collective errors out, how long rank 0 looks for the rank that failed
 EXIT_WAIT_S = 10.0  # how long a clean shutdown waits for the other ranks to leave
+STUCK_EXIT_S = 15.0  # after a failure, how long rank 0's step in flight may take to return before the process ends
 
 
 class RankFailedError(MiniSGLError, RuntimeError):
@@ -76,6 +77,8 @@ def init_distributed(config: EngineConfig, rank: int, store: Any) -> None:
         timeout=datetime.timedelta(seconds=config.dist_timeout),
     )
     set_tp_info(rank, config.tp)
+    if use_cuda and config.nnodes == 1:  # one host: the GPUs reach each other's memory
+        setup_symm_mem(torch.device("cuda", torch.cuda.current_device()))
 
 
 def _bounded(fn: Any, timeout: float, what: str) -> bool:
@@ -120,6 +123,7 @@ def close_groups(clean: bool, timeout: float = 10.0) -> None:
     """
     import torch.distributed as dist
 
+    reset_symm_mem()
     if not dist.is_initialized():
         return
     if clean:
@@ -182,6 +186,7 @@ class RankGroup:
         self.store = connect_store(init_addr, True, datetime.timedelta(seconds=config.dist_timeout))
         self.workers = [spawn_worker(config, rank, init_addr) for rank in range(1, config.tp // config.nnodes)]
         self._failure: str | None = None
+        self.step_started: float | None = None  # monotonic start of rank 0's step in flight (TPScheduler.step)
         self._fail_lock = threading.Lock()
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_loop, name="minisgl-tp-monitor", daemon=True)
@@ -202,7 +207,21 @@ class RankGroup:
             reason = self._find_failure()
             if reason is not None:
                 self._fail(reason)
+                self._watch_stuck_step()
                 return
+
+    def _watch_stuck_step(self) -> None:
+        """A step in flight when a rank failed must come back: NCCL's aborted kernels return, and the step raises
+        RankFailedError. One that does not is stuck in a kernel waiting for the dead peer forever (a
+        symmetric-memory all-reduce cannot be aborted), and so would every later CUDA call of this process:
+        the process ends, loudly, so that its parent (the daemon) reports the failure instead of hanging."""
+        deadline = time.monotonic() + STUCK_EXIT_S
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            if self.step_started is None:
+                return  # no step in flight, or it came back: the caller sees RankFailedError
+            if time.monotonic() > deadline:
+                leave(1, f"{self._failure}; a step on this rank has not come back within {STUCK_EXIT_S:.0f}s "
+                         "(stuck in a kernel waiting for the dead rank): this process exits")
 
     def _find_failure(self) -> str | None:
         dead = [(rank, w.returncode) for rank, w in enumerate(self.workers, 1) if w.poll() is not None]

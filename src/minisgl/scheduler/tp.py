@@ -88,6 +88,7 @@ class TPScheduler(RankGroup):
         self._raise_if_failed()
         ops, self._ops = self._ops, []
         t0 = time.perf_counter()
+        self.step_started = time.monotonic()  # the failure watch ends a process whose step never comes back
         try:
             self._send(ops)
             for op in ops:
@@ -97,6 +98,8 @@ class TPScheduler(RankGroup):
             outputs = self.sched.step()
         except Exception as e:
             raise self._as_rank_failure(e) from e
+        finally:
+            self.step_started = None
         # On the GPU a dead peer's collectives were aborted, not failed: these outputs are garbage.
         self._raise_if_failed()
         prof = active_profiler()
