@@ -1080,7 +1080,7 @@ def test_sglang_generate_batches_n_stops_and_typed_errors(daemon, client):
     # Typed errors, as the rest of the server answers them; nothing is left running.
     for bad in ({"text": "hi", "input_ids": [1, 2]}, {"text": "hi", "sampling_params": {"best_of": 2}},
                 {"text": "hi", "sampling_params": {"temperature": -1}}, {"text": ["a", "b"], "sampling_params": [{}]},
-                {"text": "hi", "image_data": "x.png"}):
+                {"text": "hi", "image_data": "x.png"}, {"text": "hi", "return_logprob": True, "top_logprobs_num": "2"}):
         r = httpx.post(url, json=bad, headers=headers)
         assert r.status_code == 400 and r.json()["error"]["message"], (bad, r.text)
     assert httpx.post(url, json={"text": "hi"}).status_code == 401

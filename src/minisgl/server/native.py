@@ -89,6 +89,14 @@ def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
     return [value] * n
 
 
+def _int(value: Any, default: int, name: str, lo: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise InvalidRequestError(f"{name} must be an integer >= {lo}, got {value!r}")
+    return value
+
+
 def _finish_reason(reason: str | None, matched: Any, completion_tokens: int, error: str | None = None) -> Any:
     if reason is None:
         return None
@@ -164,8 +172,8 @@ def native_router(server: Any, check_key: Callable[[Request], Awaitable[None]], 
             prompts, batch = _prompts(body)
             k = len(prompts)
             want_lp = _per_prompt(body.get("return_logprob") or False, k, "return_logprob")
-            top = int(body.get("top_logprobs_num") or 0)
-            start = int(body["logprob_start_len"]) if body.get("logprob_start_len") is not None else -1
+            top = _int(body.get("top_logprobs_num"), 0, "top_logprobs_num", lo=0)
+            start = _int(body.get("logprob_start_len"), -1, "logprob_start_len", lo=-1)
             rids = _per_prompt(body.get("rid"), k, "rid")
             rids = [r or f"gen-{uuid.uuid4().hex}" for r in rids]
             if len(set(rids)) != k:
