@@ -1004,8 +1004,8 @@ def test_the_ollama_client_lists_shows_and_gets_typed_errors(daemon):
 # ---------------------------------------------------------------------------- SGLang's native API
 
 
-def _sse_events(response: Any) -> list[Any]:
-    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+def _sglang_events(response: Any) -> list[Any]:
+    events = _sse_events(response.text)
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
 
@@ -1045,7 +1045,7 @@ def test_sglang_generate_is_hf_greedy_with_its_logprobs_and_streams_cumulative_t
     r = httpx.post(f"{daemon.base}/generate", json={"input_ids": ids, "stream": True,
                    "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}},
                    headers=headers, timeout=300)
-    events = _sse_events(r)
+    events = _sglang_events(r)
     assert len(events) > 1 and events[-1]["output_ids"] == gen and events[-1]["text"] == out["text"]
     for before, after in zip(events, events[1:]):
         assert after["text"].startswith(before["text"]) and after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
