@@ -1077,6 +1077,13 @@ def test_sglang_generate_batches_n_stops_and_typed_errors(daemon, client):
                                                                           "stop": stop, "no_stop_trim": True}},
                       headers=headers).json()
     assert kept["text"] == trimmed["text"] + stop
+    # SGLang's structured output: json_schema as a JSON string (or regex / ebnf) in sampling_params.
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    r = httpx.post(url, json={"text": "The capital of France as JSON:", "sampling_params": {
+        "temperature": 0, "max_new_tokens": 40, "json_schema": json.dumps(schema)}}, headers=headers, timeout=300).json()
+    jsonschema.validate(json.loads(r["text"]), schema)
+    assert r["meta_info"]["finish_reason"]["type"] == "stop"
     # Typed errors, as the rest of the server answers them; nothing is left running.
     for bad in ({"text": "hi", "input_ids": [1, 2]}, {"text": "hi", "sampling_params": {"best_of": 2}},
                 {"text": "hi", "sampling_params": {"temperature": -1}}, {"text": ["a", "b"], "sampling_params": [{}]},
