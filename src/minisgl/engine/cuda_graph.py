@@ -101,6 +101,14 @@ class CudaGraphRunner:
         else:
             self.logits[:bs] = self.model.compute_logits(hidden)
 
+    def release(self) -> None:
+        """Free the captured graphs. Before a process group is destroyed: graphs that captured NCCL collectives
+        keep its communicator busy, and ncclCommDestroy then never returns (pytorch/pytorch#115388)."""
+        torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def can_run(self, batch: Batch) -> bool:
         return batch.is_decode and batch.size <= self.max_bs
 

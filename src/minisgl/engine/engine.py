@@ -155,6 +155,12 @@ class Engine:
 
         return HybridBackend(backends[prefill](*args), backends[decode](*args))
 
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs (decode runs eager afterwards); every TP rank does it before leaving its group."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = None
+
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         """Run the model on the batch; returns logits [num sampled rows, vocab]: float32, but for a decode batch

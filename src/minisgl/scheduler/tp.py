@@ -124,6 +124,8 @@ class TPScheduler(RankGroup):
             return
         self._closed = True
         self.sched.shutdown()
+        if self._failure is None:  # with a dead peer a kernel may never finish: nothing to wait for then
+            self.engine.release_graphs()  # before the group goes: graphs with collectives block its teardown
         self._stop_ranks(on_cuda=self.device.type == "cuda")
 
 
@@ -173,6 +175,7 @@ def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
                 watch.leaving.set()
                 if sched.device.type == "cuda":
                     torch.cuda.synchronize()  # this rank's last collectives: rank 0 waits on them
+                sched.engine.release_graphs()  # before the group goes: graphs with collectives block its teardown
                 store.add(EXITED_KEY, 1)
                 close_groups(clean=True, timeout=EXIT_WAIT_S)  # with rank 0's, at the same time
                 return 0
