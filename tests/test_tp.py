@@ -82,18 +82,22 @@ def test_a_dead_rank_stops_the_engine_with_a_clear_error(tiny_model_dir):
         assert not llm.scheduler._monitor.is_alive()
 
 
-def test_a_rank_killed_mid_stream_stops_the_daemon_with_a_typed_error(tiny_model_dir, tmp_path):
-    """`minisgl serve --tp 2`: SIGKILL rank 1 while a stream runs; the client gets a typed error, the daemon exits
-    non-zero and nothing of its process session outlives it, all in bounded time (no hang)."""
+@pytest.mark.parametrize("idle", [False, True], ids=["mid-stream", "idle"])
+def test_a_killed_rank_stops_the_daemon_with_a_typed_error(tiny_model_dir, tmp_path, idle):
+    """`minisgl serve --tp 2`: SIGKILL rank 1 while a stream runs (the client gets a typed error) or while nothing
+    runs; the daemon exits non-zero and nothing of its process session outlives it, in bounded time (no hang)."""
     from minisgl.bench.tp import kill_rank_check
 
     log = tmp_path / "daemon.log"
     r = kill_rank_check(tiny_model_dir("llama"), ["--device", "cpu", "--dist-timeout", "20"], log, start_timeout=180,
-                        exit_timeout=60)
+                        exit_timeout=60, idle=idle)
     assert r["served_before_kill"] and r["rank_processes"] == 1, (r, log.read_text()[-3000:])
-    assert r["stream_error"] is not None and "rank" in r["stream_error"], r
-    assert r["seconds_to_stream_error"] < 30, r
+    if not idle:
+        assert r["stream_error"] is not None and "rank" in r["stream_error"], r
+        assert r["seconds_to_stream_error"] < 30, r
     assert r["daemon_exit"] not in (0, "still running"), r
+    assert r["seconds_to_daemon_exit"] < 30, r
+    assert "RankFailedError" in log.read_text(), log.read_text()[-3000:]
     assert r["left_behind"] == [], r
 
 

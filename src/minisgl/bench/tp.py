@@ -372,13 +372,14 @@ def session_pids(sid: int) -> list[tuple[int, str]]:
 
 
 def kill_rank_check(model_dir: Path, serve_args: list[str], log_path: Path, start_timeout: float = 300,
-                    exit_timeout: float = 120, env: dict[str, str] | None = None) -> dict[str, Any]:
+                    exit_timeout: float = 120, env: dict[str, str] | None = None, idle: bool = False) -> dict[str, Any]:
     """Start `minisgl serve --tp 2`, stream a long generation, SIGKILL rank 1 mid-stream; report what follows.
 
     Returns the stream's error (type, message), the daemon's exit code, the seconds from the kill to the
     stream's error and to the daemon's exit, and the processes of the daemon's session still alive after it.
+    idle: kill rank 1 while nothing runs instead (no stream: the daemon must still stop on its own).
     """
-    from minisgl import Client, MiniSGLError, SamplingParams
+    from minisgl import Client, SamplingParams
     from minisgl.runtime.launcher import wait_ready
 
     address = f"ipc://{tempfile.mkdtemp(prefix='msgl-kill-')}/d.sock"
@@ -399,22 +400,13 @@ def kill_rank_check(model_dir: Path, serve_args: list[str], log_path: Path, star
             if len(ranks) != 1:
                 r["error"] = f"expected one rank-1 process in the daemon's session, found {ranks}"
                 return r
-            stream = client.stream([21, 22, 23], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
-            got = 0
-            for chunk in stream:  # let it run a few steps, then kill rank 1 in the middle of the stream
-                got += len(chunk.token_ids)
-                if got >= 16:
-                    break
-            t_kill = time.monotonic()
-            os.kill(ranks[0], signal.SIGKILL)
-            r["tokens_before_kill"] = got
-            try:
-                for chunk in stream:
-                    got += len(chunk.token_ids)
-                r["stream_error"] = None  # ended without an error: a failure of this check
-            except MiniSGLError as e:
-                r["stream_error"] = f"{type(e).__name__}: {e}"
-            r["seconds_to_stream_error"] = round(time.monotonic() - t_kill, 2)
+            if idle:
+                t_kill = time.monotonic()
+                os.kill(ranks[0], signal.SIGKILL)
+                r["stream_error"] = "(idle: no stream)"
+            else:
+                r.update(_kill_mid_stream(client, ranks[0]))
+                t_kill = time.monotonic() - r["seconds_to_stream_error"]
         try:
             r["daemon_exit"] = proc.wait(timeout=exit_timeout)
         except subprocess.TimeoutExpired:
@@ -425,6 +417,30 @@ def kill_rank_check(model_dir: Path, serve_args: list[str], log_path: Path, star
         return r
     finally:
         kill_group(proc)
+
+
+def _kill_mid_stream(client: Any, rank_pid: int) -> dict[str, Any]:
+    """Stream a long greedy generation, SIGKILL the rank after 16 tokens, read the stream to its end or error."""
+    from minisgl import MiniSGLError, SamplingParams
+
+    r: dict[str, Any] = {}
+    stream = client.stream([21, 22, 23], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    got = 0
+    for chunk in stream:  # let it run a few steps, then kill rank 1 in the middle of the stream
+        got += len(chunk.token_ids)
+        if got >= 16:
+            break
+    t_kill = time.monotonic()
+    os.kill(rank_pid, signal.SIGKILL)
+    r["tokens_before_kill"] = got
+    try:
+        for chunk in stream:
+            got += len(chunk.token_ids)
+        r["stream_error"] = None  # ended without an error: a failure of this check
+    except MiniSGLError as e:
+        r["stream_error"] = f"{type(e).__name__}: {e}"
+    r["seconds_to_stream_error"] = round(time.monotonic() - t_kill, 2)
+    return r
 
 
 def stage_kill(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log: Path) -> None:

@@ -127,6 +127,8 @@ class SchedulerLoop:
             elif self.parent.gone:
                 logger.error("the daemon process is gone; scheduler exiting")
                 return
+            else:
+                self.sched.check_alive()  # a TP rank that died while idle stops the daemon now, not at the next request
 
     def _apply(self, msg: Any) -> None:
         if isinstance(msg, AddRequest):

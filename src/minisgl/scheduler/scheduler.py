@@ -280,6 +280,9 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.req_pages())
 
+    def check_alive(self) -> None:
+        """One process has no peer to lose (TPScheduler raises here when a rank failed)."""
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix not locked by a request (e.g. after the weights changed)."""
         self.cache.evict_all()

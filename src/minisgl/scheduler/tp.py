@@ -113,6 +113,10 @@ class TPScheduler(RankGroup):
     def check_integrity(self) -> None:
         self.sched.check_integrity()
 
+    def check_alive(self) -> None:
+        """Raise RankFailedError if a rank has failed (an idle engine learns it here, not at its next request)."""
+        self._raise_if_failed()
+
     def reset_prefix_cache(self) -> None:
         # Every rank, before the same step: ranks whose caches differ would build different batches.
         self.sched.reset_prefix_cache()
