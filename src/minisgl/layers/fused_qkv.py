@@ -52,9 +52,9 @@ def _kernel() -> Any:
             if KV_MAX > 0:  # an fp8 pool: saturated to its range, as KVPool.store does
                 x1 = tl.minimum(tl.maximum(x1, -KV_MAX), KV_MAX)
                 x2 = tl.minimum(tl.maximum(x2, -KV_MAX), KV_MAX)
-            dst = v_cache_ptr + loc * cache_stride + (h - H - HKV) * D
-            tl.store(dst + offs, x1.to(v_cache_ptr.dtype.element_ty))
-            tl.store(dst + half + offs, x2.to(v_cache_ptr.dtype.element_ty))
+            v_dst = v_cache_ptr + loc * cache_stride + (h - H - HKV) * D
+            tl.store(v_dst + offs, x1.to(v_cache_ptr.dtype.element_ty))
+            tl.store(v_dst + half + offs, x2.to(v_cache_ptr.dtype.element_ty))
         else:
             if HAS_NORM:
                 rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
@@ -71,17 +71,19 @@ def _kernel() -> Any:
             sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + half + offs)
             o1 = x1 * cos - x2 * sin
             o2 = x2 * cos + x1 * sin
+            # One name per pointer type: Triton's compiler rejects a variable that is bf16* in one branch and
+            # fp8* in the other (the interpreter does not check, so only a GPU compile catches it).
             if h < H:
-                dst = q_out_ptr + (t * H + h) * D
-                tl.store(dst + offs, o1.to(q_out_ptr.dtype.element_ty))
-                tl.store(dst + half + offs, o2.to(q_out_ptr.dtype.element_ty))
+                q_dst = q_out_ptr + (t * H + h) * D
+                tl.store(q_dst + offs, o1.to(q_out_ptr.dtype.element_ty))
+                tl.store(q_dst + half + offs, o2.to(q_out_ptr.dtype.element_ty))
             else:
                 if KV_MAX > 0:
                     o1 = tl.minimum(tl.maximum(o1, -KV_MAX), KV_MAX)
                     o2 = tl.minimum(tl.maximum(o2, -KV_MAX), KV_MAX)
-                dst = k_cache_ptr + loc * cache_stride + (h - H) * D
-                tl.store(dst + offs, o1.to(k_cache_ptr.dtype.element_ty))
-                tl.store(dst + half + offs, o2.to(k_cache_ptr.dtype.element_ty))
+                k_dst = k_cache_ptr + loc * cache_stride + (h - H) * D
+                tl.store(k_dst + offs, o1.to(k_cache_ptr.dtype.element_ty))
+                tl.store(k_dst + half + offs, o2.to(k_cache_ptr.dtype.element_ty))
 
     return qkv_kernel
 
