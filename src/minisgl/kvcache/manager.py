@@ -168,10 +168,13 @@ class CacheManager:
         cached = self._insert(token_ids, page_table_row, aligned, num_matched)
         handle_new, slots = self.prefix_cache.match_prefix(token_ids[:aligned])
         owned = len(slots)  # aligned for a sharing cache, 0 for the naive one
-        if min(cached, owned) > num_matched:
-            self.free(page_table_row[num_matched : min(cached, owned) : ps] // ps)
-        if owned:
-            page_table_row[:owned] = slots
+        duplicate_end = min(cached, owned)
+        if duplicate_end > num_matched:
+            # Another request cached [num_matched, duplicate_end) first: free this one's copy, point the row at
+            # the cache's. Before num_matched the row holds the cache's slots already; after, the cache adopted
+            # the row's own.
+            self.free(page_table_row[num_matched:duplicate_end:ps] // ps)
+            page_table_row[num_matched:duplicate_end] = slots[num_matched:duplicate_end]
         self.prefix_cache.lock(handle_new)
         self.prefix_cache.unlock(handle)
         return handle_new, max(owned, num_matched)

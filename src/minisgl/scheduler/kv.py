@@ -7,6 +7,7 @@ read the rows' slots and, for decode, each row's last sampled token kept on the 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from minisgl.core import Batch, Phase, Req
@@ -80,24 +81,22 @@ class ReqKV:
     def make_batch(self, phase: Phase, chosen: list[tuple[Req, int]]) -> Batch:
         """The batch computing `extend` tokens of each (req, extend), whose slots are reserved."""
         reqs = [r for r, _ in chosen]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        rows, prefix_lens, extend_lens = [], [], []
-        decode = phase is Phase.DECODE
-        for req, extend in chosen:
-            start = req.cached_len
-            if not decode:
-                input_ids.extend(req.input_ids[start : start + extend])
-            positions.extend(range(start, start + extend))
-            rows.append(req.table_idx)
-            prefix_lens.append(start)
-            extend_lens.append(extend)
+        rows = [r.table_idx for r in reqs]
+        prefix_lens = [r.cached_len for r in reqs]
+        extend_lens = [extend for _, extend in chosen]
         dev = self.device
         rows_t = torch.tensor(rows, dtype=torch.int64)
-        pos_t = torch.tensor(positions, dtype=torch.int64)
-        # Each request's row once per token it computes. Plain Python: torch's CPU repeat_interleave is a
-        # parallel op whose thread wake-ups cost milliseconds when other processes (TP ranks) share the CPUs.
-        token_rows = rows_t if decode else torch.tensor([r for r, n in zip(rows, extend_lens) for _ in range(n)])
+        decode = phase is Phase.DECODE
+        if decode:
+            pos_t = torch.tensor(prefix_lens, dtype=torch.int64)
+            token_rows = rows_t
+        else:
+            # Each request's positions and its row once per token, vectorised (a prefill chunk is thousands of
+            # tokens). numpy, not torch: torch's CPU repeat_interleave is a parallel op whose thread wake-ups cost
+            # milliseconds when other processes (TP ranks) share the CPUs.
+            lens = np.asarray(extend_lens)
+            pos_t = torch.from_numpy(np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens - prefix_lens, lens))
+            token_rows = torch.from_numpy(np.repeat(np.asarray(rows, dtype=np.int64), lens))
         # non_blocking everywhere: a blocking host-to-device copy waits for the GPU to drain.
         pos_d = pos_t.to(dev, non_blocking=True)
         rows_d = rows_t.to(dev, non_blocking=True)
@@ -105,6 +104,9 @@ class ReqKV:
         if decode:  # the last sampled tokens, read on the device: they may not be on the host yet
             ids_d = self.last_tokens.index_select(0, rows_d)
         else:
+            input_ids: list[int] = []
+            for (req, extend), start in zip(chosen, prefix_lens):
+                input_ids.extend(req.input_ids[start : start + extend])
             ids_d = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         return Batch(
             reqs=reqs,

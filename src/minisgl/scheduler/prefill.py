@@ -4,14 +4,14 @@ The waiting queue is ranked by cached prefix (longest first, "lpm") without star
 cached prefixes the next waiting requests will reuse are locked while a batch is admitted; a prompt
 longer than the token budget is prefilled in chunks across steps; a request that shares a long
 uncached prefix with one admitted in the same batch waits one step to read it from the cache.
+That check is a dict look-up per request (BatchPrefixes), not a comparison with every admitted prompt:
+a burst of agent turns puts tens of long prompts in each batch.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from typing import Any
-
-import numpy as np
 
 from minisgl.config import EngineConfig
 from minisgl.core import Batch, Phase, Req
@@ -28,10 +28,35 @@ IN_BATCH_SHARE_MIN = 16
 PROTECT_WAITING = 8
 
 
-def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
+class BatchPrefixes:
+    """The prompts admitted to one batch, indexed to answer: does any of them extend `ids` past its cached prefix?
+
+    Each prompt is filed under (its cached length, the `width` tokens after it). Two prompts that share more than
+    the longer of their cached prefixes have equal cached prefixes (the shared tokens up to a cached point are
+    cached for both), so a request needs to look only under (its own cached length, its next tokens).
+    """
+
+    def __init__(self, width: int, page_size: int) -> None:
+        self.width = width
+        self.page_size = page_size
+        self._by_key: dict[tuple[int, tuple[int, ...]], list[list[int]]] = {}
+
+    def add(self, ids: list[int], cached: int) -> None:
+        cached -= cached % self.page_size
+        window = ids[cached : cached + self.width]
+        if len(window) == self.width:
+            self._by_key.setdefault((cached, tuple(window)), []).append(ids)
+
+    def extends(self, ids: list[int], cached: int) -> bool:
+        """True when an added prompt shares at least `width` tokens of ids past `cached` (page aligned), the
+        last token of ids excluded (it is always computed)."""
+        need = cached + self.width
+        if need > len(ids) - 1:
+            return False
+        for other in self._by_key.get((cached, tuple(ids[cached:need])), ()):
+            if other[:cached] == ids[:cached]:
+                return True
+        return False
 
 
 class PrefillManager:
@@ -40,7 +65,8 @@ class PrefillManager:
         self.kv = kv
         self.cache = kv.cache
         self.page_size = kv.page_size
-        self.min_share = max(IN_BATCH_SHARE_MIN, self.page_size)  # shared tokens worth a step's wait
+        # Shared tokens worth a step's wait, in whole pages (only whole pages are cached).
+        self.min_share = -(-IN_BATCH_SHARE_MIN // self.page_size) * self.page_size
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # prefill in progress across steps
 
@@ -54,13 +80,14 @@ class PrefillManager:
             for handle in protected:
                 self.cache.unlock(handle)
 
-    def _ordered_waiting(self) -> list[Req]:
+    def _ordered_waiting(self) -> list[tuple[Req, int | None]]:
+        """The waiting requests in admission order, each with its cached prefix length when ranking computed it."""
         if self.config.schedule_policy != "lpm" or self.config.cache != "radix" or len(self.waiting) > LPM_MAX_WAITING:
-            return list(self.waiting)
+            return [(r, None) for r in self.waiting]
         match_len = self.cache.match_len
-        starved = [r for r in self.waiting if r.skipped >= STARVATION_LIMIT]
-        rest = [r for r in self.waiting if r.skipped < STARVATION_LIMIT]
-        rest.sort(key=lambda r: -match_len(r.input_ids))  # stable: ties keep arrival order
+        starved = [(r, None) for r in self.waiting if r.skipped >= STARVATION_LIMIT]
+        rest = [(r, match_len(r.input_ids[: r.seq_len - 1])) for r in self.waiting if r.skipped < STARVATION_LIMIT]
+        rest.sort(key=lambda pair: -pair[1])  # stable: ties keep arrival order
         return starved + rest
 
     def _lock_waiting_prefixes(self) -> list[Any]:
@@ -85,20 +112,20 @@ class PrefillManager:
                 self.waiting.appendleft(req)  # keeps its row and pages; resumes when memory frees up
         admitted: list[Req] = []
         share = self.config.cache == "radix"
-        # The batch's prompts by their first tokens (_share_key): only those can share enough with a request.
-        batch_prompts: dict[tuple[int, ...], list[np.ndarray]] = {}
+        batch_prompts = BatchPrefixes(self.min_share, self.page_size)
         for r, _ in chosen if share else ():
-            batch_prompts.setdefault(self._share_key(r), []).append(np.asarray(r.input_ids))
-        for req in self._ordered_waiting():
+            batch_prompts.add(r.input_ids, r.cached_len)
+        for req, cached in self._ordered_waiting():
             if budget <= 0 or num_running + len(chosen) >= self.config.max_running_requests:
                 break
             if req.wait_for is not None and not self._prefilled(req.wait_for):
                 continue
             fresh = req.table_idx < 0
-            if fresh and share and not req.wants_prompt_logprobs and self._shares_with_batch(
-                req, batch_prompts.get(self._share_key(req))
-            ):
-                continue
+            if fresh and share and not req.wants_prompt_logprobs:
+                if cached is None:
+                    cached = self.cache.match_len(req.input_ids[: req.seq_len - 1])
+                if batch_prompts.extends(req.input_ids, cached):
+                    continue
             if fresh and not self.kv.admit(req):
                 break  # no free table row
             extend = min(req.seq_len - req.cached_len, budget)
@@ -111,7 +138,7 @@ class PrefillManager:
             chosen.append((req, extend))
             budget -= extend
             if share:
-                batch_prompts.setdefault(self._share_key(req), []).append(np.asarray(req.input_ids))
+                batch_prompts.add(req.input_ids, req.cached_len)
         for req in self.waiting:
             if req not in admitted:
                 req.skipped += 1
@@ -120,22 +147,6 @@ class PrefillManager:
         if not chosen:
             return None
         return self.kv.make_batch(Phase.PREFILL, chosen)
-
-    def _share_key(self, req: Req) -> tuple[int, ...]:
-        """The first tokens two prompts must have in common to share a prefix worth waiting for."""
-        return tuple(req.input_ids[: self.min_share])
-
-    def _shares_with_batch(self, req: Req, candidates: list[np.ndarray] | None) -> bool:
-        """True when req should wait a step to reuse a prefix another request of this batch computes.
-
-        candidates: the batch's prompts with req's _share_key (no other one can share min_share tokens).
-        """
-        if not candidates:
-            return False
-        ids = np.asarray(req.input_ids)
-        shared = max(common_prefix_len(ids, other) for other in candidates)
-        shared = min(shared, len(ids) - 1) // self.page_size * self.page_size
-        return shared >= self.min_share and shared - self.cache.match_len(req.input_ids[:-1]) >= self.min_share
 
     @staticmethod
     def _prefilled(req: Req) -> bool:
