@@ -325,8 +325,13 @@ def test_backends_and_page_sizes_agree(qwen3_dir, hf_fp32, backend, page_size):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page_size):
     """kv_cache_dtype="fp8_e4m3" on FlashInfer (fused KV store, CUDA graphs, overlap) against fp32 HF whose cache
-    rounds K/V to fp8 the same way (tests/test_kv_fp8.py's RoundingCache), teacher-forced on our outputs."""
+    rounds K/V to fp8 the same way (tests/test_kv_fp8.py's RoundingCache), teacher-forced on our outputs.
+
+    The bar is HF's own bf16 model with the same rounding cache: bf16 moves some K/V elements across an fp8
+    rounding boundary (one fp8 step is ~6%, a bf16 one ~0.4%), so a bf16 engine with an fp8 cache sits further
+    from the fp32 reference than a bf16 one with a bf16 cache. Ours must be as close as HF's bf16 (within a point)."""
     from test_kv_fp8 import RoundingCache
+    from transformers import AutoModelForCausalLM
 
     from minisgl import SamplingParams
 
@@ -334,16 +339,25 @@ def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page
     got, info = generate(qwen3_dir, prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
                          kv_cache_dtype="fp8_e4m3", page_size=page_size)
     assert info["backend"] == "FlashInferBackend" and info["graphs"] and info["overlap"]
-    rows = []
-    with torch.inference_mode():
-        for prompt, out in zip(prompts, got):
-            cache = RoundingCache(torch.float8_e4m3fn, config=hf_fp32.config)
-            seq = torch.tensor([prompt + out], device="cuda")
-            rows.append(hf_fp32(seq, past_key_values=cache, use_cache=True).logits[0, len(prompt) - 1 : -1].float().cpu())
+
+    def rounding_cache_logits(hf: Any) -> list[torch.Tensor]:
+        rows = []
+        with torch.inference_mode():
+            for prompt, out in zip(prompts, got):
+                cache = RoundingCache(torch.float8_e4m3fn, config=hf.config)
+                seq = torch.tensor([prompt + out], device="cuda")
+                rows.append(hf(seq, past_key_values=cache, use_cache=True).logits[0, len(prompt) - 1 : -1].float().cpu())
+        return rows
+
+    rows = rounding_cache_logits(hf_fp32)
     metrics = parity(rows, got)
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf_bf16_top1 = [r.argmax(-1).tolist() for r in rounding_cache_logits(hf_bf16.cuda().eval())]
+    floor = parity(rows, hf_bf16_top1)  # HF bf16 vs HF fp32, both with the fp8 rounding cache
     plain = parity(teacher_forced(hf_fp32, prompts, got), got)  # against HF's full-precision cache, for the record
-    report(f"fp8_kv_page{page_size}", {"vs_hf_fp32_fp8_cache": metrics, "vs_hf_fp32_bf16_cache": plain})
-    assert metrics["top1_clear_margin"] >= 0.99
+    report(f"fp8_kv_page{page_size}", {"vs_hf_fp32_fp8_cache": metrics, "hf_bf16_vs_hf_fp32_fp8_cache": floor,
+                                       "vs_hf_fp32_bf16_cache": plain})
+    assert metrics["top1_clear_margin"] >= min(0.99, floor["top1_clear_margin"] - 0.01), (metrics, floor)
 
 
 def test_fused_top_k_top_p_sampling_stays_in_the_allowed_set():

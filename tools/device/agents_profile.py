@@ -29,15 +29,21 @@ from minisgl.config import EngineConfig
 from minisgl.scheduler.tp import make_scheduler
 
 
+CURRENT: dict[str, float] = defaultdict(float)  # the step being launched: host seconds per wrapped call
+
+
 def wrap(obj: Any, name: str, totals: dict[str, float]) -> None:
     fn = getattr(obj, name)
+    key = name if name in ("schedule", "_launch", "_process", "copy_to_host") else f"{type(obj).__name__}.{name}"
 
     def timed(*a: Any, **k: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return fn(*a, **k)
         finally:
-            totals[name] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            totals[key] += dt
+            CURRENT[key] += dt
 
     setattr(obj, name, timed)
 
@@ -58,6 +64,8 @@ def main() -> None:
     p.add_argument("--sync-debug", action="store_true", help="warn at every CUDA operation that waits for the device")
     p.add_argument("--cprofile", action="store_true", help="cProfile the run (slows the host: timings are not comparable)")
     p.add_argument("--cprofile-prefill", action="store_true", help="cProfile only the prefill forwards (launch + sampling)")
+    p.add_argument("--sleep-probe", action="store_true",
+                   help="queue a 30 ms GPU sleep before each prefill: a call whose host time includes it waits for the GPU")
     p.add_argument("--kernels", action="store_true", help="torch.profiler over the run: GPU kernels by total time")
     args = p.parse_args()
 
@@ -91,6 +99,9 @@ def main() -> None:
 
         sched.engine.forward_and_sample = profiled
     wrap(sched.engine, "forward_and_sample", totals)
+    wrap(sched.engine, "forward", totals)
+    wrap(sched.engine.model, "forward", totals)
+    wrap(sched.engine.sampler, "sample", totals)
     wrap(sched.engine.attn_backend, "prepare", totals)
     wrap(sched.kv, "cache_prefix", totals)
     wrap(sched.kv, "make_batch", totals)
@@ -105,6 +116,9 @@ def main() -> None:
 
     def launch_with_events(batch: Any) -> Any:
         start = end = None
+        CURRENT.clear()
+        if cuda and args.sleep_probe and batch.is_prefill:
+            torch.cuda._sleep(50_000_000)  # ~30 ms at the H100's clock
         if cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -115,7 +129,7 @@ def main() -> None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
         steps.append({"prefill": batch.is_prefill, "reqs": batch.size, "tokens": sum(batch.extend_lens),
-                      "launch_host_s": host, "events": (start, end), "t": t0})
+                      "launch_host_s": host, "events": (start, end), "t": t0, "calls": dict(CURRENT)})
         return out
 
     sched._launch = launch_with_events
@@ -174,7 +188,8 @@ def main() -> None:
     bursts.append(cur)
     for i in (bursts[2] if len(bursts) > 2 else bursts[-1]):
         s = steps[i]
-        print(f"  {s['tokens']:6d} {s['reqs']:4d} {1000 * s.get('wall_s', 0):8.2f} {1000 * s.get('gpu_s', 0):8.2f} {1000 * s['launch_host_s']:8.2f}")
+        print(f"  {s['tokens']:6d} {s['reqs']:4d} {1000 * s.get('wall_s', 0):8.2f} {1000 * s.get('gpu_s', 0):8.2f} {1000 * s['launch_host_s']:8.2f}  "
+              + " ".join(f"{k} {1000 * v:.2f}" for k, v in s["calls"].items()))
     if args.cprofile or args.cprofile_prefill:
         for order in ("tottime", "cumulative"):
             buf = io.StringIO()

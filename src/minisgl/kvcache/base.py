@@ -37,6 +37,11 @@ class PrefixCache(ABC):
         free) those slots of its own. The cache adopts the slots after that point.
         """
 
+    def insert_node(self, token_ids: list[int], slots: torch.Tensor) -> tuple[int, Any]:
+        """insert(), and the handle of the node that now ends at len(token_ids) (None when nothing is kept)."""
+        cached = self.insert(token_ids, slots)
+        return cached, self.match_prefix(token_ids).handle
+
     @abstractmethod
     def lock(self, handle: Any) -> None:
         """Protect the node and its ancestors from eviction (reference counted)."""

@@ -147,7 +147,7 @@ class CacheManager:
         alloc_len = length if alloc_len is None else alloc_len
         assert num_matched % ps == 0 and num_matched <= length <= alloc_len, (num_matched, length, alloc_len)
         aligned = length - length % ps
-        cached = self._insert(token_ids, page_table_row, aligned, num_matched)
+        cached, _ = self._insert(token_ids, page_table_row, aligned, num_matched)
         # Own slots the cache did not adopt: the duplicate head and everything after `aligned`.
         self.free(torch.cat([page_table_row[num_matched:cached:ps], page_table_row[aligned:alloc_len:ps]]) // ps)
         self.prefix_cache.unlock(handle)
@@ -165,28 +165,31 @@ class CacheManager:
         aligned = length - length % ps
         if aligned <= num_matched:
             return handle, num_matched
-        cached = self._insert(token_ids, page_table_row, aligned, num_matched)
-        handle_new, slots = self.prefix_cache.match_prefix(token_ids[:aligned])
-        owned = len(slots)  # aligned for a sharing cache, 0 for the naive one
+        cached, handle_new = self._insert(token_ids, page_table_row, aligned, num_matched)
+        owned = aligned if handle_new is not None else 0  # the naive cache keeps nothing
         duplicate_end = min(cached, owned)
         if duplicate_end > num_matched:
             # Another request cached [num_matched, duplicate_end) first: free this one's copy, point the row at
             # the cache's. Before num_matched the row holds the cache's slots already; after, the cache adopted
             # the row's own.
+            slots = self.prefix_cache.match_prefix(token_ids[:duplicate_end]).slots
             self.free(page_table_row[num_matched:duplicate_end:ps] // ps)
             page_table_row[num_matched:duplicate_end] = slots[num_matched:duplicate_end]
         self.prefix_cache.lock(handle_new)
         self.prefix_cache.unlock(handle)
         return handle_new, max(owned, num_matched)
 
-    def _insert(self, token_ids: Sequence[int], page_table_row: torch.Tensor, aligned: int, num_matched: int) -> int:
-        """Offer the first `aligned` positions to the cache; returns where the request's own adopted part starts."""
+    def _insert(
+        self, token_ids: Sequence[int], page_table_row: torch.Tensor, aligned: int, num_matched: int
+    ) -> tuple[int, Any]:
+        """Offer the first `aligned` positions to the cache; returns where the request's own adopted part starts
+        and the handle of the cached node that ends at `aligned` (None if the cache keeps nothing)."""
         if aligned == 0:
-            return 0
-        cached = self.prefix_cache.insert(token_ids[:aligned], page_table_row[:aligned])
+            return 0, None
+        cached, handle = self.prefix_cache.insert_node(token_ids[:aligned], page_table_row[:aligned])
         # The locked matched prefix is always still cached, so cached >= num_matched.
         assert cached >= num_matched, f"prefix cache lost a locked prefix: {cached} < {num_matched}"
-        return cached
+        return cached, handle
 
     # ------------------------------------------------------------------ checks
 

@@ -97,6 +97,9 @@ class RadixCache(PrefixCache):
     # ------------------------------------------------------------------ updates
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
+        return self.insert_node(token_ids, slots)[0]
+
+    def insert_node(self, token_ids: Sequence[int], slots: torch.Tensor) -> tuple[int, Any]:
         ids = _as_list(token_ids)
         n = len(ids)
         if n % self.page_size:
@@ -114,7 +117,7 @@ class RadixCache(PrefixCache):
             self._evictable += len(leaf.key) // self.page_size
             node = leaf
         self._touched(node)
-        return cached
+        return cached, (node if node is not self.root else None)
 
     def lock(self, handle: Any) -> None:
         if handle is None:
