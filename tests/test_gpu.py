@@ -322,6 +322,47 @@ def test_backends_and_page_sizes_agree(qwen3_dir, hf_fp32, backend, page_size):
     assert metrics["top1_clear_margin"] >= 0.99
 
 
+def test_piecewise_prefill_graphs_agree_with_the_eager_prefill(qwen3_dir, hf_fp32):
+    """Prefill replayed from piecewise CUDA graphs (engine/piecewise.py, on by default) against the eager prefill and
+    fp32 HF: prompt logprobs as close to HF as eager's, greedy outputs and their cached reruns (whose prefixes the
+    padded prefill rows must not have overwritten) at HF's top-1 where the margin is clear."""
+    from minisgl import LLM, SamplingParams
+
+    prompts = make_prompts(seed=3)
+    scored = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    with torch.inference_mode():
+        ref = [torch.log_softmax(hf_fp32(torch.tensor([p], device="cuda")).logits[0].float(), -1).cpu() for p in prompts]
+    errors, sizes = {}, {}
+    for limit in (0, 4096):
+        llm = LLM(str(qwen3_dir), **{**ENGINE, "max_prefill_tokens": 1024, "piecewise_cuda_graph_max_tokens": limit})
+        runner = llm.scheduler.engine.prefill_graphs
+        assert (runner is not None) == (limit > 0)
+        seen: list[int] = []
+        if runner is not None:
+            assert runner.sizes[-1] == 1024 and runner.fused_store
+            runner.run = lambda batch, r=runner, run=runner.run: seen.append(r.padded_size(batch.input_ids.shape[0])) or run(batch)
+        outs = llm.generate(prompts, scored, use_tqdm=False)
+        errors[limit] = float(torch.cat([
+            (torch.tensor([e[0] for e in o.prompt_logprobs[1:]]) - r[torch.arange(len(p) - 1), torch.tensor(p[1:])]).abs()
+            for o, p, r in zip(outs, prompts, ref)
+        ]).mean())
+        first = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        again = llm.generate(prompts, greedy, use_tqdm=False)
+        llm.check_integrity()
+        sizes[limit] = sorted(set(seen))
+        info = {"rerun": [o.token_ids for o in again], "cached_rerun_equal": sum(o.token_ids == t for o, t in zip(again, first))}
+        metrics = parity(teacher_forced(hf_fp32, prompts, first), first)
+        report(f"piecewise_{limit}", {**metrics, "prompt_logprob_mean_abs_err_vs_hf_fp32": round(errors[limit], 5),
+                                      "padded_sizes": sizes[limit]})
+        assert metrics["top1_clear_margin"] >= 0.99
+        rerun_parity(hf_fp32, prompts, info, f"piecewise_{limit}_cached_rerun")
+        del llm, runner, outs, again
+        release_gpu()
+    assert len(sizes[4096]) >= 2, "the piecewise graphs did not run the prefills"
+    assert errors[4096] <= 1.25 * errors[0] + 1e-3, errors
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page_size):
     """kv_cache_dtype="fp8_e4m3" on FlashInfer (fused KV store, CUDA graphs, overlap) against fp32 HF whose cache

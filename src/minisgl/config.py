@@ -36,6 +36,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # "torch", "flashinfer", "fa3", or "PREFILL,DECODE"
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
+    # Prefill batches of up to this many tokens replay piecewise CUDA graphs (all but attention); 0: eager
+    piecewise_cuda_graph_max_tokens: int = 4096
     disable_overlap: bool = False
     load_format: str = "auto"  # "auto" or "dummy" (random weights, for benchmarks)
     seed: int = 0
@@ -50,6 +52,10 @@ class EngineConfig:
             raise ConfigError(f"page_size must be an integer >= 1, got {self.page_size!r}")
         if self.max_prefill_tokens < 1:
             raise ConfigError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens!r}")
+        if self.piecewise_cuda_graph_max_tokens < 0:
+            raise ConfigError(
+                f"piecewise_cuda_graph_max_tokens must be >= 0 (0: eager prefill), got {self.piecewise_cuda_graph_max_tokens!r}"
+            )
         if self.max_running_requests < 1:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests!r}")
         if self.tp < 1:

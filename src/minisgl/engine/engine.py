@@ -103,6 +103,29 @@ class Engine:
                 mc.vocab_size, self.max_seq_len, dummy_page=self.num_pages, page_size=self.page_size,
                 device=self.device,
             )
+        self.prefill_graphs: Any = None
+        max_tokens = min(config.piecewise_cuda_graph_max_tokens, config.max_prefill_tokens)
+        if self._piecewise_ok(max_tokens):
+            from minisgl.engine.piecewise import PiecewiseGraphRunner
+
+            self.prefill_graphs = PiecewiseGraphRunner(
+                self.model, max_tokens, dummy_slot=self.num_pages * self.page_size, device=self.device
+            )
+
+    def _piecewise_ok(self, max_tokens: int) -> bool:
+        """Prefill runs in piecewise CUDA graphs on one CUDA GPU, with a graph-capable backend and a model that
+        splits at attention (engine/piecewise.py). MINISGL_PIECEWISE_GRAPH=0 turns them off. Not under TP yet:
+        the pieces would capture the all-reduces, which has not been checked on a multi-GPU machine."""
+        import os
+
+        from minisgl.distributed import get_tp_info
+        from minisgl.engine.piecewise import supports_piecewise
+
+        return (
+            self.device.type == "cuda" and not self.config.disable_cuda_graph and max_tokens > 0
+            and getattr(self.attn_backend, "supports_cuda_graph", False) and get_tp_info().size == 1
+            and os.environ.get("MINISGL_PIECEWISE_GRAPH", "1") != "0" and supports_piecewise(self.model)
+        )
 
     def _local_kv_heads(self) -> int:
         from minisgl.distributed import get_tp_info
@@ -156,10 +179,13 @@ class Engine:
         return HybridBackend(backends[prefill](*args), backends[decode](*args))
 
     def release_graphs(self) -> None:
-        """Drop the CUDA graphs (decode runs eager afterwards); every TP rank does it before leaving its group."""
+        """Drop the CUDA graphs (decode and prefill run eager afterwards); every TP rank does it before leaving its group."""
         if self.graph_runner is not None:
             self.graph_runner.release()
             self.graph_runner = None
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.release()
+            self.prefill_graphs = None
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -174,9 +200,11 @@ class Engine:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch), None
         self.attn_backend.prepare(batch)
-        ctx = get_context()
-        with ctx.forward_batch(batch):
-            hidden = self.model(batch.input_ids, batch.positions)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+            hidden = self.prefill_graphs.run(batch)
+        else:
+            with ctx.forward_batch(batch):
+                hidden = self.model(batch.input_ids, batch.positions)
         if batch.is_decode:  # one token per request, every one sampled
             return self.model.compute_logits(hidden), None
         # Index of each sampled request's last token, built on the host: no device sync.

@@ -106,17 +106,23 @@ def fused_qkv(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, num_heads, head_dim] of qkv [T, (num_heads + 2 * num_kv_heads) * head_dim]; k, v stored.
 
     cos_sin: [max_position, head_dim] float32 (cos of each frequency, then sin); q_norm, k_norm: the
     per-head RMSNorm weights (both or neither); k_cache, v_cache: [slots, num_kv_heads, head_dim]
     written at the slots out_loc [T] (in their dtype: an fp8 pool gets saturated, rounded values).
+    out: a contiguous [T, num_heads, head_dim] tensor to write q into (a CUDA graph's static buffer).
     """
     assert qkv.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert (q_norm is None) == (k_norm is None)
     tokens = qkv.shape[0]
-    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if out is None:
+        q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    else:
+        assert out.shape == (tokens, num_heads, head_dim) and out.dtype == qkv.dtype and out.is_contiguous()
+        q = out
     if tokens == 0:
         return q
     has_norm = q_norm is not None

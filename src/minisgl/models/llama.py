@@ -56,17 +56,21 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = AttentionLayer(self.num_heads, self.num_kv_heads, self.head_dim, layer_id, self.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def qkv(
+        self, positions: torch.Tensor, hidden: torch.Tensor, out_loc: torch.Tensor, q_out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(q, k, v) of hidden [T, hidden_size], normed and rotated; k = v = None when they were stored at
+        out_loc already (CUDA: norms, RoPE and the KV store in one kernel, q written into q_out if given)."""
         qkv = self.qkv_proj(hidden)
         pool = self.attn.pool_for_fused_store(qkv)
-        if pool is not None:  # CUDA: norms, RoPE and the KV store in one kernel
+        if pool is not None:
             qn, kn = self.q_norm, self.k_norm
             q = fused_qkv(
                 qkv, positions, self.rotary.cos_sin(), qn.weight if qn else None, kn.weight if kn else None,
                 qn.eps if qn else 0.0, pool.k(self.attn.layer_id), pool.v(self.attn.layer_id),
-                get_context().batch.out_loc, self.num_heads, self.num_kv_heads, self.head_dim,
+                out_loc, self.num_heads, self.num_kv_heads, self.head_dim, out=q_out,
             )
-            return self.o_proj(self.attn(q, None, None))
+            return q, None, None
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -75,7 +79,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -103,14 +107,27 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of each sub-block is fused into the next norm.
+        q, k, v, residual = self.attention_input(positions, hidden, residual, get_context().batch.out_loc)
+        return self.attention_output(self.self_attn.attn(q, k, v), residual)
+
+    # The layer in two halves around attention (the eager forward above, and engine/piecewise.py's CUDA
+    # graphs, which capture everything but attention). The residual add of each sub-block is fused into
+    # the next norm.
+    def attention_input(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        out_loc: torch.Tensor, q_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """(q, k, v, residual): the input norm (residual None: hidden is the embedding, and the residual)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return (*self.self_attn.qkv(positions, hidden, out_loc, q_out), residual)
+
+    def attention_output(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) after the output projection, the post-attention norm and the MLP."""
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(hidden), residual
 
 
