@@ -307,14 +307,27 @@ def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, h
     assert results[(True, False)] == ref, "CUDA graphs changed the outputs"
 
 
-@pytest.mark.parametrize("backend,page_size", [("flashinfer", 16), ("fa3,flashinfer", 1), ("torch,flashinfer", 4)])
+def hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.parametrize(
+    "backend,page_size",
+    [("flashinfer", 16), ("fa3,flashinfer", 1), ("torch,flashinfer", 4), ("flashinfer,xqa", 16), ("xqa", 64)],
+)
 def test_backends_and_page_sizes_agree(qwen3_dir, hf_fp32, backend, page_size):
+    """Every backend mix and page size against fp32 HF (xqa: TensorRT-LLM's decode kernel, attention/xqa.py)."""
     from minisgl import SamplingParams
+
+    if "xqa" in backend and not hopper():
+        pytest.skip("xqa is measured on Hopper only")
 
     prompts = make_prompts(seed=2)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     ref, _ = generate(qwen3_dir, prompts, params)
-    got, info = generate(qwen3_dir, prompts, params, attention_backend=backend, page_size=page_size)
+    # the same tokens of KV at every page size (40,000 pages of 64 would not fit)
+    pages = ENGINE["num_pages"] // page_size
+    got, info = generate(qwen3_dir, prompts, params, attention_backend=backend, page_size=page_size, num_pages=pages)
     rerun_parity(hf_fp32, prompts, info, f"backend_{backend}_page{page_size}_cached_rerun")
     same = sum(a == b for a, b in zip(got, ref))
     metrics = parity(teacher_forced(hf_fp32, prompts, got), got)
@@ -363,10 +376,14 @@ def test_piecewise_prefill_graphs_agree_with_the_eager_prefill(qwen3_dir, hf_fp3
     assert errors[4096] <= 1.25 * errors[0] + 1e-3, errors
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page_size):
+@pytest.mark.parametrize(
+    "page_size,backend,gmma", [(1, "auto", "1"), (16, "flashinfer", "1"), (16, "flashinfer,xqa", "0"), (16, "auto", "1")]
+)
+def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page_size, backend, gmma, monkeypatch):
     """kv_cache_dtype="fp8_e4m3" on FlashInfer (fused KV store, CUDA graphs, overlap) against fp32 HF whose cache
-    rounds K/V to fp8 the same way (tests/test_kv_fp8.py's RoundingCache), teacher-forced on our outputs.
+    rounds K/V to fp8 the same way (tests/test_kv_fp8.py's RoundingCache), teacher-forced on our outputs. On Hopper,
+    pages of 16 under "auto" decode with XQA's fp8 kernel (attention/xqa.py: queries and softmax weights in fp8 too);
+    gmma="0" runs XQA's generic kernel (bf16 queries).
 
     The bar is HF's own bf16 model with the same rounding cache: bf16 moves some K/V elements across an fp8
     rounding boundary (one fp8 step is ~6%, a bf16 one ~0.4%), so a bf16 engine with an fp8 cache sits further
@@ -376,10 +393,15 @@ def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page
 
     from minisgl import SamplingParams
 
+    if "xqa" in backend and not hopper():
+        pytest.skip("xqa is measured on Hopper only")
+    monkeypatch.setenv("MINISGL_XQA_FP8_GMMA", gmma)  # "0": XQA's generic kernel, bf16 queries
     prompts = make_prompts(seed=4)
     got, info = generate(qwen3_dir, prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
-                         kv_cache_dtype="fp8_e4m3", page_size=page_size)
-    assert info["backend"] == "FlashInferBackend" and info["graphs"] and info["overlap"]
+                         kv_cache_dtype="fp8_e4m3", page_size=page_size, attention_backend=backend)
+    xqa = "xqa" in backend or (backend == "auto" and page_size >= 16 and hopper())
+    expected = "HybridBackend" if xqa else "FlashInferBackend"
+    assert info["backend"] == expected and info["graphs"] and info["overlap"]
 
     def rounding_cache_logits(hf: Any) -> list[torch.Tensor]:
         rows = []
@@ -396,7 +418,7 @@ def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page
     hf_bf16_top1 = [r.argmax(-1).tolist() for r in rounding_cache_logits(hf_bf16.cuda().eval())]
     floor = parity(rows, hf_bf16_top1)  # HF bf16 vs HF fp32, both with the fp8 rounding cache
     plain = parity(teacher_forced(hf_fp32, prompts, got), got)  # against HF's full-precision cache, for the record
-    report(f"fp8_kv_page{page_size}", {"vs_hf_fp32_fp8_cache": metrics, "hf_bf16_vs_hf_fp32_fp8_cache": floor,
+    report(f"fp8_kv_page{page_size}_{backend}{'_gmma' if gmma == '1' else ''}", {"vs_hf_fp32_fp8_cache": metrics, "hf_bf16_vs_hf_fp32_fp8_cache": floor,
                                        "vs_hf_fp32_bf16_cache": plain})
     assert metrics["top1_clear_margin"] >= min(0.99, floor["top1_clear_margin"] - 0.01), (metrics, floor)
 

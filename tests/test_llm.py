@@ -376,6 +376,18 @@ def test_bad_requests_raise_typed_errors_and_leak_nothing(tiny_model_dir):
     llm.check_integrity()
 
 
+@pytest.mark.parametrize(
+    "backend,match",
+    [("xqa,flashinfer", "decode kernel"), ("xqa", "needs a CUDA GPU"), ("flashinfer,xqa", "needs a CUDA GPU"),
+     ("flash", "unknown attention backend"), ("a,b,c", "NAME or PREFILL,DECODE")],
+)
+def test_attention_backend_names_are_checked_before_anything_loads(tiny_model_dir, backend, match):
+    """XQA (attention/xqa.py) only decodes: as a prefill backend it is refused; alone it means 'flashinfer,xqa',
+    which, like any GPU backend, is refused on the CPU with a clear error."""
+    with pytest.raises(errors.ConfigError, match=match):
+        LLM(str(tiny_model_dir("llama")), attention_backend=backend)
+
+
 MARK = 7  # a prompt holding this token id makes the patched forward raise (the other prompts use ids >= 10)
 
 

@@ -41,12 +41,22 @@ def _fa3_backend(
     return FlashInferBackend(model_config, kv_pool, page_table, device, prefill_backend="fa3")
 
 
+def _xqa_backend(
+    model_config: "ModelConfig", kv_pool: "KVPool", page_table: "torch.Tensor", device: Any
+) -> "AttentionBackend":
+    # TensorRT-LLM's XQA decode kernel through flashinfer (decode only: the engine pairs it with a prefill backend).
+    from minisgl.attention.xqa import XqaBackend
+
+    return XqaBackend(model_config, kv_pool, page_table, device)
+
+
 # name -> factory(model_config, kv_pool, page_table, device); factories import their backend lazily
 # so that listing backends never pulls in GPU-only packages.
 ATTENTION_BACKENDS: dict[str, Callable[..., "AttentionBackend"]] = {
     "torch": _torch_backend,
     "flashinfer": _flashinfer_backend,
     "fa3": _fa3_backend,
+    "xqa": _xqa_backend,
 }
 
 

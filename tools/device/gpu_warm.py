@@ -70,10 +70,20 @@ def attention(backend: str, tensor_cores: bool = True) -> None:
     w.run(torch.randn(4, 16, 128, dtype=torch.bfloat16, device="cuda"), (kv[0], kv[1]))
 
 
+def xqa(kv_dtype: torch.dtype, page_size: int = 16) -> None:
+    """XQA's decode module for the Qwen3-0.6B shape (attention/xqa.py builds it on first use)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        return
+    from flashinfer.xqa import get_xqa_module
+
+    get_xqa_module(torch.bfloat16, kv_dtype, page_size, 128, 2, False, torch.bfloat16)
+
+
 def main() -> None:
     jobs = {"norm": norm, "activation": activation, "rope": rope, "sampling": sampling,
             "decode+fa2": lambda: attention("decode"),
-            "decode (CUDA cores)": lambda: attention("decode", tensor_cores=False)}
+            "decode (CUDA cores)": lambda: attention("decode", tensor_cores=False),
+            "xqa fp8": lambda: xqa(torch.float8_e4m3fn), "xqa bf16": lambda: xqa(torch.bfloat16)}
     if "--fa3" in sys.argv:
         jobs["fa3"] = lambda: attention("fa3")
     t0 = time.perf_counter()

@@ -62,7 +62,10 @@ def run_minisgl(args: argparse.Namespace) -> dict[str, Any]:
     )
     init_s = time.perf_counter() - t0
     result = timed_workload(llm, llm.scheduler, workload())
-    result.update(init_s=round(init_s, 1), kv_pages=llm.scheduler.cache.num_pages)
+    engine = llm.scheduler.engine
+    result.update(init_s=round(init_s, 1), kv_pages=llm.scheduler.cache.num_pages, page_size=args.page_size,
+                  kv_slots=llm.scheduler.cache.num_pages * args.page_size,
+                  decode_attention=type(getattr(engine.attn_backend, "decode", engine.attn_backend)).__name__)
     if args.latency:
         result.update(decode_latency(llm))
     return result
@@ -215,7 +218,8 @@ def main_all(args: argparse.Namespace) -> None:
         results["no_overlap"] = sub(model_dir, "run", "--disable-overlap", *common)
         results["no_cuda_graph"] = sub(model_dir, "run", "--disable-cuda-graph", *common)
     if args.with_fp8_kv:  # its own row: an fp8 KV cache changes the numerics (tests/test_gpu.py scores them)
-        results["fp8_kv"] = sub(model_dir, "run", "--latency", "--kv-cache-dtype", "fp8_e4m3", *common)
+        # pages of 16 tokens: on Hopper the decode runs XQA's fp8 kernel (attention/xqa.py), FlashInfer's elsewhere
+        results["fp8_kv"] = sub(model_dir, "run", "--latency", "--kv-cache-dtype", "fp8_e4m3", "--page-size", "16", *common)
     if not args.skip_hf:
         results["hf"] = sub(model_dir, "hf", "--hf-batch", str(args.hf_batch), "--hf-requests", str(args.hf_requests))
     if args.report and Path(args.report).exists():
@@ -230,7 +234,7 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"\n## {r['gpu']}, {r['date']}, Qwen3-0.6B-shaped dummy bf16, 256 requests (issue 8 workload)")
     print(f"{'configuration':40s} {'output tok/s':>14s} {'seconds':>9s} {'of floor':>9s}")
     for key, name in (("minisgl", "minisgl (overlap + CUDA graphs)"), ("no_overlap", "  --disable-overlap"),
-                      ("no_cuda_graph", "  --disable-cuda-graph"), ("fp8_kv", "  --kv-cache-dtype fp8_e4m3"),
+                      ("no_cuda_graph", "  --disable-cuda-graph"), ("fp8_kv", "  --kv-cache-dtype fp8_e4m3 --page-size 16"),
                       ("hf", "HF generate (SDPA, static batches)")):
         if key in r and "output_tok_s" in r[key]:
             tps = r[key]["output_tok_s"]
@@ -240,7 +244,8 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"{'bandwidth floor (decode KV + weights)':40s} {floor:14.1f} {r['floor']['floor_seconds']:9.2f}")
     if "decode_ms_per_token_bs1" in r.get("fp8_kv", {}):
         print(f"fp8 KV cache: batch-1 decode {r['fp8_kv']['decode_ms_per_token_bs1']} ms/token, "
-              f"{r['fp8_kv']['kv_pages']} KV slots (bf16: {main.get('kv_pages')})")
+              f"{r['fp8_kv'].get('kv_slots')} KV slots (bf16: {main.get('kv_slots')}), decode attention "
+              f"{r['fp8_kv'].get('decode_attention')}")
     if "decode_ms_per_token_bs1" in main:
         print(f"decode latency, batch 1: {main['decode_ms_per_token_bs1']} ms/token (TTFT {main['ttft_ms_bs1']} ms)")
     if "hf" in r and "output_tok_s" in r["hf"] and "output_tok_s" in main:

@@ -155,9 +155,15 @@ class Engine:
             name = "flashinfer" if gpu and "flashinfer" in backends and _importable("flashinfer") else "torch"
             if gpu and name == "torch":
                 logger.warning("flashinfer is not installed: torch-native attention (pip install minisgl[gpu])")
+            if name == "flashinfer" and self._auto_xqa(backends):
+                name = "flashinfer,xqa"
+        if name == "xqa":  # a decode kernel: FlashInfer prefills
+            name = "flashinfer,xqa"
         parts = [p.strip() for p in name.split(",")]
         if len(parts) not in (1, 2) or not all(parts):
             raise ConfigError(f"attention backend must be NAME or PREFILL,DECODE, got {name!r}")
+        if parts[0] == "xqa":
+            raise ConfigError("'xqa' is a decode kernel: name a prefill backend first, e.g. 'flashinfer,xqa'")
         for part in parts:
             if part not in backends:
                 raise ConfigError(f"unknown attention backend {part!r}: available {sorted(backends)}")
@@ -168,6 +174,19 @@ class Engine:
         if self.kv_dtype != self.dtype and parts[0] == "fa3":
             raise ConfigError("an fp8 KV cache needs FlashInfer's FA2 prefill (attention_backend 'flashinfer'), not 'fa3'")
         return parts[0], parts[-1]
+
+    def _auto_xqa(self, backends: dict[str, Any]) -> bool:
+        """XQA decodes an fp8_e4m3 KV cache when "auto" is asked on a Hopper GPU whose page size it takes
+        (attention/xqa.py: ~1.5x FlashInfer's fp8 decode reads there). MINISGL_XQA=0 keeps FlashInfer's decode."""
+        import os
+
+        from minisgl.attention.xqa import xqa_supported
+
+        return (
+            "xqa" in backends and os.environ.get("MINISGL_XQA", "1") != "0"
+            and self.kv_dtype == torch.float8_e4m3fn
+            and xqa_supported(self.device, self.page_size, self.model_config.head_dim)
+        )
 
     def _make_backend(self, backends: dict[str, Any], names: tuple[str, str]) -> Any:
         prefill, decode = names

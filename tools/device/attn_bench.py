@@ -1,0 +1,222 @@
+"""GPU time and KV bandwidth of the paged decode-attention kernels on the throughput workload's shape
+(Qwen3-0.6B: 16 query / 8 KV heads x 128, one layer), bf16 and fp8_e4m3 KV:
+
+- FlashInfer's batch decode (CUDA-core, and tensor-core = its prefill kernel), page size 1 and 16;
+- TensorRT-LLM's XQA kernel as FlashInfer ships it (`trtllm_batch_decode_with_kv_cache(backend="xqa")`,
+  page sizes 16/32/64; on Hopper an fp8 cache runs its GMMA kernel, which also rounds q to fp8);
+- `xqa_backend`: the same kernel through minisgl's XqaBackend (an fp8 cache upcast to bf16 queries).
+
+Every kernel is checked against float32 attention computed with torch on the same pages (max abs error), and
+timed from a CUDA graph of 10 calls (µs per call; TB/s = KV bytes read / time). The KV pages of each request are
+scattered over the pool at random, as a long-running server's are.
+
+    python3 tools/device/attn_bench.py [--batches 256,64,8,1] [--only fi,fi_tc,xqa,xqa_backend]   # after `source tools/device/env.sh`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+DEV = "cuda"
+QH, KVH, D = 16, 8, 128
+SCALE = D**-0.5
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2**30, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 20 / (time.perf_counter() - t)
+
+
+def graph_us(fn, calls: int = 10, reps: int = 5) -> float:
+    """µs per call, replayed from a CUDA graph of `calls` calls (eager calls between events if capture fails)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                fn()
+        run = g.replay
+    except Exception as e:  # noqa: BLE001
+        print(f"  (no graph: {e!r:.120}; eager timing)", flush=True)
+        torch.cuda.synchronize()
+
+        def run():
+            for _ in range(calls):
+                fn()
+    run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (calls * reps)
+
+
+class Case:
+    """One batch: seq lens, a pool of pages (random placement), q, and the float32 reference output."""
+
+    def __init__(self, bs: int, ps: int, kv_dtype: torch.dtype, gen: torch.Generator) -> None:
+        self.bs, self.ps, self.kv_dtype = bs, ps, kv_dtype
+        self.lens = torch.randint(100, 2049, (bs,), generator=gen).tolist()
+        self.pages = [-(-n // ps) for n in self.lens]
+        total = sum(self.pages)
+        self.num_pages = total + 64
+        perm = torch.randperm(self.num_pages, generator=gen)[:total].to(torch.int32)
+        self.page_ids, acc = [], 0
+        for n in self.pages:
+            self.page_ids.append(perm[acc : acc + n])
+            acc += n
+        shape = (self.num_pages, ps, KVH, D)
+        k = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+        self.k, self.v = k.to(kv_dtype), v.to(kv_dtype)
+        self.q = torch.randn(bs, QH, D, device=DEV, dtype=torch.bfloat16)
+        self.kv_bytes = sum(self.lens) * KVH * D * 2 * self.k.element_size()
+        # float32 reference on the rounded K/V
+        kf, vf = self.k.float(), self.v.float()
+        refs = []
+        for i in range(bs):
+            idx = self.page_ids[i].to(DEV).long()
+            ki = kf[idx].reshape(-1, KVH, D)[: self.lens[i]]
+            vi = vf[idx].reshape(-1, KVH, D)[: self.lens[i]]
+            qi = self.q[i].float().view(KVH, QH // KVH, D)
+            s = torch.einsum("hgd,nhd->hgn", qi, ki) * SCALE
+            refs.append(torch.einsum("hgn,nhd->hgd", s.softmax(-1), vi).reshape(QH, D))
+        self.ref = torch.stack(refs)
+
+
+def flashinfer_decode(case: Case, workspace: torch.Tensor, tensor_cores: bool):
+    from flashinfer import BatchDecodeWithPagedKVCacheWrapper
+
+    w = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
+    indptr = torch.tensor([0] + list(torch.tensor(case.pages).cumsum(0).tolist()), dtype=torch.int32)
+    indices = torch.cat(case.page_ids).to(DEV)
+    last = torch.tensor([n - (p - 1) * case.ps for n, p in zip(case.lens, case.pages)], dtype=torch.int32)
+    w.plan(indptr, indices, last, QH, KVH, D, case.ps, sm_scale=SCALE, q_data_type=torch.bfloat16,
+           kv_data_type=case.kv_dtype)
+    out = torch.empty(case.bs, QH, D, device=DEV, dtype=torch.bfloat16)
+    return lambda: w.run(case.q, (case.k, case.v), out=out), out
+
+
+def xqa_decode(case: Case, workspace: torch.Tensor, gmma: bool = True):
+    if not gmma:  # minisgl's XqaBackend: bf16 queries over an upcast fp8 cache (the generic kernel)
+        return xqa_backend(case)
+    from flashinfer.decode import trtllm_batch_decode_with_kv_cache
+
+    width = max(case.pages)
+    table = torch.zeros(case.bs, width, dtype=torch.int32)
+    for i, ids in enumerate(case.page_ids):
+        table[i, : len(ids)] = ids
+    table = table.to(DEV)
+    seq_lens = torch.tensor(case.lens, dtype=torch.int32, device=DEV).view(torch.uint32)
+    out = torch.empty(case.bs, QH, D, device=DEV, dtype=torch.bfloat16)
+
+    def fn():
+        trtllm_batch_decode_with_kv_cache(
+            case.q, (case.k, case.v), workspace, table, seq_lens, width * case.ps,
+            bmm1_scale=SCALE, bmm2_scale=1.0, out=out, kv_layout="NHD", backend="xqa",
+        )
+
+    return fn, out
+
+
+def xqa_backend(case: Case):
+    """The kernel as minisgl.attention.xqa.XqaBackend calls it (run_sm90_fp8_mha=False)."""
+    from types import SimpleNamespace
+
+    from minisgl.attention.xqa import XqaBackend
+
+    pool = SimpleNamespace(
+        page_size=case.ps, num_kv_heads=KVH, model_dtype=torch.bfloat16, dtype=case.kv_dtype,
+        is_fp8=case.kv_dtype != torch.bfloat16, paged_k=lambda layer: case.k, paged_v=lambda layer: case.v,
+    )
+    config = SimpleNamespace(num_heads=QH, head_dim=D)
+    width = max(case.pages)
+    page_table = torch.zeros(case.bs, width * case.ps, dtype=torch.int64)
+    for i, ids in enumerate(case.page_ids):
+        page_table[i, : len(ids) * case.ps : case.ps] = ids.long() * case.ps
+    backend = XqaBackend(config, pool, page_table.to(DEV), DEV)
+    batch = SimpleNamespace(
+        is_decode=True, size=case.bs, seq_lens=case.lens, reqs=[SimpleNamespace(table_idx=i) for i in range(case.bs)],
+    )
+    backend.prepare(batch)
+    out = torch.empty(case.bs, QH, D, device=DEV, dtype=torch.bfloat16)
+    return lambda: out.copy_(backend.forward(case.q, None, None, 0, batch).view_as(out)), out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", default="256,64,8,1")
+    p.add_argument("--only", default="fi,fi_tc,xqa")
+    p.add_argument("--page-sizes-xqa", default="16,64")
+    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attn_bench.json"))
+    p.add_argument("--budget-s", type=float, default=400)
+    args = p.parse_args()
+    t0 = time.time()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device=DEV)
+    variants = []
+    only = args.only.split(",")
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        if "fi" in only:
+            variants += [("fi", 1, kv_dtype), ("fi", 16, kv_dtype)]
+        if "fi_tc" in only:
+            variants += [("fi_tc", 1, kv_dtype)]
+        if "xqa" in only:
+            variants += [("xqa", int(ps), kv_dtype) for ps in args.page_sizes_xqa.split(",")]
+        if "xqa_backend" in only:
+            variants += [("xqa_backend", int(ps), kv_dtype) for ps in args.page_sizes_xqa.split(",")]
+    # the xqa variants first at batch 256 so a slow JIT build shows early
+    rows = []
+    for bs in [int(b) for b in args.batches.split(",")]:
+        for kind, ps, kv_dtype in variants:
+            if time.time() - t0 > args.budget_s:
+                print("budget spent, stopping", flush=True)
+                break
+            gen = torch.Generator().manual_seed(bs * 7 + ps)
+            case = Case(bs, ps, kv_dtype, gen)
+            try:
+                tb = time.time()
+                if kind.startswith("xqa"):
+                    workspace.zero_()
+                    fn, out = xqa_decode(case, workspace, gmma=kind == "xqa")
+                else:
+                    fn, out = flashinfer_decode(case, workspace, tensor_cores=kind == "fi_tc")
+                fn()
+                torch.cuda.synchronize()
+                err = (out.float() - case.ref).abs().max().item()
+                us = graph_us(fn)
+                row = dict(kind=kind, page_size=ps, kv=str(kv_dtype).split(".")[-1], bs=bs,
+                           us=round(us, 1), tbps=round(case.kv_bytes / us / 1e6, 3),
+                           of_copy=round(case.kv_bytes / us * 1e6 / bw, 3), max_err=round(err, 4),
+                           setup_s=round(time.time() - tb, 1))
+            except Exception as e:  # noqa: BLE001 - a kernel that does not build or run is a row too
+                row = dict(kind=kind, page_size=ps, kv=str(kv_dtype).split(".")[-1], bs=bs, error=repr(e)[:300])
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del case
+            torch.cuda.empty_cache()
+    with open(args.json, "w") as f:
+        json.dump(dict(copy_tbps=bw / 1e12, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
