@@ -280,6 +280,42 @@ def test_bf16_parity_with_hf_transformers_on_a_trained_model(copier_dir):
     assert task >= 12  # and the model does its task, so agreement is not agreement on noise
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fp8_kv_cache_on_a_trained_model(copier_dir, page_size):
+    """A confident model keeps its predictions with an fp8 KV cache: FlashInfer's fp8 decode (pages of 1) and, on
+    Hopper, XQA's fp8 kernel (pages of 16: queries and softmax weights rounded to fp8 too). Teacher-forced top-1
+    against fp32 HF whose cache rounds K/V the same way >= 99%, and the outputs continue the cycle."""
+    from test_kv_fp8 import RoundingCache
+    from transformers import AutoModelForCausalLM
+
+    from minisgl import SamplingParams
+
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(20, 200, (16,), generator=g).tolist()
+    bases = torch.randint(COPY_LO, COPY_HI, (16, LAG), generator=g)
+    prompts = [periodic(b[None], n)[0].tolist() for b, n in zip(bases, lengths)]
+    ours, info = generate(copier_dir, prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+                          kv_cache_dtype="fp8_e4m3", page_size=page_size)
+    xqa = page_size >= 16 and hopper()
+    assert info["backend"] == ("HybridBackend" if xqa else "FlashInferBackend") and info["graphs"]
+    hf = AutoModelForCausalLM.from_pretrained(str(copier_dir), dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
+    hits = 0
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, ours):
+            seq = torch.tensor([prompt + out], device="cuda")
+            logits = hf(seq, past_key_values=RoundingCache(torch.float8_e4m3fn, config=hf.config), use_cache=True).logits
+            hits += int((logits[0, len(prompt) - 1 : -1].argmax(-1).cpu() == torch.tensor(out)).sum())
+    del hf
+    release_gpu()
+    expected = [periodic(b[None], n + MAX_NEW)[0, n:].tolist() for b, n in zip(bases, lengths)]
+    task = sum(o == e for o, e in zip(ours, expected))
+    top1 = hits / (MAX_NEW * len(prompts))
+    report(f"trained_fp8_kv_page{page_size}", {"decode": "xqa" if xqa else "flashinfer", "top1_vs_hf_fp32_fp8_cache":
+                                              round(top1, 4), "outputs_continuing_the_cycle": f"{task}/16",
+                                              "cached_rerun_equal": f"{info['cached_rerun_equal']}/16"})
+    assert top1 >= 0.99 and task >= 12
+
+
 def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, hf_fp32):
     from minisgl import SamplingParams
 
@@ -418,7 +454,8 @@ def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page
     hf_bf16_top1 = [r.argmax(-1).tolist() for r in rounding_cache_logits(hf_bf16.cuda().eval())]
     floor = parity(rows, hf_bf16_top1)  # HF bf16 vs HF fp32, both with the fp8 rounding cache
     plain = parity(teacher_forced(hf_fp32, prompts, got), got)  # against HF's full-precision cache, for the record
-    report(f"fp8_kv_page{page_size}_{backend}{'_gmma' if gmma == '1' else ''}", {"vs_hf_fp32_fp8_cache": metrics, "hf_bf16_vs_hf_fp32_fp8_cache": floor,
+    kernel = ("_xqa_fp8_gmma" if gmma == "1" else "_xqa_generic") if xqa else ""
+    report(f"fp8_kv_page{page_size}_{backend}{kernel}", {"vs_hf_fp32_fp8_cache": metrics, "hf_bf16_vs_hf_fp32_fp8_cache": floor,
                                        "vs_hf_fp32_bf16_cache": plain})
     assert metrics["top1_clear_margin"] >= min(0.99, floor["top1_clear_margin"] - 0.01), (metrics, floor)
 
