@@ -41,6 +41,10 @@ def report(key: str, value: Any) -> None:
     Path(path).write_text(json.dumps(data, indent=2))
 
 
+def hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
 def tokenizer_dir() -> Path:
     env = os.environ.get("MINISGL_TOKENIZER_DIR")
     if env:
@@ -316,8 +320,13 @@ def test_fp8_kv_cache_on_a_trained_model(copier_dir, page_size):
     assert top1 >= 0.99 and task >= 12
 
 
-def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, hf_fp32):
+@pytest.mark.parametrize("backend,page_size", [("auto", 1), ("flashinfer,xqa", 16)])
+def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, hf_fp32, backend, page_size):
     from minisgl import SamplingParams
+
+    if "xqa" in backend and not hopper():
+        pytest.skip("xqa is measured on Hopper only")
+    kw = dict(attention_backend=backend, page_size=page_size, num_pages=ENGINE["num_pages"] // page_size)
 
     prompts = make_prompts(24, seed=1)
     # Greedy and seeded sampling; equal lengths keep the decode batch at 24, a captured size.
@@ -329,22 +338,19 @@ def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, h
     results = {}
     for graphs in (True, False):
         for overlap in (True, False):
-            tokens, info = generate(qwen3_dir, prompts, params, disable_cuda_graph=not graphs, disable_overlap=not overlap)
+            tokens, info = generate(qwen3_dir, prompts, params, disable_cuda_graph=not graphs, disable_overlap=not overlap,
+                                    **kw)
             assert info["graphs"] == graphs and info["overlap"] == overlap
             greedy = {**info, "rerun": info["rerun"][1::2],
                       "cached_rerun_equal": sum(a == b for a, b in zip(info["rerun"][1::2], tokens[1::2]))}
-            rerun_parity(hf_fp32, prompts[1::2], greedy, f"cached_rerun_graphs={graphs},overlap={overlap}")
+            rerun_parity(hf_fp32, prompts[1::2], greedy, f"cached_rerun_{backend}_graphs={graphs},overlap={overlap}")
             results[(graphs, overlap)] = tokens
     ref = results[(False, False)]
     same = {f"graphs={g},overlap={o}": sum(a == b for a, b in zip(t, ref)) for (g, o), t in results.items()}
-    report("identical_prompts_vs_eager_no_overlap", {k: f"{v}/{len(ref)}" for k, v in same.items()})
+    report(f"identical_prompts_vs_eager_no_overlap_{backend}", {k: f"{v}/{len(ref)}" for k, v in same.items()})
     assert results[(True, True)] == results[(True, False)], "overlap changed the outputs (CUDA graphs on)"
     assert results[(False, True)] == ref, "overlap changed the outputs (eager)"
     assert results[(True, False)] == ref, "CUDA graphs changed the outputs"
-
-
-def hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 @pytest.mark.parametrize(

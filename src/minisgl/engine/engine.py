@@ -157,6 +157,9 @@ class Engine:
                 logger.warning("flashinfer is not installed: torch-native attention (pip install minisgl[gpu])")
             if name == "flashinfer" and self._auto_xqa(backends):
                 name = "flashinfer,xqa"
+            elif name == "flashinfer" and self._auto_xqa(backends, 16):  # fp8 on Hopper, pages XQA does not take
+                logger.info("an fp8 KV cache with page_size 16 (32, 64, 128) decodes with XQA's fp8 kernel, "
+                            "~1.3x the throughput of FlashInfer's fp8 decode on this GPU (docs/benchmarks.md)")
         if name == "xqa":  # a decode kernel: FlashInfer prefills
             name = "flashinfer,xqa"
         parts = [p.strip() for p in name.split(",")]
@@ -175,7 +178,7 @@ class Engine:
             raise ConfigError("an fp8 KV cache needs FlashInfer's FA2 prefill (attention_backend 'flashinfer'), not 'fa3'")
         return parts[0], parts[-1]
 
-    def _auto_xqa(self, backends: dict[str, Any]) -> bool:
+    def _auto_xqa(self, backends: dict[str, Any], page_size: int | None = None) -> bool:
         """XQA decodes an fp8_e4m3 KV cache when "auto" is asked on a Hopper GPU whose page size it takes
         (attention/xqa.py: ~1.5x FlashInfer's fp8 decode reads there). MINISGL_XQA=0 keeps FlashInfer's decode."""
         import os
@@ -185,7 +188,7 @@ class Engine:
         return (
             "xqa" in backends and os.environ.get("MINISGL_XQA", "1") != "0"
             and self.kv_dtype == torch.float8_e4m3fn
-            and xqa_supported(self.device, self.page_size, self.model_config.head_dim)
+            and xqa_supported(self.device, page_size or self.page_size, self.model_config.head_dim)
         )
 
     def _make_backend(self, backends: dict[str, Any], names: tuple[str, str]) -> Any:
