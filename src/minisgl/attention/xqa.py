@@ -44,6 +44,20 @@ def xqa_supported(device: torch.device, page_size: int, head_dim: int) -> bool:
     )
 
 
+def block_table(
+    page_table: torch.Tensor, rows: torch.Tensor, width: int, page_size: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[len(rows), width] int32 page ids of the page-table rows `rows` (token slots, int64): the slots at page
+    starts (every page_size-th position), divided by page_size; written into out[:len(rows), :width] when given.
+    Columns past a request's last page hold whatever the row holds there: the kernel never reads them."""
+    slots = page_table[:, : width * page_size : page_size].index_select(0, rows)
+    pages = torch.div(slots, page_size, rounding_mode="floor") if page_size > 1 else slots
+    if out is None:
+        return pages.to(torch.int32)
+    out[: pages.shape[0], : pages.shape[1]].copy_(pages)
+    return out
+
+
 class XqaMetadata(NamedTuple):
     table: torch.Tensor  # [bs, pages] int32 page ids
     seq_lens: torch.Tensor  # [bs, 1] uint32
@@ -95,16 +109,9 @@ class XqaBackend(AttentionBackend):
     # ------------------------------------------------------------------ metadata
 
     def _gather(self, batch: "Batch", width: int, table: torch.Tensor | None = None) -> torch.Tensor:
-        """[bs, width] int32 page ids of the batch's requests (into `table` when given): the slots at page
-        starts of their page-table rows, divided by the page size. Columns past a request's pages are unread."""
-        ps = self.page_size
+        """The batch's block table (into `table` when given), gathered on the GPU."""
         rows = torch.tensor([r.table_idx for r in batch.reqs], dtype=torch.int64).to(self.device, non_blocking=True)
-        slots = self.page_table[:, : width * ps : ps].index_select(0, rows)
-        pages = torch.div(slots, ps, rounding_mode="floor") if ps > 1 else slots
-        if table is None:
-            return pages.to(torch.int32)
-        table[: batch.size, : pages.shape[1]].copy_(pages)
-        return table
+        return block_table(self.page_table, rows, width, self.page_size, table)
 
     def _lens(self, seq_lens: list[int]) -> torch.Tensor:
         return torch.tensor(seq_lens, dtype=torch.int32).to(self.device, non_blocking=True).view(-1, 1)
