@@ -4,7 +4,8 @@
 - FlashInfer's batch decode (CUDA-core, and tensor-core = its prefill kernel), page size 1 and 16;
 - TensorRT-LLM's XQA kernel as FlashInfer ships it (`trtllm_batch_decode_with_kv_cache(backend="xqa")`,
   page sizes 16/32/64; on Hopper an fp8 cache runs its GMMA kernel, which also rounds q to fp8);
-- `xqa_backend`: the same kernel through minisgl's XqaBackend (an fp8 cache upcast to bf16 queries).
+- `xqa_backend`: the same kernel through minisgl's XqaBackend as the engine runs it (an fp8 cache: XQA's Hopper fp8
+  kernel; with MINISGL_XQA_FP8_GMMA=0, its generic kernel over bf16 queries).
 
 Every kernel is checked against float32 attention computed with torch on the same pages (max abs error), and
 timed from a CUDA graph of 10 calls (µs per call; TB/s = KV bytes read / time). The KV pages of each request are
@@ -115,9 +116,7 @@ def flashinfer_decode(case: Case, workspace: torch.Tensor, tensor_cores: bool):
     return lambda: w.run(case.q, (case.k, case.v), out=out), out
 
 
-def xqa_decode(case: Case, workspace: torch.Tensor, gmma: bool = True):
-    if not gmma:  # minisgl's XqaBackend: bf16 queries over an upcast fp8 cache (the generic kernel)
-        return xqa_backend(case)
+def xqa_decode(case: Case, workspace: torch.Tensor):
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
     width = max(case.pages)
@@ -138,7 +137,7 @@ def xqa_decode(case: Case, workspace: torch.Tensor, gmma: bool = True):
 
 
 def xqa_backend(case: Case):
-    """The kernel as minisgl.attention.xqa.XqaBackend calls it (run_sm90_fp8_mha=False)."""
+    """The kernel as minisgl.attention.xqa.XqaBackend calls it."""
     from types import SimpleNamespace
 
     from minisgl.attention.xqa import XqaBackend
@@ -195,9 +194,11 @@ def main() -> None:
             case = Case(bs, ps, kv_dtype, gen)
             try:
                 tb = time.time()
-                if kind.startswith("xqa"):
+                if kind == "xqa":
                     workspace.zero_()
-                    fn, out = xqa_decode(case, workspace, gmma=kind == "xqa")
+                    fn, out = xqa_decode(case, workspace)
+                elif kind == "xqa_backend":
+                    fn, out = xqa_backend(case)
                 else:
                     fn, out = flashinfer_decode(case, workspace, tensor_cores=kind == "fi_tc")
                 fn()

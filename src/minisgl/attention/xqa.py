@@ -113,15 +113,13 @@ class XqaBackend(AttentionBackend):
         rows = torch.tensor([r.table_idx for r in batch.reqs], dtype=torch.int64).to(self.device, non_blocking=True)
         return block_table(self.page_table, rows, width, self.page_size, table)
 
-    def _lens(self, seq_lens: list[int]) -> torch.Tensor:
-        return torch.tensor(seq_lens, dtype=torch.int32).to(self.device, non_blocking=True).view(-1, 1)
-
     def prepare(self, batch: "Batch") -> None:
         if not batch.is_decode:
             raise ConfigError("the xqa backend runs decode batches only: use it as 'PREFILL,xqa'")
         width = -(-max(batch.seq_lens) // self.page_size)
         table = self._gather(batch, width)
-        batch.attn_metadata = XqaMetadata(table, self._lens(batch.seq_lens).view(torch.uint32), width * self.page_size)
+        lens = torch.tensor(batch.seq_lens, dtype=torch.int32).view(-1, 1).to(self.device, non_blocking=True)
+        batch.attn_metadata = XqaMetadata(table, lens.view(torch.uint32), width * self.page_size)
 
     # ------------------------------------------------------------------ forward
 
@@ -164,7 +162,7 @@ class XqaBackend(AttentionBackend):
         bs, pad = batch.size, padded_bs - batch.size
         width = -(-max(batch.seq_lens) // self.page_size)
         self._gather(batch, width, self._graph_table)
-        self._graph_lens[:bs].copy_(self._lens(batch.seq_lens))
+        self._graph_lens[:bs].copy_(torch.tensor(batch.seq_lens, dtype=torch.int32).view(-1, 1), non_blocking=True)
         if pad:
             self._graph_table[bs:padded_bs, 0] = self._dummy_page
             self._graph_lens[bs:padded_bs] = 1
