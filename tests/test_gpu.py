@@ -320,16 +320,18 @@ def test_fp8_kv_cache_on_a_trained_model(copier_dir, page_size):
     assert top1 >= 0.99 and task >= 12
 
 
-@pytest.mark.parametrize("backend,page_size", [("auto", 1), ("flashinfer,xqa", 16)])
-def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, hf_fp32, backend, page_size):
+@pytest.mark.parametrize("backend,page_size,n", [("auto", 1, 24), ("flashinfer,xqa", 16, 24), ("auto", 1, 136)])
+def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, hf_fp32, backend, page_size, n):
+    """n prompts decoded together; 136 rows: a large batch's graph (and its first pass checked against fp32 HF)."""
     from minisgl import SamplingParams
 
     if "xqa" in backend and not hopper():
         pytest.skip("xqa is measured on Hopper only")
-    kw = dict(attention_backend=backend, page_size=page_size, num_pages=ENGINE["num_pages"] // page_size)
+    kw = dict(attention_backend=backend, page_size=page_size, num_pages=ENGINE["num_pages"] // page_size,
+              cuda_graph_max_bs=max(ENGINE["cuda_graph_max_bs"], n))
 
-    prompts = make_prompts(24, seed=1)
-    # Greedy and seeded sampling; equal lengths keep the decode batch at 24, a captured size.
+    prompts = make_prompts(n, seed=1)
+    # Greedy and seeded sampling; equal lengths keep the decode batch at n, a captured size.
     params = [
         SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True) if i % 2 else
         SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=MAX_NEW, ignore_eos=True)
@@ -343,11 +345,16 @@ def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, h
             assert info["graphs"] == graphs and info["overlap"] == overlap
             greedy = {**info, "rerun": info["rerun"][1::2],
                       "cached_rerun_equal": sum(a == b for a, b in zip(info["rerun"][1::2], tokens[1::2]))}
-            rerun_parity(hf_fp32, prompts[1::2], greedy, f"cached_rerun_{backend}_graphs={graphs},overlap={overlap}")
+            rerun_parity(hf_fp32, prompts[1::2], greedy, f"cached_rerun_{backend}_{n}_graphs={graphs},overlap={overlap}")
             results[(graphs, overlap)] = tokens
     ref = results[(False, False)]
+    if n > 24:  # the first pass of the greedy rows, graphs and overlap on, against fp32 HF
+        first = results[(True, True)][1::2]
+        metrics = parity(teacher_forced(hf_fp32, prompts[1::2], first), first)
+        report(f"parity_{backend}_{n}_rows", metrics)
+        assert metrics["top1_clear_margin"] >= 0.99, metrics
     same = {f"graphs={g},overlap={o}": sum(a == b for a, b in zip(t, ref)) for (g, o), t in results.items()}
-    report(f"identical_prompts_vs_eager_no_overlap_{backend}", {k: f"{v}/{len(ref)}" for k, v in same.items()})
+    report(f"identical_prompts_vs_eager_no_overlap_{backend}_{n}", {k: f"{v}/{len(ref)}" for k, v in same.items()})
     assert results[(True, True)] == results[(True, False)], "overlap changed the outputs (CUDA graphs on)"
     assert results[(False, True)] == ref, "overlap changed the outputs (eager)"
     assert results[(True, False)] == ref, "CUDA graphs changed the outputs"
