@@ -119,3 +119,20 @@ def test_bench_tp_gen_tp2_greedy_fp32_equals_transformers(tiny_model_dir, tmp_pa
     for prompt, got in zip(parity_prompts(2), tokens, strict=True):
         want = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=4, min_new_tokens=4)
         assert got == want[0, len(prompt):].tolist()
+
+
+def test_throughput_timing_counts_the_garbage_collectors_time(tiny_model_dir):
+    """The throughput benchmark's timed run reports Python's GC time and full collections (gc_s, gc_full)."""
+    import gc
+
+    from minisgl import LLM
+    from minisgl.bench.throughput import GcTimer, timed_workload
+
+    with GcTimer() as timer:
+        gc.collect()
+    assert timer.full == 1 and timer.seconds > 0
+    assert timer._callback not in gc.callbacks
+
+    llm = LLM(str(tiny_model_dir("llama")))
+    res = timed_workload(llm, llm.scheduler, ([[11, 12, 13], [14, 15]], [5, 7]))
+    assert res["output_tokens"] == 12 and res["gc_full"] >= 0 and res["gc_s"] >= 0

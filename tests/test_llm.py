@@ -337,6 +337,30 @@ def test_small_kv_pool_retracts_and_all_64_requests_finish_identically(tiny_mode
     small_llm.check_integrity()
 
 
+def test_generate_keeps_no_per_step_outputs_alive(tiny_model_dir, monkeypatch):
+    """generate gathers each sequence's tokens into one list and drops the per-step TokenOutputs as it reads them.
+    Kept, they were ~2 objects per generated token, and Python's full garbage collections over them stopped the loop
+    that feeds the GPU for ~0.3 s at a time (docs/benchmarks.md, session 12)."""
+    import gc
+
+    from minisgl.core import TokenOutput
+
+    llm = LLM(str(tiny_model_dir("llama")))
+    sched, step, alive = llm.scheduler, llm.scheduler.step, []
+
+    def counting_step():
+        outs = step()
+        if not sched.has_work:  # the last step: every output so far would still be held
+            alive.append(sum(isinstance(o, TokenOutput) for o in gc.get_objects()))
+        return outs
+
+    monkeypatch.setattr(sched, "step", counting_step)
+    prompts = [[11 + i, 12, 13] for i in range(8)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [40] * 8
+    assert alive and alive[-1] <= 2 * len(prompts), f"{alive[-1]} TokenOutputs alive for 8 x 40 tokens"
+
+
 def test_abort_by_request_id_frees_pages(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("qwen2")))
     sched = llm.scheduler

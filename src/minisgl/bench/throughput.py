@@ -13,6 +13,7 @@ runs in its own process so that each sizes its KV pool from a clean GPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -86,9 +87,10 @@ def timed_workload(llm: Any, sched: Any, work: tuple[list[list[int]], list[int]]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     steps0 = sched.num_steps
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    with GcTimer() as gc_timer:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
     out_tokens = sum(len(o.token_ids) for o in outs)
     assert out_tokens == sum(max_tokens), "a request stopped early"
     llm.check_integrity()
@@ -96,7 +98,31 @@ def timed_workload(llm: Any, sched: Any, work: tuple[list[list[int]], list[int]]
         "seconds": round(elapsed, 3), "output_tok_s": round(out_tokens / elapsed, 1),
         "total_tok_s": round((out_tokens + sum(map(len, prompts))) / elapsed, 1), "output_tokens": out_tokens,
         "input_tokens": sum(map(len, prompts)), "steps": sched.num_steps - steps0,
+        "gc_s": round(gc_timer.seconds, 3), "gc_full": gc_timer.full,
     }
+
+
+class GcTimer:
+    """Seconds Python's garbage collector ran inside the block, and its full (oldest-generation) collections:
+    a full collection walks every live object (~0.3 s each in an engine process on the H100 machine), and the
+    loop that feeds the GPU stops meanwhile (docs/benchmarks.md, session 12)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._t0 = 0.0, 0, 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.full += info["generation"] == 2
+
+    def __enter__(self) -> "GcTimer":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def decode_latency(llm: Any) -> dict[str, Any]:
