@@ -86,6 +86,9 @@ def run_scheduler(config: EngineConfig, endpoints: Endpoints, log_level: int) ->
     detokenizer.send(encode(WorkerInit(info, tokenizer)))
     frontend.send(encode(SchedulerReady(info, tokenizer, sched.stats())))
     logger.info("scheduler ready in %.1fs", time.perf_counter() - t0)
+    from minisgl.engine.engine import freeze_startup_heap
+
+    freeze_startup_heap()
     exit_code = 0
     try:
         SchedulerLoop(sched, inbox, detokenizer, frontend).run()
