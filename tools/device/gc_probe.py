@@ -19,60 +19,36 @@ from pathlib import Path
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.bench.throughput import timed_workload, workload, write_model_dir
-
-gc_time = [0.0]
-counts = {0: 0, 1: 0, 2: 0}
-pauses: list[float] = []
-_start = [0.0]
+from minisgl.bench.throughput import GcTimer, timed_workload, workload, write_model_dir
 
 
-def _callback(phase: str, info: dict[str, int]) -> None:
-    if phase == "start":
-        _start[0] = time.perf_counter()
-        return
-    took = time.perf_counter() - _start[0]
-    gc_time[0] += took
-    counts[info["generation"]] += 1
-    if took > 0.01:
-        pauses.append(round(took * 1000, 1))
-
-
-def _reset() -> None:
-    gc_time[0] = 0.0
-    pauses.clear()
-    for k in counts:
-        counts[k] = 0
-
-
-def _gc_line() -> str:
-    return f"gc {gc_time[0]:.3f} s, collections by generation {counts}, pauses > 10 ms {pauses}"
+def _gc_line(t: GcTimer) -> str:
+    return f"gc {t.seconds:.3f} s, collections by generation {t.collections}, pauses > 10 ms {t.pauses_ms}"
 
 
 def main() -> None:
-    gc.callbacks.append(_callback)
     llm = LLM(str(write_model_dir(Path(".carry/tok"))), dtype="bfloat16", load_format="dummy", max_prefill_tokens=16384)
     sched = llm.scheduler
     prompts, max_tokens = workload()
     print("objects the collector tracks after start-up:", len(gc.get_objects()), flush=True)
 
     def generate(tag: str) -> None:
-        _reset()
-        res = timed_workload(llm, sched, (prompts, max_tokens))
-        print(f"generate ({tag}): {res['seconds']} s, {res['output_tok_s']} tok/s; {_gc_line()}", flush=True)
+        with GcTimer() as t:
+            res = timed_workload(llm, sched, (prompts, max_tokens))
+        print(f"generate ({tag}): {res['seconds']} s, {res['output_tok_s']} tok/s; {_gc_line(t)}", flush=True)
         sched.reset_prefix_cache()
 
     def bare(tag: str) -> None:
         torch.cuda.synchronize()
-        _reset()
-        t0 = time.perf_counter()
-        for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-            sched.add_request(f"{tag}{i}", p, SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True))
-        n = 0
-        while sched.has_work:
-            n += sum(len(o.new_token_ids) for o in sched.step())
-        s = time.perf_counter() - t0
-        print(f"scheduler loop ({tag}): {s:.3f} s, {n / s:.0f} tok/s; {_gc_line()}", flush=True)
+        with GcTimer() as t:
+            t0 = time.perf_counter()
+            for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+                sched.add_request(f"{tag}{i}", p, SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True))
+            n = 0
+            while sched.has_work:
+                n += sum(len(o.new_token_ids) for o in sched.step())
+            s = time.perf_counter() - t0
+        print(f"scheduler loop ({tag}): {s:.3f} s, {n / s:.0f} tok/s; {_gc_line(t)}", flush=True)
         sched.reset_prefix_cache()
 
     generate("collector on")

@@ -103,19 +103,29 @@ def timed_workload(llm: Any, sched: Any, work: tuple[list[list[int]], list[int]]
 
 
 class GcTimer:
-    """Seconds Python's garbage collector ran inside the block, and its full (oldest-generation) collections:
-    a full collection walks every live object (~0.3 s each in an engine process on the H100 machine), and the
-    loop that feeds the GPU stops meanwhile (docs/benchmarks.md, session 12)."""
+    """Seconds Python's garbage collector ran inside the block, its collections by generation, its full
+    (oldest-generation) ones and every pause over 10 ms: a full collection walks every live object (~0.3 s each
+    in an engine process on the H100 machine), and the loop that feeds the GPU stops meanwhile
+    (docs/benchmarks.md, session 12)."""
 
     def __init__(self) -> None:
-        self.seconds, self.full, self._t0 = 0.0, 0, 0.0
+        self.seconds, self._t0 = 0.0, 0.0
+        self.collections = {0: 0, 1: 0, 2: 0}
+        self.pauses_ms: list[float] = []
+
+    @property
+    def full(self) -> int:
+        return self.collections[2]
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._t0
-            self.full += info["generation"] == 2
+            return
+        took = time.perf_counter() - self._t0
+        self.seconds += took
+        self.collections[info["generation"]] += 1
+        if took > 0.01:
+            self.pauses_ms.append(round(took * 1000, 1))
 
     def __enter__(self) -> "GcTimer":
         gc.callbacks.append(self._callback)
