@@ -320,9 +320,14 @@ def test_fp8_kv_cache_on_a_trained_model(copier_dir, page_size):
     assert top1 >= 0.99 and task >= 12
 
 
-@pytest.mark.parametrize("backend,page_size,n", [("auto", 1, 24), ("flashinfer,xqa", 16, 24), ("auto", 1, 136)])
-def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, hf_fp32, backend, page_size, n):
-    """n prompts decoded together; 136 rows: a large batch's graph (and its first pass checked against fp32 HF)."""
+@pytest.mark.parametrize(
+    "backend,page_size,n,mix",
+    [("auto", 1, 24, "seeded"), ("flashinfer,xqa", 16, 24, "seeded"), ("auto", 1, 136, "seeded"), ("auto", 1, 24, "greedy")],
+)
+def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, hf_fp32, backend, page_size, n, mix):
+    """n prompts decoded together; 136 rows: a large batch's graph (and its first pass checked against fp32 HF).
+    "seeded": greedy rows mixed with seeded top-p rows (the sampler samples the graph's logits); "greedy": every
+    row greedy, so the graphs take the argmax themselves (engine/gumbel.py) and eager decode the sampler's."""
     from minisgl import SamplingParams
 
     if "xqa" in backend and not hopper():
@@ -333,7 +338,7 @@ def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, h
     prompts = make_prompts(n, seed=1)
     # Greedy and seeded sampling; equal lengths keep the decode batch at n, a captured size.
     params = [
-        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True) if i % 2 else
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True) if i % 2 or mix == "greedy" else
         SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=MAX_NEW, ignore_eos=True)
         for i in range(len(prompts))
     ]
@@ -345,7 +350,7 @@ def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, h
             assert info["graphs"] == graphs and info["overlap"] == overlap
             greedy = {**info, "rerun": info["rerun"][1::2],
                       "cached_rerun_equal": sum(a == b for a, b in zip(info["rerun"][1::2], tokens[1::2]))}
-            rerun_parity(hf_fp32, prompts[1::2], greedy, f"cached_rerun_{backend}_{n}_graphs={graphs},overlap={overlap}")
+            rerun_parity(hf_fp32, prompts[1::2], greedy, f"cached_rerun_{backend}_{n}_{mix}_graphs={graphs},overlap={overlap}")
             results[(graphs, overlap)] = tokens
     ref = results[(False, False)]
     if n > 24:  # the first pass of the greedy rows, graphs and overlap on, against fp32 HF
@@ -354,7 +359,7 @@ def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, h
         report(f"parity_{backend}_{n}_rows", metrics)
         assert metrics["top1_clear_margin"] >= 0.99, metrics
     same = {f"graphs={g},overlap={o}": sum(a == b for a, b in zip(t, ref)) for (g, o), t in results.items()}
-    report(f"identical_prompts_vs_eager_no_overlap_{backend}_{n}", {k: f"{v}/{len(ref)}" for k, v in same.items()})
+    report(f"identical_prompts_vs_eager_no_overlap_{backend}_{n}_{mix}", {k: f"{v}/{len(ref)}" for k, v in same.items()})
     assert results[(True, True)] == results[(True, False)], "overlap changed the outputs (CUDA graphs on)"
     assert results[(False, True)] == ref, "overlap changed the outputs (eager)"
     assert results[(True, False)] == ref, "CUDA graphs changed the outputs"
@@ -487,6 +492,40 @@ def test_fused_top_k_top_p_sampling_stays_in_the_allowed_set():
     top5 = logits.topk(5, dim=-1).indices
     assert bool((draws[..., None] == top5[None]).any(-1).all())
     assert len(set(draws[:, 0].tolist())) > 1  # it does sample
+
+
+def test_decode_graphs_sample_temperature_batches_themselves(qwen3_dir):
+    """A temperature-only decode batch takes its next ids from the graph replay (engine/gumbel.py: the step
+    counter advances once a decode step); a batch with a seeded row takes the sampler's path, and its seeded
+    outputs are the same with the graphs on or off."""
+    from minisgl import LLM, SamplingParams
+
+    prompts = make_prompts(16, seed=5)
+    llm = LLM(str(qwen3_dir), **ENGINE)
+    engine = llm.scheduler.engine
+    assert engine.graph_runner is not None and engine.graph_runner.sampling is not None
+    calls = []  # batches the sampler samples (the prefills, and whatever the graphs leave to it)
+    real = engine.sampler.sample
+    engine.sampler.sample = lambda *a, **k: calls.append(len(a[1])) or real(*a, **k)
+    params = SamplingParams(temperature=0.7, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    temperature_calls = len(calls)
+    again = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.token_ids) == MAX_NEW and all(0 <= t < VOCAB for t in o.token_ids) for o in outs)
+    assert sum(a.token_ids != b.token_ids for a, b in zip(outs, again)) >= 15  # new noise every step
+    assert temperature_calls <= 2  # the prefill's first tokens; the MAX_NEW - 1 decode steps sampled in the graphs
+    seeded = [SamplingParams(temperature=0.7, seed=i, max_tokens=MAX_NEW, ignore_eos=True) for i in range(16)]
+    calls.clear()
+    with_graphs = [o.token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)]
+    report("sampler_calls", {"temperature_batch": temperature_calls, "seeded_batch": len(calls)})
+    assert len(calls) >= MAX_NEW  # seeded rows: every step through the sampler
+    llm.check_integrity()
+    del llm, engine
+    release_gpu()
+    eager = LLM(str(qwen3_dir), **{**ENGINE, "disable_cuda_graph": True})
+    assert [o.token_ids for o in eager.generate(prompts, seeded, use_tqdm=False)] == with_graphs
+    del eager
+    release_gpu()
 
 
 def test_sampling_from_model_dtype_logits_follows_softmax_over_temperature():

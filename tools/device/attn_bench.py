@@ -2,6 +2,8 @@
 (Qwen3-0.6B: 16 query / 8 KV heads x 128, one layer), bf16 and fp8_e4m3 KV:
 
 - FlashInfer's batch decode (CUDA-core, and tensor-core = its prefill kernel), page size 1 and 16;
+- `fi_hnd` / `fi_tc_hnd`: the same kernels over pages in the HND layout ([page, kv head, token, dim]: one head's
+  tokens of a page contiguous), page sizes of `--page-sizes-hnd`;
 - TensorRT-LLM's XQA kernel as FlashInfer ships it (`trtllm_batch_decode_with_kv_cache(backend="xqa")`,
   page sizes 16/32/64; on Hopper an fp8 cache runs its GMMA kernel, which also rounds q to fp8);
 - `xqa_backend`: the same kernel through minisgl's XqaBackend as the engine runs it (an fp8 cache: XQA's Hopper fp8
@@ -11,7 +13,7 @@ Every kernel is checked against float32 attention computed with torch on the sam
 timed from a CUDA graph of 10 calls (µs per call; TB/s = KV bytes read / time). The KV pages of each request are
 scattered over the pool at random, as a long-running server's are.
 
-    python3 tools/device/attn_bench.py [--batches 256,64,8,1] [--only fi,fi_tc,xqa,xqa_backend]   # after `source tools/device/env.sh`
+    python3 tools/device/attn_bench.py [--batches 256,64,8,1] [--only fi,fi_tc,fi_hnd,fi_tc_hnd,xqa,xqa_backend] [--kv bf16,fp8]   # after `source tools/device/env.sh`
 """
 
 from __future__ import annotations
@@ -103,17 +105,20 @@ class Case:
         self.ref = torch.stack(refs)
 
 
-def flashinfer_decode(case: Case, workspace: torch.Tensor, tensor_cores: bool):
+def flashinfer_decode(case: Case, workspace: torch.Tensor, tensor_cores: bool, layout: str = "NHD"):
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
-    w = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
+    w = BatchDecodeWithPagedKVCacheWrapper(workspace, layout, use_tensor_cores=tensor_cores)
     indptr = torch.tensor([0] + list(torch.tensor(case.pages).cumsum(0).tolist()), dtype=torch.int32)
     indices = torch.cat(case.page_ids).to(DEV)
     last = torch.tensor([n - (p - 1) * case.ps for n, p in zip(case.lens, case.pages)], dtype=torch.int32)
     w.plan(indptr, indices, last, QH, KVH, D, case.ps, sm_scale=SCALE, q_data_type=torch.bfloat16,
            kv_data_type=case.kv_dtype)
     out = torch.empty(case.bs, QH, D, device=DEV, dtype=torch.bfloat16)
-    return lambda: w.run(case.q, (case.k, case.v), out=out), out
+    k, v = case.k, case.v
+    if layout == "HND":
+        k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    return lambda: w.run(case.q, (k, v), out=out), out
 
 
 def xqa_decode(case: Case, workspace: torch.Tensor):
@@ -165,6 +170,8 @@ def main() -> None:
     p.add_argument("--batches", default="256,64,8,1")
     p.add_argument("--only", default="fi,fi_tc,xqa")
     p.add_argument("--page-sizes-xqa", default="16,64")
+    p.add_argument("--page-sizes-hnd", default="16,64")
+    p.add_argument("--kv", default="bf16,fp8", help="KV dtypes: bf16, fp8 (e4m3)")
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attn_bench.json"))
     p.add_argument("--budget-s", type=float, default=400)
     args = p.parse_args()
@@ -174,11 +181,15 @@ def main() -> None:
     workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device=DEV)
     variants = []
     only = args.only.split(",")
-    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    kv_dtypes = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+    for kv_dtype in [kv_dtypes[name] for name in args.kv.split(",")]:
         if "fi" in only:
             variants += [("fi", 1, kv_dtype), ("fi", 16, kv_dtype)]
         if "fi_tc" in only:
             variants += [("fi_tc", 1, kv_dtype)]
+        for kind in ("fi_hnd", "fi_tc_hnd"):
+            if kind in only:
+                variants += [(kind, int(ps), kv_dtype) for ps in args.page_sizes_hnd.split(",")]
         if "xqa" in only:
             variants += [("xqa", int(ps), kv_dtype) for ps in args.page_sizes_xqa.split(",")]
         if "xqa_backend" in only:
@@ -200,7 +211,8 @@ def main() -> None:
                 elif kind == "xqa_backend":
                     fn, out = xqa_backend(case)
                 else:
-                    fn, out = flashinfer_decode(case, workspace, tensor_cores=kind == "fi_tc")
+                    fn, out = flashinfer_decode(case, workspace, tensor_cores=kind.startswith("fi_tc"),
+                                                layout="HND" if kind.endswith("_hnd") else "NHD")
                 fn()
                 torch.cuda.synchronize()
                 err = (out.float() - case.ref).abs().max().item()

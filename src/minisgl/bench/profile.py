@@ -109,7 +109,8 @@ def gpu(args: argparse.Namespace) -> None:
 
     llm = LLM(str(write_model_dir(Path(args.tokenizer_dir))), dtype="bfloat16", load_format="dummy",
               max_prefill_tokens=args.max_prefill_tokens, disable_overlap=args.disable_overlap,
-              disable_cuda_graph=args.disable_cuda_graph)
+              disable_cuda_graph=args.disable_cuda_graph, attention_backend=args.attention_backend,
+              page_size=args.page_size)
     sched = llm.scheduler
     prompts, max_tokens = workload()
 
@@ -228,6 +229,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-overlap", action="store_true", help="gpu")
     p.add_argument("--disable-cuda-graph", action="store_true", help="gpu")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="gpu")
+    p.add_argument("--attention-backend", default="auto", help="gpu")
+    p.add_argument("--page-size", type=int, default=1, help="gpu")
     p.add_argument("--whole-run", action="store_true", help="gpu: then the whole workload again under torch.profiler")
     p.set_defaults(func=run)
 

@@ -3,6 +3,11 @@
 A decode batch of size bs runs the graph of the smallest captured size >= bs. The padded rows
 read token 0 at position 0 and write their KV into a scratch page past the pool's usable pages,
 so they never touch a request's KV. Graphs share one memory pool (captured largest first).
+
+Each graph ends with the sampling of its rows (engine/gumbel.py: temperature draws and greedy argmax over
+the logits in the model's dtype, Triton) when the GPU has Triton: a batch whose rows need nothing else
+(no top-k/top-p/min-p, penalties, masks, logprobs or seeded generator) gets its next ids from the replay
+itself; any other batch leaves the rows' temperatures at -1 (the kernels skip them) and samples the logits.
 """
 
 from __future__ import annotations
@@ -41,7 +46,10 @@ class CudaGraphRunner:
         dummy_page: int,
         page_size: int,
         device: torch.device,
+        seed: int = 0,
     ) -> None:
+        from minisgl.engine import gumbel
+
         self.model = model
         self.attn_backend = attn_backend
         self.sizes = graph_batch_sizes(max_bs)
@@ -54,6 +62,11 @@ class CudaGraphRunner:
         # The LM head's own dtype (half the bytes of float32); the sampler casts where it needs float32.
         dtype = next(model.parameters()).dtype
         self.logits = torch.empty(self.max_bs, vocab_size, dtype=dtype, device=device)
+        # In-graph sampling (gumbel.sample_into): per-row temperatures (-1: the row is sampled outside), next ids.
+        self.sampling = gumbel.Workspace(self.max_bs, vocab_size, device, seed) if gumbel.usable(device) else None
+        self.temperature = torch.full((self.max_bs,), -1.0, dtype=torch.float32, device=device)
+        self.next_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        self._temperatures_set = False  # the buffer holds a batch's temperatures (else -1 everywhere)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         attn_backend.init_cuda_graph(self.max_bs, max_seq_len, dummy_page)
         self._capture()
@@ -100,6 +113,10 @@ class CudaGraphRunner:
             self.logits[:bs].copy_(lm_head(hidden))
         else:
             self.logits[:bs] = self.model.compute_logits(hidden)
+        if self.sampling is not None:
+            from minisgl.engine.gumbel import sample_into
+
+            sample_into(self.logits[:bs], self.temperature[:bs], self.next_ids[:bs], self.sampling)
 
     def release(self) -> None:
         """Free the captured graphs. Before a process group is destroyed: graphs that captured NCCL collectives
@@ -115,12 +132,21 @@ class CudaGraphRunner:
     def padded_size(self, bs: int) -> int:
         return next(s for s in self.sizes if s >= bs)
 
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch, temperatures: list[float] | None = None) -> torch.Tensor:
         """Logits [batch.size, vocab] of a decode batch in the model's dtype (a view of a static buffer: read
-        before the next run)."""
+        before the next run). With `temperatures` (one per row, 0 for greedy; only when self.sampling), the
+        replay also samples the rows: their next ids are self.next_ids[:batch.size] (static too)."""
         bs = batch.size
         padded = self.padded_size(bs)
         batch.padded_size = padded
+        if temperatures is not None:
+            assert self.sampling is not None and len(temperatures) == bs
+            # Rows past bs keep whatever they held: the kernels sample them too, and nothing reads them.
+            self.temperature[:bs].copy_(torch.tensor(temperatures, dtype=torch.float32), non_blocking=True)
+            self._temperatures_set = True
+        elif self._temperatures_set:
+            self.temperature.fill_(-1.0)
+            self._temperatures_set = False
         self.input_ids[:bs].copy_(batch.input_ids)
         self.positions[:bs].copy_(batch.positions)
         self.out_loc[:bs].copy_(batch.out_loc)

@@ -101,7 +101,7 @@ class Engine:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.attn_backend, min(config.cuda_graph_max_bs, config.max_running_requests),
                 mc.vocab_size, self.max_seq_len, dummy_page=self.num_pages, page_size=self.page_size,
-                device=self.device,
+                device=self.device, seed=config.seed,
             )
         self.prefill_graphs: Any = None
         max_tokens = min(config.piecewise_cuda_graph_max_tokens, config.max_prefill_tokens)
@@ -215,12 +215,13 @@ class Engine:
         replayed from a CUDA graph, which gives them in the model's dtype (the sampler casts where it needs to)."""
         return self._forward(batch)[0]
 
-    def _forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the sampled rows' logits, every row's hidden state for a prefill, else None)."""
+    def _forward(self, batch: Batch, temperatures: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the sampled rows' logits, every row's hidden state for a prefill, else None). `temperatures`: a
+        decode batch replayed from a CUDA graph samples its rows in the graph (CudaGraphRunner.run)."""
         ctx = get_context()
         ctx.attn_backend, ctx.kv_pool = self.attn_backend, self.kv_pool  # several engines may share a process
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.run(batch), None
+            return self.graph_runner.run(batch, temperatures), None
         self.attn_backend.prepare(batch)
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
             hidden = self.prefill_graphs.run(batch)
@@ -272,6 +273,15 @@ class Engine:
         from minisgl.engine.sampler import SamplingInfo
 
         prompt = embeddings = None
+        runner = self.graph_runner
+        graph = (  # a decode graph that samples (CudaGraphRunner.run): the sampling info may leave it to the graph
+            runner is not None and runner.sampling is not None and runner.can_run(batch)
+            and len(sampled) == batch.size and bitmask_fn is None
+        )
+        info = SamplingInfo.from_reqs(sampled, self.model_config.vocab_size, self.device, graph) if sampled else None
+        if info is not None and info.in_graph:
+            self._forward(batch, info.temperatures)
+            return runner.next_ids[: batch.size], None, None, None
         if batch.is_prefill and any(r.wants_prompt_logprobs or r.embed for r in batch.reqs):
             logits, hidden = self._forward(batch)
             assert hidden is not None, "a prefill runs eagerly"
@@ -280,9 +290,8 @@ class Engine:
             embeddings = self._embeddings(batch, hidden)
         else:
             logits = self.forward(batch)
-        if not sampled:
+        if info is None:
             return None, None, prompt, embeddings
-        info = SamplingInfo.from_reqs(sampled, self.model_config.vocab_size, self.device)
         return (*self.sampler.sample(logits, sampled, info, bitmask_fn), prompt, embeddings)
 
     def _embeddings(self, batch: Batch, hidden: torch.Tensor) -> dict[int, list[float]] | None:

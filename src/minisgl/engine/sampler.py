@@ -25,15 +25,29 @@ class SamplingInfo:
     logprobs_k: int
     min_tokens: bool = False  # some row may not stop yet  # max top-k alternatives requested in the batch; -1 when no row wants logprobs
     logit_bias: bool = False  # some row has a logit_bias
+    temperatures: list[float] | None = None  # per row on the host (0.0 for greedy rows), for in-graph sampling
+    in_graph: bool = False  # a decode graph samples the batch itself: no device tensors were made
 
     @classmethod
-    def from_reqs(cls, reqs: list["Req"], vocab_size: int, device: torch.device) -> "SamplingInfo":
+    def from_reqs(
+        cls, reqs: list["Req"], vocab_size: int, device: torch.device, graph: bool = False
+    ) -> "SamplingInfo":
+        """graph=True: the batch runs a decode graph that can sample (engine/gumbel.py); when its rows need only
+        temperatures (no top-k/top-p/min-p, penalties, logit_bias, min_tokens, logprobs or seeded generator),
+        the info is host-only (in_graph, with `temperatures`) and the caller leaves the sampling to the graph."""
         params = [r.sampling_params for r in reqs]
         greedy_flags = [p.greedy for p in params]
         logprobs_k = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         penalties = any(p.has_penalties for p in params)
         min_tokens = any(r.num_sampled < r.sampling_params.min_tokens for r in reqs)
         bias = any(p.logit_bias for p in params)
+        filters = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+        if (
+            graph and not (filters or penalties or min_tokens or bias or logprobs_k >= 0)
+            and all(r.generator is None for r in reqs)
+        ):
+            temps = [0.0 if g else p.temperature for p, g in zip(params, greedy_flags)]
+            return cls(all(greedy_flags), torch.ones(0), None, None, None, None, False, -1, temperatures=temps, in_graph=True)
         if all(greedy_flags):
             return cls(True, torch.ones(0), None, None, None, None, penalties, logprobs_k, min_tokens, bias)
         temps = [p.temperature if not g else 1.0 for p, g in zip(params, greedy_flags)]

@@ -1,0 +1,169 @@
+"""Sampling inside the decode CUDA graphs: temperature draws and greedy argmax in two Triton kernels.
+
+A draw from softmax(logits / T) is argmax_j(logits_j + T * g_j) with g_j independent Gumbel(0, 1) noise
+(the Gumbel-max trick, scaled by T > 0, which does not move the argmax); T = 0 is the plain argmax. The
+first kernel reads each row's logits once in their own dtype (bf16 at batch 256 on a 152k vocabulary:
+78 MB, against the float32 division and the separate sampling kernel that read and write ~0.3 GB) and keeps
+a running (max, first argmax) per program; each row is split over several programs so that every batch
+size fills the GPU. The second kernel picks each row's winner among its programs and advances the step
+counter.
+
+Both run inside the decode graphs (engine/cuda_graph.py), so they cost the host nothing: a Triton launch
+from Python costs more host time than it saves GPU time at small batches (session 7 measured exactly that
+with an eager kernel). The noise is Philox-4x32 (Triton's), keyed by (seed + step, row, column): a step
+counter on the GPU that the second kernel increments, so a replayed graph draws new numbers every step
+without the host writing anything, and every TP rank (same seed, same replays) draws the same tokens.
+Uniforms are u = (k + 0.5) / 2**23 (exact in float32, never 0 or 1), and -log(u) is floored at 1e-7, so
+the noise is finite for every draw.
+
+A row's temperature decides its mode: T > 0 draws, T = 0 takes the argmax, T < 0 leaves the row alone
+(its output is not written). MINISGL_GRAPH_SAMPLING=0 keeps the graphs to the logits (the sampler then
+samples them as it does an eager batch's).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+BLOCK = 1024  # logits per program per loop iteration: four Philox numbers for each of 256 lanes
+TARGET_PROGRAMS = 2048  # ~16 per SM of an H100: enough loads in flight to stream the logits
+SEED_BIT = 1 << 62  # always set: Triton then always passes the seed as int64 (one compiled kernel)
+
+
+try:  # the kernels are defined at import (a jit function calls another through the module's globals)
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: usable() is False and the graphs keep to the logits
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _scan(src, row, key, temp, start, NBLK, V, NOISE: tl.constexpr, BLOCK: tl.constexpr):
+        """(max, first argmax) of logits[start : start + NBLK * BLOCK] (+ temp * Gumbel noise when NOISE)."""
+        Q: tl.constexpr = BLOCK // 4  # one Philox call gives four numbers: one for each quarter of a block
+        lanes = tl.arange(0, Q)
+        best_v = tl.full([Q], float("-inf"), tl.float32)
+        best_i = tl.zeros([Q], dtype=tl.int32)
+        for k in range(0, NBLK):
+            off = start + k * BLOCK  # a multiple of BLOCK: the counters off // 4 + lane are this block's own
+            if NOISE:
+                r0, r1, r2, r3 = tl.randint4x(key, (row.to(tl.int64) << 32) + off // 4 + lanes)
+            for j in tl.static_range(4):
+                cols = off + j * Q + lanes
+                x = tl.load(src + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+                if NOISE:
+                    bits = r0 if j == 0 else (r1 if j == 1 else (r2 if j == 2 else r3))
+                    u = ((bits.to(tl.uint32, bitcast=True) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+                    e = tl.maximum(-tl.log(u), 1e-7)  # Exp(1); the floor keeps an approximate log near u = 1 finite
+                    x = x - temp * tl.log(e)  # logits + T * Gumbel
+                take = x > best_v
+                best_v = tl.where(take, x, best_v)
+                best_i = tl.where(take, cols, best_i)
+        v = tl.max(best_v, axis=0)
+        i = tl.min(tl.where(best_v == v, best_i, V), axis=0)  # the first column of the winning value
+        return v, i
+
+    # Batch-dependent ints are not specialised on: one compiled kernel serves every captured batch size.
+    @triton.jit(do_not_specialize=["NBLK", "SPLITS"])
+    def _draw_kernel(
+        logits_ptr, stride, temp_ptr, step_ptr, seed, best_val_ptr, best_idx_ptr, V, NBLK, SPLITS,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        part = tl.program_id(1)
+        temp = tl.load(temp_ptr + row)
+        src = logits_ptr + row.to(tl.int64) * stride
+        if temp > 0:
+            v, i = _scan(src, row, seed + tl.load(step_ptr), temp, part * NBLK * BLOCK, NBLK, V, True, BLOCK)
+            tl.store(best_val_ptr + row * SPLITS + part, v)
+            tl.store(best_idx_ptr + row * SPLITS + part, i)
+        elif temp == 0:
+            v, i = _scan(src, row, seed, temp, part * NBLK * BLOCK, NBLK, V, False, BLOCK)
+            tl.store(best_val_ptr + row * SPLITS + part, v)
+            tl.store(best_idx_ptr + row * SPLITS + part, i)
+
+    @triton.jit(do_not_specialize=["SPLITS"])
+    def _reduce_kernel(best_val_ptr, best_idx_ptr, temp_ptr, out_ptr, step_ptr, SPLITS, S: tl.constexpr):
+        row = tl.program_id(0)
+        parts = tl.arange(0, S)
+        live = parts < SPLITS
+        v = tl.load(best_val_ptr + row * SPLITS + parts, mask=live, other=float("-inf"))
+        i = tl.load(best_idx_ptr + row * SPLITS + parts, mask=live, other=2147483647)
+        first = tl.min(tl.where(v == tl.max(v, axis=0), i, 2147483647), axis=0)
+        if tl.load(temp_ptr + row) >= 0:
+            tl.store(out_ptr + row, first.to(tl.int64))
+        if row == 0:  # every draw of this step has read the counter (the draw kernel ran before this one)
+            tl.store(step_ptr, tl.load(step_ptr) + 1)
+
+
+def _kernels() -> tuple[Any, Any] | None:
+    """(draw kernel, reduce kernel); None when Triton is missing or MINISGL_GRAPH_SAMPLING=0."""
+    if triton is None or os.environ.get("MINISGL_GRAPH_SAMPLING", "1") == "0":
+        return None
+    return _draw_kernel, _reduce_kernel
+
+
+def usable(device: torch.device | str) -> bool:
+    device = torch.device(device)
+    return (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and _kernels() is not None
+
+
+def splits_for(batch: int, vocab: int) -> int:
+    """Programs per row: enough programs overall, each over at least one block."""
+    return max(1, min(-(-TARGET_PROGRAMS // batch), -(-vocab // BLOCK)))
+
+
+class Workspace:
+    """The buffers of sample_into for batches of up to max_bs rows (static: a CUDA graph reads and writes them)."""
+
+    def __init__(
+        self, max_bs: int, vocab: int, device: torch.device | str, seed: int = 0, max_splits: int | None = None
+    ) -> None:
+        self.vocab = vocab
+        self.seed = SEED_BIT | (seed & (SEED_BIT - 1))
+        self.step = torch.zeros(1, dtype=torch.int64, device=device)
+        cells = max(b * (max_splits or splits_for(b, vocab)) for b in range(1, max_bs + 1))
+        self.max_splits = max_splits or splits_for(1, vocab)  # the reduce kernel's width: one for every batch size
+        self.best_val = torch.empty(cells, dtype=torch.float32, device=device)
+        self.best_idx = torch.empty(cells, dtype=torch.int32, device=device)
+
+
+def _pow2(n: int) -> int:
+    return max(2, 1 << (n - 1).bit_length())
+
+
+def sample_into(
+    logits: torch.Tensor, temperature: torch.Tensor, out: torch.Tensor, ws: Workspace, splits: int | None = None
+) -> None:
+    """out[r] = a draw from softmax(logits[r] / temperature[r]) (temperature > 0), argmax (= 0), untouched (< 0).
+
+    logits [B, V] of any float dtype (rows contiguous), temperature [B] float32, out [B] int64; two kernel
+    launches and no host sync, so it can be captured in a CUDA graph. Each call advances ws.step on the device.
+    """
+    kernels = _kernels()
+    assert kernels is not None, "check usable() first"
+    draw, reduce = kernels
+    batch, vocab = logits.shape
+    splits = splits or splits_for(batch, vocab)
+    assert logits.stride(-1) == 1 and vocab == ws.vocab and batch * splits <= len(ws.best_val)
+    block = min(BLOCK, max(4, 1 << max(0, vocab - 1).bit_length()))  # a small vocabulary: a block of its size
+    blocks = -(-(-(-vocab // splits)) // block)  # blocks per program
+    best_val, best_idx = ws.best_val[: batch * splits], ws.best_idx[: batch * splits]
+    draw[(batch, splits)](
+        logits, logits.stride(0), temperature, ws.step, ws.seed, best_val, best_idx, vocab, blocks, splits,
+        BLOCK=block, num_warps=4,
+    )
+    reduce[(batch,)](best_val, best_idx, temperature, out, ws.step, splits, S=_pow2(max(splits, ws.max_splits)))
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, ws: Workspace | None = None, splits: int | None = None) -> torch.Tensor:
+    """Token ids [B] (int64) from softmax(logits / temperature) (argmax where it is 0): sample_into, buffers made here."""
+    batch, vocab = logits.shape
+    ws = ws or Workspace(batch, vocab, logits.device, max_splits=splits)
+    out = torch.full((batch,), -1, dtype=torch.int64, device=logits.device)
+    sample_into(logits.contiguous(), temperature.reshape(-1).float().contiguous(), out, ws, splits)
+    return out

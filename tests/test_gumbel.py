@@ -1,0 +1,174 @@
+"""The in-graph sampling kernels (engine/gumbel.py) against softmax(logits / T) and torch.argmax.
+
+The reference is the exact distribution: many draws of one row (a batch of identical rows, each drawing its
+own noise) must fit softmax(logits / T) by a chi-square test, and the wrong temperature must fail the same
+test. On a CUDA machine the kernels run compiled, also captured in a CUDA graph as the decode graphs run
+them; on any machine with Triton they also run in Triton's interpreter in a fresh process (see
+tests/test_fused_qkv.py for why a fresh process).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+CHI2_LIMIT = {7: 29.9, 15: 42.0}  # chi-square quantiles at p = 1e-4 (degrees of freedom -> limit)
+ROWS = {"cuda": 4000, "cpu": 600}  # draws per distribution (the interpreter runs a program in milliseconds)
+LOGITS = [1.0, 0.2, -0.5, 2.0, 0.0, 1.5, -1.0, 0.7]
+
+
+def test_the_kernels_in_triton_interpreter_on_the_cpu():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs Triton")
+    if INTERPRETED:
+        pytest.skip("this process is the interpreter run itself")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "cpu-interpreter"],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent.parent, capture_output=True,
+        text=True, timeout=900,
+    )
+    assert result.returncode == 0 and "7 passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+@pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
+def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs Triton")
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if request.param == "cpu" and not INTERPRETED:
+        pytest.skip("runs in its own process: test_the_kernels_in_triton_interpreter_on_the_cpu")
+    monkeypatch.delenv("MINISGL_GRAPH_SAMPLING", raising=False)
+    return request.param
+
+
+def chi_square(ids: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(ids.cpu(), minlength=len(probs)).double()
+    expected = probs.double() * len(ids)
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 2.5])
+def test_draws_follow_softmax_over_temperature(device, temperature):
+    from minisgl.engine import gumbel
+
+    rows = ROWS[device]
+    batch = torch.tensor(LOGITS).repeat(rows, 1).to(device, torch.bfloat16)
+    ids = gumbel.sample(batch, torch.full((rows,), temperature, device=device))
+    assert ids.dtype == torch.int64 and ids.shape == (rows,)
+    probs = torch.softmax(batch[0].float().cpu() / temperature, dim=-1)
+    assert chi_square(ids, probs) < CHI2_LIMIT[7]
+    other = torch.softmax(batch[0].float().cpu() / (temperature / 2), dim=-1)
+    assert chi_square(ids, other) > CHI2_LIMIT[7]  # the test can fail: the wrong temperature does
+
+
+def test_greedy_rows_take_the_first_argmax_and_negative_rows_are_left_alone(device):
+    """T = 0: torch.argmax (the first of tied maxima), whatever program holds it; T < 0: out untouched."""
+    from minisgl.engine import gumbel
+
+    vocab = 3000
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, vocab, generator=gen).to(torch.bfloat16)
+    logits[3, [5, 2500]] = 9.0  # a tie across programs: the first column wins
+    logits[4, [1100, 1101]] = 9.0  # a tie inside one block
+    logits[5] = float("-inf")
+    logits[5, vocab - 1] = 0.0  # the last column, in the last (partial) block
+    temps = torch.zeros(12)
+    temps[[6, 7]] = -1.0
+    logits, temps = logits.to(device), temps.to(device)
+    ws = gumbel.Workspace(12, vocab, device, max_splits=3)
+    out = torch.full((12,), -7, dtype=torch.int64, device=device)
+    gumbel.sample_into(logits, temps, out, ws, splits=3)
+    expected = logits.float().argmax(dim=-1).cpu()
+    expected[[6, 7]] = -7
+    assert out.cpu().tolist() == expected.tolist()
+    assert out[3].item() == 5 and out[4].item() == 1100 and out[5].item() == vocab - 1
+
+
+def test_rows_split_over_programs_and_masked_tokens(device):
+    """A vocabulary wider than one program's share: each row's winner may sit in any split; -inf never wins."""
+    from minisgl.engine import gumbel
+
+    vocab, rows = 5000, ROWS[device] // 3
+    logits = torch.full((rows, vocab), float("-inf"))
+    hot = torch.tensor([3, 1500, 2600, 4999] + [1024 * i + 7 for i in range(4)])  # across splits and blocks
+    logits[:, hot] = torch.linspace(0.0, 1.4, len(hot))
+    ids = gumbel.sample(logits.to(device), torch.ones(rows, device=device), splits=5)
+    assert set(ids.tolist()) <= set(hot.tolist())
+    position = {int(t): i for i, t in enumerate(hot)}
+    probs = torch.softmax(logits[0, hot], dim=-1)
+    assert chi_square(torch.tensor([position[i] for i in ids.tolist()]), probs) < CHI2_LIMIT[7]
+
+
+def test_the_step_counter_gives_new_draws_and_replays_reproduce(device):
+    """Each call advances the counter on the device (new noise, as a replayed graph needs); the same seed and
+    step give the same draws, another seed other ones; rows of one call draw independently."""
+    from minisgl.engine import gumbel
+
+    rows, vocab = 128, 64
+    logits = torch.zeros(rows, vocab, device=device)  # uniform: every draw is the noise alone
+    temps = torch.ones(rows, device=device)
+    ws = gumbel.Workspace(rows, vocab, device, seed=3)
+    first = torch.empty(rows, dtype=torch.int64, device=device)
+    second = torch.empty_like(first)
+    gumbel.sample_into(logits, temps, first, ws)
+    gumbel.sample_into(logits, temps, second, ws)
+    assert ws.step.item() == 2
+    assert (first != second).float().mean().item() > 0.9  # 1/64 agree by chance
+    assert len(set(first.tolist())) > 40  # rows differ from each other (~55 values expected in 128 draws)
+    ws.step.zero_()
+    again = torch.empty_like(first)
+    gumbel.sample_into(logits, temps, again, ws)
+    assert torch.equal(again, first)
+    other = gumbel.Workspace(rows, vocab, device, seed=4)
+    gumbel.sample_into(logits, temps, again, other)
+    assert (again != first).float().mean().item() > 0.9
+
+
+def test_per_row_temperatures(device):
+    """Two halves of a batch with different temperatures each follow their own distribution."""
+    from minisgl.engine import gumbel
+
+    logits = torch.linspace(-2.0, 2.0, 16)
+    rows = ROWS[device]
+    temps = torch.tensor([0.5] * (rows // 2) + [3.0] * (rows // 2))
+    ids = gumbel.sample(logits.repeat(rows, 1).to(device, torch.float16), temps.to(device)).cpu()
+    for half, t in ((ids[: rows // 2], 0.5), (ids[rows // 2 :], 3.0)):
+        assert chi_square(half, torch.softmax(logits / t, dim=-1)) < CHI2_LIMIT[15]
+
+
+def test_replayed_from_a_cuda_graph():
+    """As the decode graphs run it: captured once, replayed; every replay draws anew from softmax(logits / T)."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        pytest.skip("needs a CUDA GPU and Triton")
+    from minisgl.engine import gumbel
+
+    rows, temperature, replays = 500, 0.8, 8
+    logits = torch.tensor(LOGITS, device="cuda").repeat(rows, 1).to(torch.bfloat16)
+    temps = torch.full((rows,), temperature, device="cuda")
+    temps[:3] = 0.0  # greedy rows in the same graph
+    ws = gumbel.Workspace(rows, len(LOGITS), "cuda")
+    out = torch.empty(rows, dtype=torch.int64, device="cuda")
+    gumbel.sample_into(logits, temps, out, ws)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gumbel.sample_into(logits, temps, out, ws)
+    draws = []
+    for _ in range(replays):
+        graph.replay()
+        draws.append(out.clone())
+    assert ws.step.item() == 1 + replays
+    assert all(d[:3].tolist() == [3, 3, 3] for d in draws)
+    assert not torch.equal(draws[0], draws[1])
+    sampled = torch.cat([d[3:] for d in draws])
+    probs = torch.softmax(logits[0].float().cpu() / temperature, dim=-1)
+    assert chi_square(sampled, probs) < CHI2_LIMIT[7]
+    assert chi_square(sampled, torch.softmax(logits[0].float().cpu() / (temperature / 2), dim=-1)) > CHI2_LIMIT[7]
