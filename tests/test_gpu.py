@@ -504,6 +504,7 @@ def test_decode_graphs_sample_temperature_batches_themselves(qwen3_dir):
     llm = LLM(str(qwen3_dir), **ENGINE)
     engine = llm.scheduler.engine
     assert engine.graph_runner is not None and engine.graph_runner.sampling is not None
+    assert llm.scheduler.page_size == 16  # the default with FlashInfer on a GPU (Engine._page_size)
     calls = []  # batches the sampler samples (the prefills, and whatever the graphs leave to it)
     real = engine.sampler.sample
     engine.sampler.sample = lambda *a, **k: calls.append(len(a[1])) or real(*a, **k)

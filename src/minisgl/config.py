@@ -20,7 +20,7 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # "auto": cuda when available, else cpu
     cache: str = "radix"
-    page_size: int = 1
+    page_size: int | None = None  # None: 16 for FlashInfer/XQA attention on a CUDA GPU, else 1 (Engine._page_size)
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8_e4m3" (or "fp8") / "fp8_e5m2": half the bytes
     num_pages: int | None = None  # None: sized from memory (mem_fraction on CUDA, kv_cache_gb on CPU)
     kv_cache_gb: float = 1.0  # CPU: memory given to the KV pool
@@ -48,7 +48,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.cache not in CACHE_KINDS:
             raise ConfigError(f"unknown cache kind {self.cache!r}: use one of {', '.join(CACHE_KINDS)}")
-        if not isinstance(self.page_size, int) or self.page_size < 1:
+        if self.page_size is not None and (not isinstance(self.page_size, int) or self.page_size < 1):
             raise ConfigError(f"page_size must be an integer >= 1, got {self.page_size!r}")
         if self.max_prefill_tokens < 1:
             raise ConfigError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens!r}")

@@ -70,7 +70,7 @@ class LLM:
         model: Any = "smollm2",
         dtype: str | None = None,
         cache: str = "radix",
-        page_size: int = 1,
+        page_size: int | None = None,
         max_prefill_tokens: int = 4096,
         max_running_requests: int = 256,
         tp: int = 1,

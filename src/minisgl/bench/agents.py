@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--caches", default="radix,naive", help="which caches to run, comma-separated")
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
-    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--page-size", type=int, default=None, help="default: 16 with FlashInfer on a GPU, else 1")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
     p.add_argument("--load-format", default="auto")

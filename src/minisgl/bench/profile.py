@@ -230,7 +230,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-cuda-graph", action="store_true", help="gpu")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="gpu")
     p.add_argument("--attention-backend", default="auto", help="gpu")
-    p.add_argument("--page-size", type=int, default=1, help="gpu")
+    p.add_argument("--page-size", type=int, default=None, help="default: 16 with FlashInfer on a GPU, else 1")
     p.add_argument("--whole-run", action="store_true", help="gpu: then the whole workload again under torch.profiler")
     p.set_defaults(func=run)
 

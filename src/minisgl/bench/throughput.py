@@ -64,8 +64,9 @@ def run_minisgl(args: argparse.Namespace) -> dict[str, Any]:
     init_s = time.perf_counter() - t0
     result = timed_workload(llm, llm.scheduler, workload())
     engine = llm.scheduler.engine
-    result.update(init_s=round(init_s, 1), kv_pages=llm.scheduler.cache.num_pages, page_size=args.page_size,
-                  kv_slots=llm.scheduler.cache.num_pages * args.page_size,
+    page_size = llm.scheduler.page_size
+    result.update(init_s=round(init_s, 1), kv_pages=llm.scheduler.cache.num_pages, page_size=page_size,
+                  kv_slots=llm.scheduler.cache.num_pages * page_size,
                   decode_attention=type(getattr(engine.attn_backend, "decode", engine.attn_backend)).__name__)
     if args.latency:
         result.update(decode_latency(llm))
@@ -300,7 +301,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench.json")
     p.add_argument("--report", default=os.environ.get("MINISGL_GPU_REPORT"))
     p.add_argument("--max-prefill-tokens", type=int, default=16384)
-    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--page-size", type=int, default=None, help="default: 16 with FlashInfer on a GPU, else 1")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto", help="run: auto (bf16) or fp8_e4m3 / fp8_e5m2")
     p.add_argument("--with-fp8-kv", action="store_true", help="all: one more row with an fp8_e4m3 KV cache")

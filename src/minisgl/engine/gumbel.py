@@ -42,30 +42,25 @@ except ImportError:  # no Triton: usable() is False and the graphs keep to the l
 if triton is not None:
 
     @triton.jit
-    def _scan(src, row, key, temp, start, NBLK, V, NOISE: tl.constexpr, BLOCK: tl.constexpr):
-        """(max, first argmax) of logits[start : start + NBLK * BLOCK] (+ temp * Gumbel noise when NOISE)."""
+    def _block(src, row, key, temp, off, V, best_v, best_i, NOISE: tl.constexpr, BLOCK: tl.constexpr):
+        """The running per-lane (max, first argmax) updated with logits[off : off + BLOCK] (+ temp * Gumbel noise
+        when NOISE). off is a multiple of BLOCK, so the Philox counters off // 4 + lane are this block's own."""
         Q: tl.constexpr = BLOCK // 4  # one Philox call gives four numbers: one for each quarter of a block
         lanes = tl.arange(0, Q)
-        best_v = tl.full([Q], float("-inf"), tl.float32)
-        best_i = tl.zeros([Q], dtype=tl.int32)
-        for k in range(0, NBLK):
-            off = start + k * BLOCK  # a multiple of BLOCK: the counters off // 4 + lane are this block's own
+        if NOISE:
+            r0, r1, r2, r3 = tl.randint4x(key, (row.to(tl.int64) << 32) + off // 4 + lanes)
+        for j in tl.static_range(4):
+            cols = off + j * Q + lanes
+            x = tl.load(src + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
             if NOISE:
-                r0, r1, r2, r3 = tl.randint4x(key, (row.to(tl.int64) << 32) + off // 4 + lanes)
-            for j in tl.static_range(4):
-                cols = off + j * Q + lanes
-                x = tl.load(src + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-                if NOISE:
-                    bits = r0 if j == 0 else (r1 if j == 1 else (r2 if j == 2 else r3))
-                    u = ((bits.to(tl.uint32, bitcast=True) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-                    e = tl.maximum(-tl.log(u), 1e-7)  # Exp(1); the floor keeps an approximate log near u = 1 finite
-                    x = x - temp * tl.log(e)  # logits + T * Gumbel
-                take = x > best_v
-                best_v = tl.where(take, x, best_v)
-                best_i = tl.where(take, cols, best_i)
-        v = tl.max(best_v, axis=0)
-        i = tl.min(tl.where(best_v == v, best_i, V), axis=0)  # the first column of the winning value
-        return v, i
+                bits = r0 if j == 0 else (r1 if j == 1 else (r2 if j == 2 else r3))
+                u = ((bits.to(tl.uint32, bitcast=True) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+                e = tl.maximum(-tl.log(u), 1e-7)  # Exp(1); the floor keeps an approximate log near u = 1 finite
+                x = x - temp * tl.log(e)  # logits + T * Gumbel
+            take = x > best_v
+            best_v = tl.where(take, x, best_v)
+            best_i = tl.where(take, cols, best_i)
+        return best_v, best_i
 
     # Batch-dependent ints are not specialised on: one compiled kernel serves every captured batch size.
     @triton.jit(do_not_specialize=["NBLK", "SPLITS"])
@@ -77,14 +72,22 @@ if triton is not None:
         part = tl.program_id(1)
         temp = tl.load(temp_ptr + row)
         src = logits_ptr + row.to(tl.int64) * stride
+        Q: tl.constexpr = BLOCK // 4
+        best_v = tl.full([Q], float("-inf"), tl.float32)
+        best_i = tl.zeros([Q], dtype=tl.int32)
+        start = part * NBLK * BLOCK
+        # The loops live here, not in _block: older Triton interpreters cannot loop over a helper's argument.
         if temp > 0:
-            v, i = _scan(src, row, seed + tl.load(step_ptr), temp, part * NBLK * BLOCK, NBLK, V, True, BLOCK)
-            tl.store(best_val_ptr + row * SPLITS + part, v)
-            tl.store(best_idx_ptr + row * SPLITS + part, i)
+            key = seed + tl.load(step_ptr)
+            for k in range(0, NBLK):
+                best_v, best_i = _block(src, row, key, temp, start + k * BLOCK, V, best_v, best_i, True, BLOCK)
         elif temp == 0:
-            v, i = _scan(src, row, seed, temp, part * NBLK * BLOCK, NBLK, V, False, BLOCK)
+            for k in range(0, NBLK):
+                best_v, best_i = _block(src, row, seed, temp, start + k * BLOCK, V, best_v, best_i, False, BLOCK)
+        if temp >= 0:  # temp < 0: the row is sampled outside the graph
+            v = tl.max(best_v, axis=0)
             tl.store(best_val_ptr + row * SPLITS + part, v)
-            tl.store(best_idx_ptr + row * SPLITS + part, i)
+            tl.store(best_idx_ptr + row * SPLITS + part, tl.min(tl.where(best_v == v, best_i, V), axis=0))
 
     @triton.jit(do_not_specialize=["SPLITS"])
     def _reduce_kernel(best_val_ptr, best_idx_ptr, temp_ptr, out_ptr, step_ptr, SPLITS, S: tl.constexpr):

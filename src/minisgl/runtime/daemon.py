@@ -404,7 +404,7 @@ class Daemon:
             logger.info(
                 "scheduler ready: %s (%s), context %d tokens, KV pool %d pages x %d tokens",
                 self.config.model, msg.model_info["architecture"], msg.model_info["context_length"],
-                stats["total_pages"], self.config.page_size,
+                stats["total_pages"], msg.model_info.get("page_size"),
             )
             self._on_ready("scheduler")
         elif isinstance(msg, WorkerReady):

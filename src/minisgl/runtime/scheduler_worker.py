@@ -56,7 +56,7 @@ def model_info(sched: "Scheduler", config: EngineConfig) -> dict[str, Any]:
         "dtype": str(engine.dtype).removeprefix("torch."),
         "device": str(engine.device),
         "tp": config.tp,
-        "page_size": config.page_size,
+        "page_size": sched.page_size,
         "total_pages": sched.stats()["total_pages"],
         "has_chat_template": getattr(sched.tokenizer, "chat_template", None) is not None,
         "config": config.to_dict(),

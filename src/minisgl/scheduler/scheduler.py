@@ -39,7 +39,7 @@ class Scheduler:
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.device = self.engine.device
-        self.page_size = config.page_size
+        self.page_size = self.engine.page_size
         self.table = self.engine.table
         self.page_table = self.table.page_table
         prefix_cache = make_prefix_cache(config.cache, self.page_size, self.device)
