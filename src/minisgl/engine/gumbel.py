@@ -62,8 +62,9 @@ if triton is not None:
             best_i = tl.where(take, cols, best_i)
         return best_v, best_i
 
-    # Batch-dependent ints are not specialised on: one compiled kernel serves every captured batch size.
-    @triton.jit(do_not_specialize=["NBLK", "SPLITS"])
+    # SPLITS is not specialised on (fewer compiled variants over the captured batch sizes); NBLK is: some Triton
+    # interpreters cannot loop over an unspecialised argument.
+    @triton.jit(do_not_specialize=["SPLITS"])
     def _draw_kernel(
         logits_ptr, stride, temp_ptr, step_ptr, seed, best_val_ptr, best_idx_ptr, V, NBLK, SPLITS,
         BLOCK: tl.constexpr,
