@@ -24,20 +24,13 @@ if TYPE_CHECKING:
 WORKSPACE_BYTES = 128 * 2**20
 
 
-TENSOR_CORE_MIN_BATCH = 64
-
-
-def decode_uses_tensor_cores(group_size: int, batch_size: int) -> bool:
-    """FlashInfer's tensor-core decode (its prefill kernel) for a decode batch of batch_size rows.
-
-    From 4 query heads per KV head it pays off at any batch size (SGLang's rule too). Below that, on the
-    throughput workload's own batches (tools/device/attn_workload.py, H100, GQA group 2), it reads the KV
-    2-7% faster from batch ~64 up and 5-15% slower below, so large batches take it and small ones the CUDA-core
-    kernel. MINISGL_DECODE_TENSOR_CORES=0/1 forces one kernel for every batch."""
-    forced = os.environ.get("MINISGL_DECODE_TENSOR_CORES")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return group_size >= 4 or batch_size >= TENSOR_CORE_MIN_BATCH
+def decode_uses_tensor_cores() -> bool:
+    """FlashInfer's tensor-core decode (its prefill kernel) for every decode batch; MINISGL_DECODE_TENSOR_CORES=0:
+    its CUDA-core kernel. On the throughput workload (H100, Qwen3-0.6B shape, GQA group 2) the tensor-core kernel
+    reads the KV faster over the run (tools/device/attn_workload.py: 4.91 s of decode attention against 5.14 s,
+    pages of 16 against pages of 1), and end to end it was 0.5-2% faster in every A/B (docs/benchmarks.md,
+    session 13), at the small batches too, where it reads slower but the step is short."""
+    return os.environ.get("MINISGL_DECODE_TENSOR_CORES", "1") != "0"
 
 
 class FlashInferMetadata(NamedTuple):
@@ -71,15 +64,14 @@ class FlashInferBackend(AttentionBackend):
         self.kv_dtype = kv_pool.dtype  # the pool's: fp8 with kv_cache_dtype="fp8_e4m3"
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=prefill_backend)
-        self.group_size = self.num_qo_heads // self.num_kv_heads
-        # Eager decode: one wrapper per kernel, picked by batch size (decode_uses_tensor_cores).
-        self.decode_wrappers = {
-            tc: BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=tc) for tc in (False, True)
-        }
+        self.decode_tensor_cores = decode_uses_tensor_cores()
+        self.decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
+        )
         # plan() fills a pinned host buffer and queues its copy to the GPU without waiting. With
         # overlap scheduling the next batch is planned before the GPU has run that copy, so
         # consecutive plans alternate between two pinned buffers.
-        nbytes = max(w._pin_memory_int_workspace_buffer.numel() for w in self.decode_wrappers.values())
+        nbytes = self.decode_wrapper._pin_memory_int_workspace_buffer.numel()
         self._pinned = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self._flip = 0
         self._iota = torch.arange(1 << 16, dtype=torch.int64, device=self.device)
@@ -136,9 +128,8 @@ class FlashInferBackend(AttentionBackend):
         num_pages, indptr, last = self._paging(batch.seq_lens)
         indices = self._page_ids(rows, num_pages)
         if batch.is_decode:
-            wrapper = self.decode_wrappers[decode_uses_tensor_cores(self.group_size, batch.size)]
-            self._plan_decode(wrapper, indptr, indices, last)
-            batch.attn_metadata = FlashInferMetadata(wrapper)
+            self._plan_decode(self.decode_wrapper, indptr, indices, last)
+            batch.attn_metadata = FlashInferMetadata(self.decode_wrapper)
             return
         qo_indptr = [0]
         for e in batch.extend_lens:
@@ -184,7 +175,7 @@ class FlashInferBackend(AttentionBackend):
         assert self._graph_indptr is not None and self._graph_indices is not None
         assert self._graph_last_page_len is not None
         wrapper = BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=decode_uses_tensor_cores(self.group_size, bs),
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
             paged_kv_indptr_buffer=self._graph_indptr[: bs + 1],
             paged_kv_indices_buffer=self._graph_indices,
             paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],

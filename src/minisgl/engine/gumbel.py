@@ -62,9 +62,8 @@ if triton is not None:
             best_i = tl.where(take, cols, best_i)
         return best_v, best_i
 
-    # SPLITS is not specialised on (fewer compiled variants over the captured batch sizes); NBLK is: some Triton
-    # interpreters cannot loop over an unspecialised argument.
-    @triton.jit(do_not_specialize=["SPLITS"])
+    # Batch-dependent ints are not specialised on: one compiled kernel serves every captured batch size.
+    @triton.jit(do_not_specialize=["NBLK", "SPLITS"])
     def _draw_kernel(
         logits_ptr, stride, temp_ptr, step_ptr, seed, best_val_ptr, best_idx_ptr, V, NBLK, SPLITS,
         BLOCK: tl.constexpr,
@@ -77,14 +76,18 @@ if triton is not None:
         best_v = tl.full([Q], float("-inf"), tl.float32)
         best_i = tl.zeros([Q], dtype=tl.int32)
         start = part * NBLK * BLOCK
-        # The loops live here, not in _block: older Triton interpreters cannot loop over a helper's argument.
+        # while, not range(NBLK): older Triton interpreters hand a kernel's int arguments over as 1-element arrays,
+        # which range() cannot take (numpy 2 refuses int() of them) but a comparison can.
+        k = 0
         if temp > 0:
             key = seed + tl.load(step_ptr)
-            for k in range(0, NBLK):
+            while k < NBLK:
                 best_v, best_i = _block(src, row, key, temp, start + k * BLOCK, V, best_v, best_i, True, BLOCK)
+                k += 1
         elif temp == 0:
-            for k in range(0, NBLK):
+            while k < NBLK:
                 best_v, best_i = _block(src, row, seed, temp, start + k * BLOCK, V, best_v, best_i, False, BLOCK)
+                k += 1
         if temp >= 0:  # temp < 0: the row is sampled outside the graph
             v = tl.max(best_v, axis=0)
             tl.store(best_val_ptr + row * SPLITS + part, v)
