@@ -62,6 +62,7 @@ class TPScheduler(RankGroup):
         self.device = self.sched.device
         self.engine = self.sched.engine
         self.max_seq_len = self.sched.max_seq_len
+        self.page_size = self.sched.page_size
         self.eos_token_ids = self.sched.eos_token_ids
 
     @property

@@ -259,7 +259,8 @@ def native_router(server: Any, check_key: Callable[[Request], Awaitable[None]], 
         stats = await server.client.stats()
         return JSONResponse({
             **(info.get("config") or {}), "served_model_name": server.model_name, "version": __version__,
-            "context_length": info.get("context_length"), "internal_states": [dict(stats)],
+            "context_length": info.get("context_length"), "page_size": info.get("page_size"),  # the resolved one
+            "internal_states": [dict(stats)],
         })
 
     @router.get("/health_generate")
