@@ -9,41 +9,20 @@ fresh process (test_the_kernel_in_triton_interpreter_on_the_cpu), with the switc
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
 
 
 def test_the_kernel_in_triton_interpreter_on_the_cpu():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs Triton")
-    if INTERPRETED:
-        pytest.skip("this process is the interpreter run itself")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "cpu-interpreter"],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent.parent, capture_output=True,
-        text=True, timeout=600,
-    )
-    assert result.returncode == 0 and "4 passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]
+    run_interpreter_cases(__file__, passed=4, timeout=600)
 
 
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
 def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     from minisgl.layers import fused_qkv
 
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs Triton")
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if request.param == "cpu" and not INTERPRETED:
-        pytest.skip("runs in its own process: test_the_kernel_in_triton_interpreter_on_the_cpu")
+    interpreter_or_cuda(request.param)
     monkeypatch.delenv("MINISGL_FUSED_QKV", raising=False)
     fused_qkv._kernel.cache_clear()
     yield request.param

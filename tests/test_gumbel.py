@@ -10,41 +10,22 @@ tests/test_fused_qkv.py for why a fresh process).
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
 CHI2_LIMIT = {7: 29.9, 15: 42.0}  # chi-square quantiles at p = 1e-4 (degrees of freedom -> limit)
 ROWS = {"cuda": 4000, "cpu": 600}  # draws per distribution (the interpreter runs a program in milliseconds)
 LOGITS = [1.0, 0.2, -0.5, 2.0, 0.0, 1.5, -1.0, 0.7]
 
 
 def test_the_kernels_in_triton_interpreter_on_the_cpu():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs Triton")
-    if INTERPRETED:
-        pytest.skip("this process is the interpreter run itself")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "cpu-interpreter"],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent.parent, capture_output=True,
-        text=True, timeout=900,
-    )
-    assert result.returncode == 0 and "7 passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]
+    run_interpreter_cases(__file__, passed=7)
 
 
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
 def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs Triton")
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if request.param == "cpu" and not INTERPRETED:
-        pytest.skip("runs in its own process: test_the_kernels_in_triton_interpreter_on_the_cpu")
+    interpreter_or_cuda(request.param)
     monkeypatch.delenv("MINISGL_GRAPH_SAMPLING", raising=False)
     return request.param
 

@@ -64,6 +64,7 @@ class CudaGraphRunner:
         self.logits = torch.empty(self.max_bs, vocab_size, dtype=dtype, device=device)
         # In-graph sampling (gumbel.sample_into): per-row temperatures (-1: the row is sampled outside), next ids.
         self.sampling = gumbel.Workspace(self.max_bs, vocab_size, device, seed) if gumbel.usable(device) else None
+        self._sample_into = gumbel.sample_into
         self.temperature = torch.full((self.max_bs,), -1.0, dtype=torch.float32, device=device)
         self.next_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self._temperatures_set = False  # the buffer holds a batch's temperatures (else -1 everywhere)
@@ -114,9 +115,7 @@ class CudaGraphRunner:
         else:
             self.logits[:bs] = self.model.compute_logits(hidden)
         if self.sampling is not None:
-            from minisgl.engine.gumbel import sample_into
-
-            sample_into(self.logits[:bs], self.temperature[:bs], self.next_ids[:bs], self.sampling)
+            self._sample_into(self.logits[:bs], self.temperature[:bs], self.next_ids[:bs], self.sampling)
 
     def release(self) -> None:
         """Free the captured graphs. Before a process group is destroyed: graphs that captured NCCL collectives
