@@ -29,9 +29,10 @@ def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     fused_qkv._kernel.cache_clear()  # the next user compiles it for its own device
 
 
-@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk-norm", "no-norm"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_fused_qkv_kernel_matches_float32_math(device, qk_norm, dtype):
+@pytest.mark.parametrize(("qk_norm", "dtype", "block_tokens"), [
+    (True, torch.bfloat16, 1), (True, torch.bfloat16, 16), (False, torch.float16, 1), (False, torch.bfloat16, 8),
+], ids=["qk-norm-bf16-1", "qk-norm-bf16-16", "no-norm-fp16-1", "no-norm-bf16-8"])
+def test_fused_qkv_kernel_matches_float32_math(device, qk_norm, dtype, block_tokens):
     """layers.fused_qkv (norms + RoPE + KV store in one Triton kernel) against float32 PyTorch math."""
     from minisgl.layers import RMSNorm, RotaryEmbedding
     from minisgl.layers.fused_qkv import fused_qkv, usable
@@ -51,8 +52,8 @@ def test_fused_qkv_kernel_matches_float32_math(device, qk_norm, dtype):
     v_cache = torch.zeros_like(k_cache)
     q = fused_qkv(
         qkv, positions, rotary.cos_sin(), *(n.weight if n else None for n in norms), 1e-6,
-        k_cache, v_cache, out_loc, heads, kv_heads, dim,
-    )
+        k_cache, v_cache, out_loc, heads, kv_heads, dim, block_tokens=block_tokens,
+    )  # 37 tokens: blocks of 8 or 16 end in a partial one
 
     # Reference: float32 throughout.
     x = qkv.float()

@@ -4,6 +4,8 @@
 - FlashInfer's batch decode (CUDA-core, and tensor-core = its prefill kernel), page size 1 and 16;
 - `fi_hnd` / `fi_tc_hnd`: the same kernels over pages in the HND layout ([page, kv head, token, dim]: one head's
   tokens of a page contiguous), page sizes of `--page-sizes-hnd`;
+- `fa3`: FlashInfer's FlashAttention-3 (Hopper) batch prefill kernel run as a decode (one query row per request),
+  page sizes of `--page-sizes-fa3`;
 - TensorRT-LLM's XQA kernel as FlashInfer ships it (`trtllm_batch_decode_with_kv_cache(backend="xqa")`,
   page sizes 16/32/64; on Hopper an fp8 cache runs its GMMA kernel, which also rounds q to fp8);
 - `xqa_backend`: the same kernel through minisgl's XqaBackend as the engine runs it (an fp8 cache: XQA's Hopper fp8
@@ -105,15 +107,41 @@ class Case:
         self.ref = torch.stack(refs)
 
 
-def flashinfer_decode(case: Case, workspace: torch.Tensor, tensor_cores: bool, layout: str = "NHD"):
+def flashinfer_decode(case: Case, workspace: torch.Tensor, tensor_cores: bool, layout: str = "NHD",
+                      graph_mode: bool = False, split_kv: bool = True):
+    """graph_mode: the wrapper as the engine's CUDA graphs plan it (use_cuda_graph=True: the KV split into chunks
+    and a merge kernel at every batch size, the grid padded); split_kv=False: plan(disable_split_kv=True)."""
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
-    w = BatchDecodeWithPagedKVCacheWrapper(workspace, layout, use_tensor_cores=tensor_cores)
     indptr = torch.tensor([0] + list(torch.tensor(case.pages).cumsum(0).tolist()), dtype=torch.int32)
     indices = torch.cat(case.page_ids).to(DEV)
     last = torch.tensor([n - (p - 1) * case.ps for n, p in zip(case.lens, case.pages)], dtype=torch.int32)
+    buffers = {}
+    if graph_mode:
+        buffers = dict(paged_kv_indptr_buffer=torch.empty_like(indptr, device=DEV),
+                       paged_kv_indices_buffer=torch.empty_like(indices), paged_kv_last_page_len_buffer=last.to(DEV))
+    w = BatchDecodeWithPagedKVCacheWrapper(workspace, layout, use_tensor_cores=tensor_cores,
+                                           use_cuda_graph=graph_mode, **buffers)
     w.plan(indptr, indices, last, QH, KVH, D, case.ps, sm_scale=SCALE, q_data_type=torch.bfloat16,
-           kv_data_type=case.kv_dtype)
+           kv_data_type=case.kv_dtype, disable_split_kv=not split_kv)
+    out = torch.empty(case.bs, QH, D, device=DEV, dtype=torch.bfloat16)
+    k, v = case.k, case.v
+    if layout == "HND":
+        k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    return lambda: w.run(case.q, (k, v), out=out), out
+
+
+def fa3_decode(case: Case, workspace: torch.Tensor, layout: str = "NHD"):
+    """FlashInfer's FA3 batch prefill kernel over one query row per request."""
+    from flashinfer import BatchPrefillWithPagedKVCacheWrapper
+
+    w = BatchPrefillWithPagedKVCacheWrapper(workspace, layout, backend="fa3")
+    indptr = torch.tensor([0] + list(torch.tensor(case.pages).cumsum(0).tolist()), dtype=torch.int32)
+    indices = torch.cat(case.page_ids).to(DEV)
+    last = torch.tensor([n - (p - 1) * case.ps for n, p in zip(case.lens, case.pages)], dtype=torch.int32)
+    qo_indptr = torch.arange(case.bs + 1, dtype=torch.int32)
+    w.plan(qo_indptr, indptr, indices, last, QH, KVH, D, case.ps, causal=False, sm_scale=SCALE,
+           q_data_type=torch.bfloat16, kv_data_type=case.kv_dtype)
     out = torch.empty(case.bs, QH, D, device=DEV, dtype=torch.bfloat16)
     k, v = case.k, case.v
     if layout == "HND":
@@ -171,6 +199,7 @@ def main() -> None:
     p.add_argument("--only", default="fi,fi_tc,xqa")
     p.add_argument("--page-sizes-xqa", default="16,64")
     p.add_argument("--page-sizes-hnd", default="16,64")
+    p.add_argument("--page-sizes-fa3", default="1,16")
     p.add_argument("--kv", default="bf16,fp8", help="KV dtypes: bf16, fp8 (e4m3)")
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attn_bench.json"))
     p.add_argument("--budget-s", type=float, default=400)
@@ -190,6 +219,8 @@ def main() -> None:
         for kind in ("fi_hnd", "fi_tc_hnd"):
             if kind in only:
                 variants += [(kind, int(ps), kv_dtype) for ps in args.page_sizes_hnd.split(",")]
+        if "fa3" in only:
+            variants += [("fa3", int(ps), kv_dtype) for ps in args.page_sizes_fa3.split(",")]
         if "xqa" in only:
             variants += [("xqa", int(ps), kv_dtype) for ps in args.page_sizes_xqa.split(",")]
         if "xqa_backend" in only:
@@ -210,6 +241,8 @@ def main() -> None:
                     fn, out = xqa_decode(case, workspace)
                 elif kind == "xqa_backend":
                     fn, out = xqa_backend(case)
+                elif kind == "fa3":
+                    fn, out = fa3_decode(case, workspace)
                 else:
                     fn, out = flashinfer_decode(case, workspace, tensor_cores=kind.startswith("fi_tc"),
                                                 layout="HND" if kind.endswith("_hnd") else "NHD")

@@ -8,7 +8,10 @@ size, takes the batches of every `--every`-th decode step, times each kernel on 
 10 calls) and sums time x steps represented x 28 layers: an estimate of the run's decode-attention seconds to set
 against `minisgl bench profile gpu --whole-run` (FlashInfer's CUDA-core decode, pages of 1: 5.12 s).
 
-    python3 tools/device/attn_workload.py [--configs fi:1,fi_tc:1,fi_tc_hnd:64,xqa:64] [--every 50]
+    python3 tools/device/attn_workload.py [--configs fi:1,fi_tc:1,fi_tc_hnd:64,fi_tc_g:16,fi_tc_g_ns:16,xqa:64] [--every 50]
+
+`_g`: FlashInfer's wrapper in CUDA-graph mode, as the engine replays it (the KV split and merged at every batch
+size); `_ns`: planned with disable_split_kv=True.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from attn_bench import D, DEV, KVH, QH, flashinfer_decode, graph_us, xqa_decode  # noqa: E402
+from attn_bench import D, DEV, KVH, QH, fa3_decode, flashinfer_decode, graph_us, xqa_decode  # noqa: E402
 
 LAYERS = 28
 
@@ -77,9 +80,13 @@ def main() -> None:
             if kind == "xqa":
                 workspace.zero_()
                 fn, _ = xqa_decode(case, workspace)
-            else:
-                fn, _ = flashinfer_decode(case, workspace, tensor_cores=kind.startswith("fi_tc"),
-                                          layout="HND" if kind.endswith("_hnd") else "NHD")
+            elif kind == "fa3":
+                fn, _ = fa3_decode(case, workspace)
+            else:  # fi, fi_tc [+ _hnd] [+ _g: graph-mode wrapper, as the engine's graphs] [+ _ns: no KV split]
+                flags = kind.split("_")[1:]
+                fn, _ = flashinfer_decode(case, workspace, tensor_cores="tc" in flags,
+                                          layout="HND" if "hnd" in flags else "NHD", graph_mode="g" in flags,
+                                          split_kv="ns" not in flags)
             us = graph_us(fn)
             nbytes = sum(lens) * KVH * D * 2 * 2
             total_s += us * 1e-6 * weight * LAYERS

@@ -33,6 +33,16 @@ def decode_uses_tensor_cores() -> bool:
     return os.environ.get("MINISGL_DECODE_TENSOR_CORES", "1") != "0"
 
 
+def graph_split_kv_below() -> int:
+    """Decode graphs of fewer rows than this split each request's KV into chunks (merged by a second kernel);
+    larger ones run one chunk per request. FlashInfer's graph-mode plan always splits, since a graph's batch is
+    captured before its lengths are known, so every replay pays the merge kernel and a float32 round trip of the
+    output, while from ~32 requests (x 8 KV heads) up the requests alone fill the GPU: over the throughput
+    workload's batches one chunk per request read the KV 1.4% faster (tools/device/attn_workload.py, H100).
+    MINISGL_DECODE_SPLIT_KV_BELOW overrides (a large value: always split, as before)."""
+    return int(os.environ.get("MINISGL_DECODE_SPLIT_KV_BELOW", "32"))
+
+
 class FlashInferMetadata(NamedTuple):
     wrapper: Any  # a planned BatchPrefill/BatchDecodeWithPagedKVCacheWrapper
 
@@ -81,6 +91,8 @@ class FlashInferBackend(AttentionBackend):
         self._graph_indices: torch.Tensor | None = None
         self._graph_last_page_len: torch.Tensor | None = None
         self._dummy_page = 0
+        self._split_kv_below = graph_split_kv_below()
+        self._graph_padding: dict[int, _GraphPadding] = {}  # graph batch sizes planned without a KV split
 
     # ------------------------------------------------------------------ metadata
 
@@ -116,11 +128,16 @@ class FlashInferBackend(AttentionBackend):
         wrapper._pin_memory_int_workspace_buffer = self._pinned[self._flip]
         self._flip ^= 1
 
-    def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
+    def _plan_decode(
+        self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, split_kv: bool = True,
+        padding: "_GraphPadding | None" = None, pad_row: int = 0,
+    ) -> None:
         self._next_pinned(wrapper)
+        if padding is not None:
+            padding.fill(wrapper._pin_memory_int_workspace_buffer, pad_row)
         wrapper.plan(
             indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
+            sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.kv_dtype, disable_split_kv=not split_kv,
         )
 
     def prepare(self, batch: "Batch") -> None:
@@ -182,8 +199,17 @@ class FlashInferBackend(AttentionBackend):
         )
         self._graph_wrappers[bs] = wrapper
         indices = torch.full((bs,), self._dummy_page, dtype=torch.int32, device=self.device)
-        self._plan_decode(wrapper, torch.arange(bs + 1, dtype=torch.int32), indices, torch.ones(bs, dtype=torch.int32))
+        split_kv = self._graph_split_kv(bs)
+        plan = (torch.arange(bs + 1, dtype=torch.int32), indices, torch.ones(bs, dtype=torch.int32))
+        self._plan_decode(wrapper, *plan, split_kv=split_kv)
+        if not split_kv:  # now that the plan's layout is known: plan again with the padded blocks filled
+            self._graph_padding[bs] = _GraphPadding(wrapper._plan_info, bs)
+            self._plan_decode(wrapper, *plan, split_kv=False, padding=self._graph_padding[bs])
         return FlashInferMetadata(wrapper)
+
+    def _graph_split_kv(self, bs: int) -> bool:
+        # a graph replays the kernels it captured, so capture and every replay of bs plan alike
+        return bs < self._split_kv_below or not self.decode_tensor_cores
 
     def prepare_replay(self, batch: "Batch", padded_bs: int) -> None:
         """Plan the graph wrapper of padded_bs for batch; rows past batch.size read the dummy page."""
@@ -193,5 +219,31 @@ class FlashInferBackend(AttentionBackend):
         if pad:
             indices = torch.cat([indices, indices.new_full((pad,), self._dummy_page)])
         wrapper = self._graph_wrappers[padded_bs]
-        self._plan_decode(wrapper, indptr, indices, last)
+        padding = self._graph_padding.get(padded_bs)
+        # the padded blocks redo one row's attention: a dummy row's (one token) or else the shortest request's
+        pad_row = padded_bs - 1 if pad else min(range(batch.size), key=batch.seq_lens.__getitem__)
+        self._plan_decode(wrapper, indptr, indices, last, split_kv=padding is None, padding=padding, pad_row=pad_row)
         batch.attn_metadata = FlashInferMetadata(wrapper)
+
+
+class _GraphPadding:
+    """The padded blocks of a graph-mode FlashInfer plan without a KV split (flashinfer 0.5.3).
+
+    A graph-mode plan launches a fixed grid of `padded_batch_size` blocks, more than the batch's (one per request
+    here). With a split it also writes a mask that makes the extra blocks return at once; without one there is no
+    mask, and the extra blocks run whatever request/tile indices the plan's pinned host buffer holds past the
+    batch's, which the plan does not write. Here that buffer is shared with other plans (it alternates under
+    overlap scheduling), so they would be stale indices of another batch: an out-of-bounds read. fill() points
+    them at one row of the batch instead, whose output they then write again, with the same values.
+    """
+
+    def __init__(self, plan_info: Any, bs: int) -> None:
+        info = [int(x) for x in plan_info]  # PrefillPlanInfo::ToVector
+        assert len(info) == 15 and info[13] == 1 and info[14] == 0, f"unexpected FlashInfer plan layout {info}"
+        self.bs, self.padded = bs, info[0]
+        self.offsets = (info[4], info[5], info[6])  # request, q tile and KV tile indices: int32[padded] each
+
+    def fill(self, pinned: torch.Tensor, row: int) -> None:
+        if self.padded > self.bs:
+            for offset, value in zip(self.offsets, (row, 0, 0)):
+                pinned[offset : offset + 4 * self.padded].view(torch.int32)[self.bs :] = value

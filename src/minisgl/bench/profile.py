@@ -150,8 +150,9 @@ def gpu(args: argparse.Namespace) -> None:
         num_steps += 1
         if tail_at is None and num_steps > 200 and len(sched.running) <= 16:
             tail_at = num_steps
-        for name, begin in (("bs ~256", 150), ("tail, bs <= 16", tail_at)):
-            if begin is not None and num_steps in (begin, begin + 20):
+        for name, begin, length in (("prefill, the first 10 steps", 1, 10), ("20 decode steps, bs ~256", 150, 20),
+                                    ("20 decode steps, the tail, bs <= 16", tail_at, 20)):
+            if begin is not None and num_steps in (begin, begin + length):
                 if num_steps == begin:
                     windows[name] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                     windows[name].__enter__()
@@ -202,7 +203,7 @@ def gpu(args: argparse.Namespace) -> None:
             print(f"steps {lo}-{hi}: running ~{sizes[lo]:3d}, wall {1000 * sum(w) / len(w):6.2f} ms/step, "
                   f"waiting for the GPU {1000 * sum(s) / len(s):6.2f} ms/step")
     for name, prof in windows.items():
-        print(f"\nGPU kernels over 20 decode steps ({name}):")
+        print(f"\nGPU kernels ({name}):")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
     out = io.StringIO()
     pstats.Stats(cpu, stream=out).sort_stats("tottime").print_stats(22)
