@@ -13,8 +13,9 @@ from Python costs more host time than it saves GPU time at small batches (sessio
 with an eager kernel). The noise is Philox-4x32 (Triton's), keyed by (seed + step, row, column): a step
 counter on the GPU that the second kernel increments, so a replayed graph draws new numbers every step
 without the host writing anything, and every TP rank (same seed, same replays) draws the same tokens.
-Uniforms are u = (k + 0.5) / 2**23 (exact in float32, never 0 or 1), and -log(u) is floored at 1e-7, so
-the noise is finite for every draw.
+Uniforms are u = (k + 0.5) / 2**23 (exact in float32, never 0 or 1), and -log2(u) is floored at 1e-7, so
+the noise is finite for every draw; on the GPU both logarithms are the hardware's base-2 approximation (lg2.approx),
+since the noise, not the read, bounds the kernel.
 
 A row's temperature decides its mode: T > 0 draws, T = 0 takes the argmax, T < 0 leaves the row alone
 (its output is not written). MINISGL_GRAPH_SAMPLING=0 keeps the graphs to the logits (the sampler then
@@ -42,7 +43,15 @@ except ImportError:  # no Triton: usable() is False and the graphs keep to the l
 if triton is not None:
 
     @triton.jit
-    def _block(src, row, key, temp, off, V, best_v, best_i, NOISE: tl.constexpr, BLOCK: tl.constexpr):
+    def _log2(x, FAST: tl.constexpr):
+        if FAST:  # the GPU's one-instruction approximation (relative error ~2**-22): the noise is compute-bound
+            return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                             pack=1)
+        return tl.log2(x)
+
+    @triton.jit
+    def _block(src, row, key, temp, off, V, best_v, best_i, NOISE: tl.constexpr, BLOCK: tl.constexpr,
+               FAST: tl.constexpr):
         """The running per-lane (max, first argmax) updated with logits[off : off + BLOCK] (+ temp * Gumbel noise
         when NOISE). off is a multiple of BLOCK, so the Philox counters off // 4 + lane are this block's own."""
         Q: tl.constexpr = BLOCK // 4  # one Philox call gives four numbers: one for each quarter of a block
@@ -55,8 +64,11 @@ if triton is not None:
             if NOISE:
                 bits = r0 if j == 0 else (r1 if j == 1 else (r2 if j == 2 else r3))
                 u = ((bits.to(tl.uint32, bitcast=True) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-                e = tl.maximum(-tl.log(u), 1e-7)  # Exp(1); the floor keeps an approximate log near u = 1 finite
-                x = x - temp * tl.log(e)  # logits + T * Gumbel
+                # Gumbel = -ln(-ln u) = -ln(ln 2) - ln 2 * log2(-log2 u): the first term is the same for every
+                # column, so the argmax of logits + T * Gumbel is that of logits - T * ln 2 * log2(e), e = -log2 u
+                # (Exp(1) / ln 2; the floor keeps an approximate log near u = 1 finite)
+                e = tl.maximum(-_log2(u, FAST), 1e-7)
+                x = x - (temp * 0.6931471805599453) * _log2(e, FAST)
             take = x > best_v
             best_v = tl.where(take, x, best_v)
             best_i = tl.where(take, cols, best_i)
@@ -66,7 +78,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["NBLK", "SPLITS"])
     def _draw_kernel(
         logits_ptr, stride, temp_ptr, step_ptr, seed, best_val_ptr, best_idx_ptr, V, NBLK, SPLITS,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, FAST: tl.constexpr,
     ):
         row = tl.program_id(0)
         part = tl.program_id(1)
@@ -82,11 +94,11 @@ if triton is not None:
         if temp > 0:
             key = seed + tl.load(step_ptr)
             while k < NBLK:
-                best_v, best_i = _block(src, row, key, temp, start + k * BLOCK, V, best_v, best_i, True, BLOCK)
+                best_v, best_i = _block(src, row, key, temp, start + k * BLOCK, V, best_v, best_i, True, BLOCK, FAST)
                 k += 1
         elif temp == 0:
             while k < NBLK:
-                best_v, best_i = _block(src, row, seed, temp, start + k * BLOCK, V, best_v, best_i, False, BLOCK)
+                best_v, best_i = _block(src, row, seed, temp, start + k * BLOCK, V, best_v, best_i, False, BLOCK, FAST)
                 k += 1
         if temp >= 0:  # temp < 0: the row is sampled outside the graph
             v = tl.max(best_v, axis=0)
@@ -162,7 +174,7 @@ def sample_into(
     best_val, best_idx = ws.best_val[: batch * splits], ws.best_idx[: batch * splits]
     draw[(batch, splits)](
         logits, logits.stride(0), temperature, ws.step, ws.seed, best_val, best_idx, vocab, blocks, splits,
-        BLOCK=block, num_warps=4,
+        BLOCK=block, FAST=logits.is_cuda, num_warps=4,  # Triton's interpreter (CPU tensors) has no inline PTX
     )
     reduce[(batch,)](best_val, best_idx, temperature, out, ws.step, splits, S=_pow2(max(splits, ws.max_splits)))
 
