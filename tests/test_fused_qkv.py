@@ -77,7 +77,8 @@ def test_fused_qkv_kernel_matches_float32_math(device, qk_norm, dtype, block_tok
     assert not k_cache[untouched].any() and not v_cache[untouched].any()  # no other slot written
 
 
-def test_fused_qkv_kernel_saturates_and_rounds_into_an_fp8_pool(device):
+@pytest.mark.parametrize("block_tokens", [1, 8])
+def test_fused_qkv_kernel_saturates_and_rounds_into_an_fp8_pool(device, block_tokens):
     """kv_cache_dtype="fp8_e4m3": k and v land in the pool as KVPool.store would put them (saturated to ±448,
     rounded once); q stays in the model's dtype."""
     from minisgl.layers import RotaryEmbedding
@@ -95,7 +96,8 @@ def test_fused_qkv_kernel_saturates_and_rounds_into_an_fp8_pool(device):
     fp8 = torch.float8_e4m3fn
     k_cache = torch.zeros(slots, kv_heads, dim, device=device, dtype=fp8)
     v_cache = torch.zeros_like(k_cache)
-    fused_qkv(qkv, positions, rotary.cos_sin(), None, None, 0.0, k_cache, v_cache, out_loc, heads, kv_heads, dim)
+    fused_qkv(qkv, positions, rotary.cos_sin(), None, None, 0.0, k_cache, v_cache, out_loc, heads, kv_heads, dim,
+              block_tokens=block_tokens)  # 19 tokens: blocks of 8 end in a partial one
 
     f = qkv.float()
     rk = f[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
