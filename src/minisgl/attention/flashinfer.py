@@ -220,8 +220,9 @@ class FlashInferBackend(AttentionBackend):
             indices = torch.cat([indices, indices.new_full((pad,), self._dummy_page)])
         wrapper = self._graph_wrappers[padded_bs]
         padding = self._graph_padding.get(padded_bs)
-        # the padded blocks redo one row's attention: a dummy row's (one token) or else the shortest request's
-        pad_row = padded_bs - 1 if pad else min(range(batch.size), key=batch.seq_lens.__getitem__)
+        pad_row = 0
+        if padding is not None:  # its padded blocks redo one row: a dummy row (one token), else the shortest request
+            pad_row = padded_bs - 1 if pad else min(range(batch.size), key=batch.seq_lens.__getitem__)
         self._plan_decode(wrapper, indptr, indices, last, split_kv=padding is None, padding=padding, pad_row=pad_row)
         batch.attn_metadata = FlashInferMetadata(wrapper)
 
