@@ -19,7 +19,8 @@ since the noise, not the read, bounds the kernel.
 
 A row's temperature decides its mode: T > 0 draws, T = 0 takes the argmax, T < 0 leaves the row alone
 (its output is not written). MINISGL_GRAPH_SAMPLING=0 keeps the graphs to the logits (the sampler then
-samples them as it does an eager batch's).
+samples them as it does an eager batch's). On Hopper and later both kernels launch with programmatic dependent
+launch (layers/fused.py: pdl; MINISGL_PDL=0 turns it off).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import os
 from typing import Any
 
 import torch
+
+from minisgl.layers.fused import gdc, pdl
 
 BLOCK = 1024  # logits per program per loop iteration: four Philox numbers for each of 256 lanes
 TARGET_PROGRAMS = 2048  # ~16 per SM of an H100: enough loads in flight to stream the logits
@@ -41,6 +44,7 @@ except ImportError:  # no Triton: usable() is False and the graphs keep to the l
     triton = None
 
 if triton is not None:
+    gdc_wait, gdc_launch_dependents = gdc()  # called by the kernels when PDL (launched with it; layers/fused.py)
 
     @triton.jit
     def _log2(x, FAST: tl.constexpr):
@@ -78,8 +82,11 @@ if triton is not None:
     @triton.jit(do_not_specialize=["NBLK", "SPLITS"])
     def _draw_kernel(
         logits_ptr, stride, temp_ptr, step_ptr, seed, best_val_ptr, best_idx_ptr, V, NBLK, SPLITS,
-        BLOCK: tl.constexpr, FAST: tl.constexpr,
+        BLOCK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # launched early: the logits are complete from here on
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0)
         part = tl.program_id(1)
         temp = tl.load(temp_ptr + row)
@@ -106,7 +113,12 @@ if triton is not None:
             tl.store(best_idx_ptr + row * SPLITS + part, tl.min(tl.where(best_v == v, best_i, V), axis=0))
 
     @triton.jit(do_not_specialize=["SPLITS"])
-    def _reduce_kernel(best_val_ptr, best_idx_ptr, temp_ptr, out_ptr, step_ptr, SPLITS, S: tl.constexpr):
+    def _reduce_kernel(
+        best_val_ptr, best_idx_ptr, temp_ptr, out_ptr, step_ptr, SPLITS, S: tl.constexpr, PDL: tl.constexpr,
+    ):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0)
         parts = tl.arange(0, S)
         live = parts < SPLITS
@@ -172,11 +184,16 @@ def sample_into(
     block = min(BLOCK, max(4, 1 << max(0, vocab - 1).bit_length()))  # a small vocabulary: a block of its size
     blocks = -(-(-(-vocab // splits)) // block)  # blocks per program
     best_val, best_idx = ws.best_val[: batch * splits], ws.best_idx[: batch * splits]
+    launch_pdl = pdl(logits.device)
+    launch = {"launch_pdl": True} if launch_pdl else {}
     draw[(batch, splits)](
         logits, logits.stride(0), temperature, ws.step, ws.seed, best_val, best_idx, vocab, blocks, splits,
-        BLOCK=block, FAST=logits.is_cuda, num_warps=4,  # Triton's interpreter (CPU tensors) has no inline PTX
+        BLOCK=block, FAST=logits.is_cuda, PDL=launch_pdl, num_warps=4, **launch,  # FAST: the interpreter has no PTX
     )
-    reduce[(batch,)](best_val, best_idx, temperature, out, ws.step, splits, S=_pow2(max(splits, ws.max_splits)))
+    reduce[(batch,)](
+        best_val, best_idx, temperature, out, ws.step, splits, S=_pow2(max(splits, ws.max_splits)), PDL=launch_pdl,
+        **launch,
+    )
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, ws: Workspace | None = None, splits: int | None = None) -> torch.Tensor:

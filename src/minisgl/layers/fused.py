@@ -3,10 +3,15 @@
 The layers call `fused_ops(x)` on their hot path: it returns the flashinfer module when x is a
 CUDA fp16/bf16 tensor and flashinfer is installed, else None (the plain PyTorch code runs).
 flashinfer is imported on first use, so CPU installs never need it.
+
+`pdl(device)` says whether minisgl's own Triton kernels (layers/fused_qkv.py, engine/gumbel.py) launch with
+programmatic dependent launch, as flashinfer launches its kernels on Hopper and later (`gdc()`: Triton's controls).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
 
 import torch
@@ -29,3 +34,23 @@ def fused_ops(x: torch.Tensor) -> Any:
         except ImportError:
             _flashinfer = None
     return _flashinfer
+
+
+def gdc() -> tuple[Any, Any]:
+    """Triton's grid-dependency controls (gdc_wait, gdc_launch_dependents), Triton >= 3.4; (None, None) without them."""
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:
+        return None, None
+    return gdc_wait, gdc_launch_dependents
+
+
+@functools.cache
+def pdl(device: torch.device) -> bool:
+    """Launch Triton kernels on this device with programmatic dependent launch: a CUDA device of compute capability
+    9 or later, Triton with the controls, and MINISGL_PDL not 0. Such a kernel calls gdc_wait() before its first
+    load or store (the previous kernel's writes are complete and visible after it) and gdc_launch_dependents() right
+    after, so its own launch and the next kernel's overlap the kernels before them."""
+    if device.type != "cuda" or os.environ.get("MINISGL_PDL", "1") == "0" or gdc()[0] is None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9

@@ -9,6 +9,11 @@ per layer, about a seventh of a Qwen3-0.6B decode step on an H100 (docs/benchmar
 
 Used when the attention backend lets the layer store the KV itself (`kv_pool_for`), the tensors
 are fp16/bf16 on CUDA and Triton imports; MINISGL_FUSED_QKV=0 turns it off.
+
+On Hopper and later the kernel is launched with programmatic dependent launch (PDL), as FlashInfer launches its
+norms, activations and attention: it waits for the QKV projection at its first instruction (`gdc_wait`, before any
+load or store) and lets attention launch at once, so the two launches overlap the kernels before them instead of
+following them (`layers/fused.py: pdl`). MINISGL_PDL=0 launches it plainly.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import os
 from typing import Any
 
 import torch
+
+from minisgl.layers.fused import gdc, pdl
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # pool dtypes whose stores saturate (kv_cache_dtype="fp8_*")
@@ -33,14 +40,18 @@ def _kernel() -> Any:
         import triton.language as tl
     except ImportError:
         return None
+    gdc_wait, gdc_launch_dependents = gdc()
 
     @triton.jit(do_not_specialize=["T"])  # one compiled kernel for every token count
     def qkv_kernel(
         qkv_ptr, qkv_stride, pos_ptr, cos_sin_ptr, cos_sin_stride, q_norm_ptr, k_norm_ptr, eps,
         q_out_ptr, k_cache_ptr, v_cache_ptr, cache_stride, loc_ptr, T,
         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, KV_MAX: tl.constexpr,
-        TB: tl.constexpr,
+        TB: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # launched early (programmatic dependent launch): the previous kernel's output is complete from here on
+            gdc_wait()
+            gdc_launch_dependents()
         # one head (program_id 1) of TB tokens (program_id 0): rows of [TB, D // 2] halves
         t = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)
         live = t < T
@@ -135,12 +146,14 @@ def fused_qkv(
     has_norm = q_norm is not None
     tb, warps = block_config(tokens)
     tb, warps = block_tokens or tb, num_warps or warps
+    launch_pdl = pdl(qkv.device)
     _kernel()[(-(-tokens // tb), num_heads + 2 * num_kv_heads)](
         qkv, qkv.stride(0), positions, cos_sin, cos_sin.stride(0),
         q_norm if has_norm else cos_sin, k_norm if has_norm else cos_sin, eps,
         q, k_cache, v_cache, k_cache.stride(0), out_loc, tokens,
         H=num_heads, HKV=num_kv_heads, D=head_dim, HAS_NORM=has_norm, TB=tb, num_warps=warps,
         KV_MAX=float(torch.finfo(k_cache.dtype).max) if k_cache.dtype in _FP8 else 0.0,
+        PDL=launch_pdl, **({"launch_pdl": True} if launch_pdl else {}),
     )
     return q
 
