@@ -12,29 +12,11 @@ import itertools
 
 import torch
 
+from attn_bench import graph_us
 from splitk_gemm import Config, Workspace, splitk_mm
 
 DEV = "cuda"
 BANDWIDTH = 3.0e12
-
-
-def graph_us(fn, reps: int = 10, per_graph: int = 20) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (reps * per_graph)
 
 
 def configs(rows: int, n: int, k: int) -> list[Config]:
@@ -67,12 +49,12 @@ def main() -> None:
             x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
             ref = x.float() @ w.float().t()
             y = torch.empty(rows, n, device=DEV, dtype=torch.bfloat16)
-            cublas = graph_us(lambda: torch.mm(x, w.t(), out=y))
+            cublas = graph_us(lambda: torch.mm(x, w.t(), out=y), calls=20, reps=10)
             floor = (k * n + rows * (k + n)) * 2 / BANDWIDTH * 1e6
             results = []
             for cfg in configs(rows, n, k):
                 try:
-                    us = graph_us(lambda: splitk_mm(x, w, cfg, out=y))
+                    us = graph_us(lambda: splitk_mm(x, w, cfg, out=y), calls=20, reps=10)
                 except Exception as e:  # a config Triton cannot build (resources): skipped, said
                     print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
                     continue
