@@ -20,7 +20,7 @@ since the noise, not the read, bounds the kernel.
 A row's temperature decides its mode: T > 0 draws, T = 0 takes the argmax, T < 0 leaves the row alone
 (its output is not written). MINISGL_GRAPH_SAMPLING=0 keeps the graphs to the logits (the sampler then
 samples them as it does an eager batch's). On Hopper and later both kernels launch with programmatic dependent
-launch (layers/fused.py: pdl; MINISGL_PDL=0 turns it off).
+launch (layers/fused.py: pdl_args; MINISGL_PDL=0 turns it off).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from minisgl.layers.fused import gdc, pdl
+from minisgl.layers.fused import gdc, pdl_args
 
 BLOCK = 1024  # logits per program per loop iteration: four Philox numbers for each of 256 lanes
 TARGET_PROGRAMS = 2048  # ~16 per SM of an H100: enough loads in flight to stream the logits
@@ -184,15 +184,13 @@ def sample_into(
     block = min(BLOCK, max(4, 1 << max(0, vocab - 1).bit_length()))  # a small vocabulary: a block of its size
     blocks = -(-(-(-vocab // splits)) // block)  # blocks per program
     best_val, best_idx = ws.best_val[: batch * splits], ws.best_idx[: batch * splits]
-    launch_pdl = pdl(logits.device)
-    launch = {"launch_pdl": True} if launch_pdl else {}
+    launch = pdl_args(logits.device)
     draw[(batch, splits)](
         logits, logits.stride(0), temperature, ws.step, ws.seed, best_val, best_idx, vocab, blocks, splits,
-        BLOCK=block, FAST=logits.is_cuda, PDL=launch_pdl, num_warps=4, **launch,  # FAST: the interpreter has no PTX
+        BLOCK=block, FAST=logits.is_cuda, num_warps=4, **launch,  # FAST: the interpreter has no PTX
     )
     reduce[(batch,)](
-        best_val, best_idx, temperature, out, ws.step, splits, S=_pow2(max(splits, ws.max_splits)), PDL=launch_pdl,
-        **launch,
+        best_val, best_idx, temperature, out, ws.step, splits, S=_pow2(max(splits, ws.max_splits)), **launch
     )
 
 

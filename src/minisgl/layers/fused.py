@@ -4,8 +4,9 @@ The layers call `fused_ops(x)` on their hot path: it returns the flashinfer modu
 CUDA fp16/bf16 tensor and flashinfer is installed, else None (the plain PyTorch code runs).
 flashinfer is imported on first use, so CPU installs never need it.
 
-`pdl(device)` says whether minisgl's own Triton kernels (layers/fused_qkv.py, engine/gumbel.py) launch with
-programmatic dependent launch, as flashinfer launches its kernels on Hopper and later (`gdc()`: Triton's controls).
+`pdl_args(device)` are the launch keywords of minisgl's own Triton kernels (layers/fused_qkv.py, engine/gumbel.py):
+with programmatic dependent launch where `pdl(device)`, as flashinfer launches its kernels on Hopper and later
+(`gdc()`: Triton's controls).
 """
 
 from __future__ import annotations
@@ -54,3 +55,9 @@ def pdl(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("MINISGL_PDL", "1") == "0" or gdc()[0] is None:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """The launch keywords of a Triton kernel with a `PDL: tl.constexpr` parameter: PDL and Triton's launch_pdl on
+    where pdl(device), else PDL=False alone (a Triton without PDL takes no launch_pdl keyword)."""
+    return {"PDL": True, "launch_pdl": True} if pdl(device) else {"PDL": False}

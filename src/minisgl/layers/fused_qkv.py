@@ -13,7 +13,7 @@ are fp16/bf16 on CUDA and Triton imports; MINISGL_FUSED_QKV=0 turns it off.
 On Hopper and later the kernel is launched with programmatic dependent launch (PDL), as FlashInfer launches its
 norms, activations and attention: it waits for the QKV projection at its first instruction (`gdc_wait`, before any
 load or store) and lets attention launch at once, so the two launches overlap the kernels before them instead of
-following them (`layers/fused.py: pdl`). MINISGL_PDL=0 launches it plainly.
+following them (`layers/fused.py: pdl_args`). MINISGL_PDL=0 launches it plainly.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from minisgl.layers.fused import gdc, pdl
+from minisgl.layers.fused import gdc, pdl_args
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # pool dtypes whose stores saturate (kv_cache_dtype="fp8_*")
@@ -146,14 +146,13 @@ def fused_qkv(
     has_norm = q_norm is not None
     tb, warps = block_config(tokens)
     tb, warps = block_tokens or tb, num_warps or warps
-    launch_pdl = pdl(qkv.device)
     _kernel()[(-(-tokens // tb), num_heads + 2 * num_kv_heads)](
         qkv, qkv.stride(0), positions, cos_sin, cos_sin.stride(0),
         q_norm if has_norm else cos_sin, k_norm if has_norm else cos_sin, eps,
         q, k_cache, v_cache, k_cache.stride(0), out_loc, tokens,
         H=num_heads, HKV=num_kv_heads, D=head_dim, HAS_NORM=has_norm, TB=tb, num_warps=warps,
         KV_MAX=float(torch.finfo(k_cache.dtype).max) if k_cache.dtype in _FP8 else 0.0,
-        PDL=launch_pdl, **({"launch_pdl": True} if launch_pdl else {}),
+        **pdl_args(qkv.device),
     )
     return q
 
