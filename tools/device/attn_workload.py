@@ -11,7 +11,8 @@ against `minisgl bench profile gpu --whole-run` (FlashInfer's CUDA-core decode, 
     python3 tools/device/attn_workload.py [--configs fi:1,fi_tc:1,fi_tc_hnd:64,fi_tc_g:16,fi_tc_g_ns:16,xqa:64] [--every 50]
 
 `_g`: FlashInfer's wrapper in CUDA-graph mode, as the engine replays it (the KV split and merged at every batch
-size); `_ns`: planned with disable_split_kv=True.
+size); `_ns`: planned with disable_split_kv=True; `_lf` (any kernel): each batch ordered longest request first,
+as the scheduler orders decode batches (MINISGL_DECODE_LONGEST_FIRST), instead of the requests' order of arrival.
 """
 
 from __future__ import annotations
@@ -72,17 +73,20 @@ def main() -> None:
         v = torch.randn((num_pages + 1, ps, KVH, D), device=DEV, dtype=torch.bfloat16, generator=gen)
         total_s, total_bytes, t0, per_bs = 0.0, 0, time.time(), []
         for step, weight, lens, page_lists in snaps:
+            if {"lf", "sf"} & set(kind.split("_")):
+                order = sorted(range(len(lens)), key=lambda i: -lens[i] if "lf" in kind.split("_") else lens[i])
+                lens, page_lists = [lens[i] for i in order], [page_lists[i] for i in order]
             case = SimpleNamespace(
                 bs=len(lens), ps=ps, kv_dtype=torch.bfloat16, lens=lens, pages=[len(x) for x in page_lists],
                 page_ids=[torch.tensor(x, dtype=torch.int32) for x in page_lists], k=k, v=v,
                 q=torch.randn(len(lens), QH, D, device=DEV, dtype=torch.bfloat16, generator=gen),
             )
-            if kind == "xqa":
+            if kind.startswith("xqa"):
                 workspace.zero_()
                 fn, _ = xqa_decode(case, workspace)
-            elif kind == "fa3":
+            elif kind.startswith("fa3"):
                 fn, _ = fa3_decode(case, workspace)
-            else:  # fi, fi_tc [+ _hnd] [+ _g: graph-mode wrapper, as the engine's graphs] [+ _ns: no KV split]
+            else:  # fi, fi_tc [+ _hnd] [+ _g: graph-mode wrapper, as the engine's graphs] [+ _ns: no KV split] [+ _lf]
                 flags = kind.split("_")[1:]
                 fn, _ = flashinfer_decode(case, workspace, tensor_cores="tc" in flags,
                                           layout="HND" if "hnd" in flags else "NHD", graph_mode="g" in flags,
