@@ -149,7 +149,7 @@ def fa3_decode(case: Case, workspace: torch.Tensor, layout: str = "NHD"):
     return lambda: w.run(case.q, (k, v), out=out), out
 
 
-def xqa_decode(case: Case, workspace: torch.Tensor):
+def xqa_decode(case: Case, workspace: torch.Tensor, pdl: bool | None = None):
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
     width = max(case.pages)
@@ -163,14 +163,15 @@ def xqa_decode(case: Case, workspace: torch.Tensor):
     def fn():
         trtllm_batch_decode_with_kv_cache(
             case.q, (case.k, case.v), workspace, table, seq_lens, width * case.ps,
-            bmm1_scale=SCALE, bmm2_scale=1.0, out=out, kv_layout="NHD", backend="xqa",
+            bmm1_scale=SCALE, bmm2_scale=1.0, out=out, kv_layout="NHD", backend="xqa", enable_pdl=pdl,
         )
 
     return fn, out
 
 
-def xqa_backend(case: Case):
-    """The kernel as minisgl.attention.xqa.XqaBackend calls it."""
+def xqa_backend(case: Case, graph_seq_len: int | None = None):
+    """The kernel as minisgl.attention.xqa.XqaBackend calls it; with graph_seq_len, as its CUDA graphs replay it
+    (buffers as wide as a graph_seq_len context, the batch padded to the next captured size)."""
     from types import SimpleNamespace
 
     from minisgl.attention.xqa import XqaBackend
@@ -188,9 +189,18 @@ def xqa_backend(case: Case):
     batch = SimpleNamespace(
         is_decode=True, size=case.bs, seq_lens=case.lens, reqs=[SimpleNamespace(table_idx=i) for i in range(case.bs)],
     )
-    backend.prepare(batch)
+    q = case.q
+    if graph_seq_len is None:
+        backend.prepare(batch)
+    else:
+        from minisgl.engine.cuda_graph import graph_batch_sizes
+
+        padded = min(n for n in graph_batch_sizes(256) if n >= case.bs)
+        backend.init_cuda_graph(256, graph_seq_len, dummy_page=0)
+        backend.prepare_replay(batch, padded)
+        q = torch.cat([q, q[:1].expand(padded - case.bs, -1, -1)]) if padded > case.bs else q
     out = torch.empty(case.bs, QH, D, device=DEV, dtype=torch.bfloat16)
-    return lambda: out.copy_(backend.forward(case.q, None, None, 0, batch).view_as(out)), out
+    return lambda: out.copy_(backend.forward(q, None, None, 0, batch)[: case.bs].view_as(out)), out
 
 
 def main() -> None:

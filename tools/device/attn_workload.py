@@ -11,8 +11,10 @@ against `minisgl bench profile gpu --whole-run` (FlashInfer's CUDA-core decode, 
     python3 tools/device/attn_workload.py [--configs fi:1,fi_tc:1,fi_tc_hnd:64,fi_tc_g:16,fi_tc_g_ns:16,xqa:64] [--every 50]
 
 `_g`: FlashInfer's wrapper in CUDA-graph mode, as the engine replays it (the KV split and merged at every batch
-size); `_ns`: planned with disable_split_kv=True; `_lf` (any kernel): each batch ordered longest request first,
-as the scheduler orders decode batches (MINISGL_DECODE_LONGEST_FIRST), instead of the requests' order of arrival.
+size); `_ns`: planned with disable_split_kv=True; `_lf` / `_sf` (any kernel): each batch ordered longest / shortest
+request first instead of the requests' order of arrival; `xqa_np`: XQA launched without programmatic dependent
+launch; `xqab` [`_g`]: XQA as minisgl's XqaBackend calls it [from its CUDA-graph buffers]; `_pool` / `_pool2`: K and V views into a whole model's pool
+laid out (2, layers, ...) as minisgl's KVPool / (layers, 2, ...).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from attn_bench import D, DEV, KVH, QH, fa3_decode, flashinfer_decode, graph_us, xqa_decode  # noqa: E402
+from attn_bench import D, DEV, KVH, QH, fa3_decode, flashinfer_decode, graph_us, xqa_backend, xqa_decode  # noqa: E402
 
 LAYERS = 28
 
@@ -69,8 +71,19 @@ def main() -> None:
             by_ps[ps] = snapshots(ps, args.every)
         num_pages, snaps = by_ps[ps]
         gen = torch.Generator(device=DEV).manual_seed(0)
-        k = torch.randn((num_pages + 1, ps, KVH, D), device=DEV, dtype=torch.bfloat16, generator=gen)
-        v = torch.randn((num_pages + 1, ps, KVH, D), device=DEV, dtype=torch.bfloat16, generator=gen)
+        pool = None
+        if "pool" in kind.split("_") or "pool2" in kind.split("_"):
+            # K and V inside a whole model's pool, as the engine holds them: (2, layers, slots, ...) (KVPool's
+            # layout) or, for "pool2", (layers, 2, slots, ...); the kernel reads a middle layer's.
+            shape = (2, LAYERS) if "pool" in kind.split("_") else (LAYERS, 2)
+            pool = torch.empty(shape + ((num_pages + 1) * ps, KVH, D), device=DEV, dtype=torch.bfloat16)
+            kv = (pool[0, LAYERS // 2], pool[1, LAYERS // 2]) if shape[0] == 2 else tuple(pool[LAYERS // 2])
+            k, v = (x.view(num_pages + 1, ps, KVH, D) for x in kv)
+            k.normal_(generator=gen)
+            v.normal_(generator=gen)
+        else:
+            k = torch.randn((num_pages + 1, ps, KVH, D), device=DEV, dtype=torch.bfloat16, generator=gen)
+            v = torch.randn((num_pages + 1, ps, KVH, D), device=DEV, dtype=torch.bfloat16, generator=gen)
         total_s, total_bytes, t0, per_bs = 0.0, 0, time.time(), []
         for step, weight, lens, page_lists in snaps:
             if {"lf", "sf"} & set(kind.split("_")):
@@ -81,9 +94,11 @@ def main() -> None:
                 page_ids=[torch.tensor(x, dtype=torch.int32) for x in page_lists], k=k, v=v,
                 q=torch.randn(len(lens), QH, D, device=DEV, dtype=torch.bfloat16, generator=gen),
             )
-            if kind.startswith("xqa"):
+            if kind.startswith("xqab"):
+                fn, _ = xqa_backend(case, graph_seq_len=40960 if "g" in kind.split("_") else None)
+            elif kind.startswith("xqa"):
                 workspace.zero_()
-                fn, _ = xqa_decode(case, workspace)
+                fn, _ = xqa_decode(case, workspace, pdl=False if "np" in kind.split("_") else None)
             elif kind.startswith("fa3"):
                 fn, _ = fa3_decode(case, workspace)
             else:  # fi, fi_tc [+ _hnd] [+ _g: graph-mode wrapper, as the engine's graphs] [+ _ns: no KV split] [+ _lf]
@@ -98,7 +113,7 @@ def main() -> None:
             per_bs.append(f"{case.bs}:{nbytes / us / 1e6:.2f}")
         print(f"{config:14s} run estimate {total_s:6.3f} s, {total_bytes / total_s / 1e12:5.3f} TB/s "
               f"({time.time() - t0:4.1f} s); TB/s by batch: {' '.join(per_bs)}", flush=True)
-        del k, v
+        del k, v, pool
         torch.cuda.empty_cache()
 
 
