@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from attn_bench import D, DEV, KVH, QH, fa3_decode, flashinfer_decode, graph_us, xqa_backend, xqa_decode  # noqa: E402
 
 LAYERS = 28
+MAX_SEQ_LEN = 40960  # the dummy model's context (minisgl.bench.throughput): the width of the engine's graph buffers
 
 
 def snapshots(ps: int, every: int) -> tuple[int, list[tuple[int, int, list[int], list[list[int]]]]]:
@@ -70,12 +71,13 @@ def main() -> None:
         if ps not in by_ps:
             by_ps[ps] = snapshots(ps, args.every)
         num_pages, snaps = by_ps[ps]
+        tags = set(kind.split("_"))
         gen = torch.Generator(device=DEV).manual_seed(0)
         pool = None
-        if "pool" in kind.split("_") or "pool2" in kind.split("_"):
+        if {"pool", "pool2"} & tags:
             # K and V inside a whole model's pool, as the engine holds them: (2, layers, slots, ...) (KVPool's
             # layout) or, for "pool2", (layers, 2, slots, ...); the kernel reads a middle layer's.
-            shape = (2, LAYERS) if "pool" in kind.split("_") else (LAYERS, 2)
+            shape = (2, LAYERS) if "pool" in tags else (LAYERS, 2)
             pool = torch.empty(shape + ((num_pages + 1) * ps, KVH, D), device=DEV, dtype=torch.bfloat16)
             kv = (pool[0, LAYERS // 2], pool[1, LAYERS // 2]) if shape[0] == 2 else tuple(pool[LAYERS // 2])
             k, v = (x.view(num_pages + 1, ps, KVH, D) for x in kv)
@@ -86,8 +88,8 @@ def main() -> None:
             v = torch.randn((num_pages + 1, ps, KVH, D), device=DEV, dtype=torch.bfloat16, generator=gen)
         total_s, total_bytes, t0, per_bs = 0.0, 0, time.time(), []
         for step, weight, lens, page_lists in snaps:
-            if {"lf", "sf"} & set(kind.split("_")):
-                order = sorted(range(len(lens)), key=lambda i: -lens[i] if "lf" in kind.split("_") else lens[i])
+            if {"lf", "sf"} & tags:
+                order = sorted(range(len(lens)), key=lambda i: -lens[i] if "lf" in tags else lens[i])
                 lens, page_lists = [lens[i] for i in order], [page_lists[i] for i in order]
             case = SimpleNamespace(
                 bs=len(lens), ps=ps, kv_dtype=torch.bfloat16, lens=lens, pages=[len(x) for x in page_lists],
@@ -95,13 +97,13 @@ def main() -> None:
                 q=torch.randn(len(lens), QH, D, device=DEV, dtype=torch.bfloat16, generator=gen),
             )
             if kind.startswith("xqab"):
-                fn, _ = xqa_backend(case, graph_seq_len=40960 if "g" in kind.split("_") else None)
+                fn, _ = xqa_backend(case, graph_seq_len=MAX_SEQ_LEN if "g" in tags else None)
             elif kind.startswith("xqa"):
                 workspace.zero_()
-                fn, _ = xqa_decode(case, workspace, pdl=False if "np" in kind.split("_") else None)
+                fn, _ = xqa_decode(case, workspace, pdl=False if "np" in tags else None)
             elif kind.startswith("fa3"):
                 fn, _ = fa3_decode(case, workspace)
-            else:  # fi, fi_tc [+ _hnd] [+ _g: graph-mode wrapper, as the engine's graphs] [+ _ns: no KV split] [+ _lf]
+            else:  # fi, fi_tc [+ _hnd] [+ _g: graph-mode wrapper, as the engine's graphs] [+ _ns: no KV split]
                 flags = kind.split("_")[1:]
                 fn, _ = flashinfer_decode(case, workspace, tensor_cores="tc" in flags,
                                           layout="HND" if "hnd" in flags else "NHD", graph_mode="g" in flags,
