@@ -14,12 +14,15 @@ against `minisgl bench profile gpu --whole-run` (FlashInfer's CUDA-core decode, 
 size); `_ns`: planned with disable_split_kv=True; `_lf` / `_sf` (any kernel): each batch ordered longest / shortest
 request first instead of the requests' order of arrival; `xqa_np`: XQA launched without programmatic dependent
 launch; `xqab` [`_g`]: XQA as minisgl's XqaBackend calls it [from its CUDA-graph buffers]; `_pool` / `_pool2`: K and V views into a whole model's pool
-laid out (2, layers, ...) as minisgl's KVPool / (layers, 2, ...).
+laid out (2, layers, ...) as minisgl's KVPool / (layers, 2, ...); `_cold`: consecutive calls read two layers' K and V in
+turn (as the engine's layers do), so no call finds the previous call's last reads in the L2 cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import itertools
 import os
 import sys
 import time
@@ -59,6 +62,20 @@ def snapshots(ps: int, every: int) -> tuple[int, list[tuple[int, int, list[int],
     return nxt, out
 
 
+def kernel(kind: str, tags: set[str], case: SimpleNamespace, workspace: torch.Tensor):
+    """A call of the config's kernel on one batch."""
+    if kind.startswith("xqab"):
+        return xqa_backend(case, graph_seq_len=MAX_SEQ_LEN if "g" in tags else None)[0]
+    if kind.startswith("xqa"):
+        workspace.zero_()
+        return xqa_decode(case, workspace, pdl=False if "np" in tags else None)[0]
+    if kind.startswith("fa3"):
+        return fa3_decode(case, workspace)[0]
+    # fi, fi_tc [+ _hnd] [+ _g: graph-mode wrapper, as the engine's graphs] [+ _ns: no KV split]
+    return flashinfer_decode(case, workspace, tensor_cores="tc" in tags, layout="HND" if "hnd" in tags else "NHD",
+                             graph_mode="g" in tags, split_kv="ns" not in tags)[0]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default="fi:1,fi_tc:1,fi:16,fi_tc:16,fi_tc_hnd:16,fi_tc:64,fi_tc_hnd:64,fi_hnd:64,xqa:64")
@@ -86,6 +103,7 @@ def main() -> None:
         else:
             k = torch.randn((num_pages + 1, ps, KVH, D), device=DEV, dtype=torch.bfloat16, generator=gen)
             v = torch.randn((num_pages + 1, ps, KVH, D), device=DEV, dtype=torch.bfloat16, generator=gen)
+        other = (torch.randn_like(k), torch.randn_like(v)) if "cold" in tags else None
         total_s, total_bytes, t0, per_bs = 0.0, 0, time.time(), []
         for step, weight, lens, page_lists in snaps:
             if {"lf", "sf"} & tags:
@@ -96,26 +114,20 @@ def main() -> None:
                 page_ids=[torch.tensor(x, dtype=torch.int32) for x in page_lists], k=k, v=v,
                 q=torch.randn(len(lens), QH, D, device=DEV, dtype=torch.bfloat16, generator=gen),
             )
-            if kind.startswith("xqab"):
-                fn, _ = xqa_backend(case, graph_seq_len=MAX_SEQ_LEN if "g" in tags else None)
-            elif kind.startswith("xqa"):
-                workspace.zero_()
-                fn, _ = xqa_decode(case, workspace, pdl=False if "np" in tags else None)
-            elif kind.startswith("fa3"):
-                fn, _ = fa3_decode(case, workspace)
-            else:  # fi, fi_tc [+ _hnd] [+ _g: graph-mode wrapper, as the engine's graphs] [+ _ns: no KV split]
-                flags = kind.split("_")[1:]
-                fn, _ = flashinfer_decode(case, workspace, tensor_cores="tc" in flags,
-                                          layout="HND" if "hnd" in flags else "NHD", graph_mode="g" in flags,
-                                          split_kv="ns" not in flags)
-            us = graph_us(fn)
+            cases = [case]
+            if other is not None:  # the same batch over a second layer's K and V, called in turn with the first
+                cases.append(copy.copy(case))
+                cases[1].k, cases[1].v = other
+            fns = [kernel(kind, tags, c, workspace) for c in cases]
+            turn = itertools.cycle(fns)
+            us = graph_us(fns[0] if len(fns) == 1 else lambda: next(turn)())
             nbytes = sum(lens) * KVH * D * 2 * 2
             total_s += us * 1e-6 * weight * LAYERS
             total_bytes += nbytes * weight * LAYERS
             per_bs.append(f"{case.bs}:{nbytes / us / 1e6:.2f}")
         print(f"{config:14s} run estimate {total_s:6.3f} s, {total_bytes / total_s / 1e12:5.3f} TB/s "
               f"({time.time() - t0:4.1f} s); TB/s by batch: {' '.join(per_bs)}", flush=True)
-        del k, v, pool
+        del k, v, pool, other
         torch.cuda.empty_cache()
 
 
