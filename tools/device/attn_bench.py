@@ -8,6 +8,8 @@
   page sizes of `--page-sizes-fa3`;
 - TensorRT-LLM's XQA kernel as FlashInfer ships it (`trtllm_batch_decode_with_kv_cache(backend="xqa")`,
   page sizes 16/32/64; on Hopper an fp8 cache runs its GMMA kernel, which also rounds q to fp8);
+- `ba`: FlashInfer's persistent BatchAttention (KV cut into equal chunks over a persistent grid, merged inside it),
+  page sizes of `--page-sizes-ba`;
 - `xqa_backend`: the same kernel through minisgl's XqaBackend as the engine runs it (an fp8 cache: XQA's Hopper fp8
   kernel; with MINISGL_XQA_FP8_GMMA=0, its generic kernel over bf16 queries).
 
@@ -149,6 +151,21 @@ def fa3_decode(case: Case, workspace: torch.Tensor, layout: str = "NHD"):
     return lambda: w.run(case.q, (k, v), out=out), out
 
 
+def batch_attention(case: Case):
+    """FlashInfer's persistent BatchAttention (one kernel for any mix of prefill and decode rows: the KV of the
+    batch cut into equal chunks over a persistent grid, the partial results merged inside it)."""
+    from flashinfer.attention import BatchAttention
+
+    w = BatchAttention("NHD")
+    kv_indptr = torch.tensor([0] + list(torch.tensor(case.pages).cumsum(0).tolist()), dtype=torch.int32)
+    w.plan(torch.arange(case.bs + 1, dtype=torch.int32, device=DEV), kv_indptr.to(DEV), torch.cat(case.page_ids).to(DEV),
+           torch.tensor(case.lens, dtype=torch.int32, device=DEV), QH, KVH, D, D, case.ps, causal=False,
+           sm_scale=SCALE, q_data_type=torch.bfloat16, kv_data_type=case.kv_dtype)
+    out = torch.empty(case.bs, QH, D, device=DEV, dtype=torch.bfloat16)
+    lse = torch.empty(case.bs, QH, device=DEV, dtype=torch.float32)
+    return lambda: w.run(case.q, (case.k, case.v), out=out, lse=lse), out
+
+
 def xqa_decode(case: Case, workspace: torch.Tensor, pdl: bool | None = None):
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
@@ -210,6 +227,7 @@ def main() -> None:
     p.add_argument("--page-sizes-xqa", default="16,64")
     p.add_argument("--page-sizes-hnd", default="16,64")
     p.add_argument("--page-sizes-fa3", default="1,16")
+    p.add_argument("--page-sizes-ba", default="16")
     p.add_argument("--kv", default="bf16,fp8", help="KV dtypes: bf16, fp8 (e4m3)")
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attn_bench.json"))
     p.add_argument("--budget-s", type=float, default=400)
@@ -233,6 +251,8 @@ def main() -> None:
             variants += [("fa3", int(ps), kv_dtype) for ps in args.page_sizes_fa3.split(",")]
         if "xqa" in only:
             variants += [("xqa", int(ps), kv_dtype) for ps in args.page_sizes_xqa.split(",")]
+        if "ba" in only:
+            variants += [("ba", int(ps), kv_dtype) for ps in args.page_sizes_ba.split(",")]
         if "xqa_backend" in only:
             variants += [("xqa_backend", int(ps), kv_dtype) for ps in args.page_sizes_xqa.split(",")]
     # the xqa variants first at batch 256 so a slow JIT build shows early
@@ -253,6 +273,8 @@ def main() -> None:
                     fn, out = xqa_backend(case)
                 elif kind == "fa3":
                     fn, out = fa3_decode(case, workspace)
+                elif kind == "ba":
+                    fn, out = batch_attention(case)
                 else:
                     fn, out = flashinfer_decode(case, workspace, tensor_cores=kind.startswith("fi_tc"),
                                                 layout="HND" if kind.endswith("_hnd") else "NHD")

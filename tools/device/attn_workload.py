@@ -12,7 +12,7 @@ against `minisgl bench profile gpu --whole-run` (FlashInfer's CUDA-core decode, 
 
 `_g`: FlashInfer's wrapper in CUDA-graph mode, as the engine replays it (the KV split and merged at every batch
 size); `_ns`: planned with disable_split_kv=True; `_lf` / `_sf` (any kernel): each batch ordered longest / shortest
-request first instead of the requests' order of arrival; `xqa_np`: XQA launched without programmatic dependent
+request first instead of the requests' order of arrival; `ba`: FlashInfer's persistent BatchAttention; `xqa_np`: XQA launched without programmatic dependent
 launch; `xqab` [`_g`]: XQA as minisgl's XqaBackend calls it [from its CUDA-graph buffers]; `_pool` / `_pool2`: K and V views into a whole model's pool
 laid out (2, layers, ...) as minisgl's KVPool / (layers, 2, ...); `_cold`: consecutive calls read two layers' K and V in
 turn (as the engine's layers do), so no call finds the previous call's last reads in the L2 cache.
@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from attn_bench import D, DEV, KVH, QH, fa3_decode, flashinfer_decode, graph_us, xqa_backend, xqa_decode  # noqa: E402
+from attn_bench import D, DEV, KVH, QH, batch_attention, fa3_decode, flashinfer_decode, graph_us, xqa_backend, xqa_decode  # noqa: E402
 
 LAYERS = 28
 MAX_SEQ_LEN = 40960  # the dummy model's context (minisgl.bench.throughput): the width of the engine's graph buffers
@@ -69,6 +69,8 @@ def kernel(kind: str, tags: set[str], case: SimpleNamespace, workspace: torch.Te
     if kind.startswith("xqa"):
         workspace.zero_()
         return xqa_decode(case, workspace, pdl=False if "np" in tags else None)[0]
+    if kind.startswith("ba"):
+        return batch_attention(case)[0]
     if kind.startswith("fa3"):
         return fa3_decode(case, workspace)[0]
     # fi, fi_tc [+ _hnd] [+ _g: graph-mode wrapper, as the engine's graphs] [+ _ns: no KV split]
