@@ -231,6 +231,26 @@ def test_timeout_raises_and_aborts_the_request(client: Any) -> None:
         client.generate("Write a long story about a fox.", LONG, timeout=0.01)
 
 
+def test_a_total_timeout_bounds_the_whole_request_and_aborts_it(client: Any) -> None:
+    # chunks keep arriving well within the per-reply timeout; the request as a whole takes seconds
+    for total in (0, -1.0, "1", True):
+        with pytest.raises(InvalidRequestError, match="total_timeout"):
+            client.generate("Hi", LONG, total_timeout=total)
+    t0 = time.monotonic()
+    with pytest.raises(DaemonTimeoutError, match="total_timeout of 0.3s"):
+        client.generate("Write a long story about a fox.", LONG, timeout=30, total_timeout=0.3)
+    assert time.monotonic() - t0 < 5.0
+
+    async def with_asyncio() -> None:
+        async with AsyncClient("smollm2", client.address, auto_start=False) as ac:
+            with pytest.raises(DaemonTimeoutError, match="total_timeout"):
+                await ac.generate("Write a long story about a fox.", LONG, total_timeout=0.3)
+            short = await ac.generate("Hi", GREEDY, total_timeout=60)  # a request within its limit is unaffected
+            assert short.outputs[0].finish_reason in ("length", "stop")
+
+    asyncio.run(with_asyncio())  # the fixture then checks that both requests were aborted and freed their pages
+
+
 def test_a_killed_client_process_has_its_request_aborted(smollm2_daemon: DaemonHandle, client: Any) -> None:
     script = (
         "from minisgl.client import Client\nfrom minisgl.core import SamplingParams\n"

@@ -137,6 +137,33 @@ def test_sampling_parameters_reach_the_daemon(daemon):
     assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 8
 
 
+def test_logit_bias_and_parallel_tool_calls_reach_the_daemon(daemon):
+    banana = daemon.client.tokenize("Banana", add_special_tokens=False)[0]
+    ref = daemon.client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=4, logit_bias={banana: 100}))
+    assert ref.text.startswith("Ban")  # the reference: the bias took over the greedy answer
+    r = litellm.completion(**ask(daemon, max_tokens=4, logit_bias={str(banana): 100}))
+    assert r.choices[0].message.content == ref.text
+    from litellm_minisgl.translate import build_request
+
+    assert build_request(QUESTION, {"parallel_tool_calls": False}).generate_kwargs()["parallel_tool_calls"] is False
+    # OpenAI's deprecated functions / function_call are refused, not silently dropped
+    add = {"name": "add", "parameters": {"type": "object", "properties": {}}}
+    with pytest.raises(litellm.BadRequestError, match="tools"):
+        litellm.completion(**ask(daemon, functions=[add], function_call={"name": "add"}))
+
+
+def test_a_completions_timeout_bounds_the_whole_request_and_aborts_it(daemon):
+    long = ask(daemon, max_tokens=400, extra_body={"ignore_eos": True})
+    t0 = time.monotonic()
+    with pytest.raises(litellm.Timeout, match="total_timeout"):
+        litellm.completion(**long, timeout=0.3, num_retries=0)
+    assert time.monotonic() - t0 < 5.0  # the request alone takes several seconds on the CPU
+    deadline = time.monotonic() + 30
+    while daemon.client.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemon.client.stats()["running"] == 0  # aborted in the daemon, not left decoding
+
+
 def test_chat_template_kwargs_reach_the_daemons_chat_template(daemon):
     plain = litellm.completion(**ask(daemon, max_tokens=2))
     # As vLLM/SGLang take them: a kwarg or extra_body; the template variable is unknown to SmolLM2's template.

@@ -32,7 +32,9 @@ START_TIMEOUT_S = 600.0  # finding or starting a daemon (an auto-started one loa
 
 
 def _seconds(timeout: float | httpx.Timeout | None) -> float | None:
-    """LiteLLM's timeout (seconds or an httpx.Timeout) as the client's per-reply timeout."""
+    """LiteLLM's timeout (seconds or an httpx.Timeout) in seconds: a stream's limit per chunk, and a non-streamed
+    completion's for the whole request (as LiteLLM's OpenAI provider, whose HTTP client waits that long for the
+    response)."""
     if isinstance(timeout, httpx.Timeout):
         parts = [t for t in (timeout.read, timeout.connect, timeout.write, timeout.pool) if t is not None]
         return max(parts) if parts else None
@@ -164,7 +166,8 @@ class MiniSGLLLM(CustomLLM):
                    ) -> ModelResponse:
         with _litellm_errors(model):
             c, request, params = self._prepare(model, messages, api_base, optional_params, timeout, stream=False)
-            result = c.generate(request.messages, params, timeout=_seconds(timeout), **request.generate_kwargs())
+            result = c.generate(request.messages, params, timeout=_seconds(timeout), total_timeout=_seconds(timeout),
+                                **request.generate_kwargs())
         return to_model_response(result, model_response, model)
 
     def streaming(self, model: str, messages: list, api_base: str | None, custom_prompt_dict: dict,
@@ -207,7 +210,7 @@ class MiniSGLLLM(CustomLLM):
         with _litellm_errors(model):
             c, request, params = await self._aprepare(model, messages, api_base, optional_params, timeout, False)
             result = await c.generate(request.messages, params, timeout=_seconds(timeout),
-                                      **request.generate_kwargs())
+                                      total_timeout=_seconds(timeout), **request.generate_kwargs())
         return to_model_response(result, model_response, model)
 
     async def astreaming(self, model: str, messages: list, api_base: str | None, custom_prompt_dict: dict,

@@ -31,7 +31,7 @@ PROVIDER = "minisgl"
 # The OpenAI sampling parameters this provider takes, and the engine extras a caller may pass as
 # kwargs or in extra_body (as vLLM/SGLang accept them); SamplingParams.from_openai maps them.
 _OPENAI = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "n", "max_tokens",
-           "max_completion_tokens", "logprobs", "top_logprobs")
+           "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias")
 _EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens")
 
 
@@ -45,6 +45,7 @@ class Request:
         self.params = params  # the OpenAI sampling parameters given (for SamplingParams.from_openai)
         self.tools = optional_params.get("tools") or None
         self.tool_choice = optional_params.get("tool_choice")
+        self.parallel_tool_calls = optional_params.get("parallel_tool_calls")
         self.response_format = _response_format(optional_params.get("response_format"))
         self.chat_template_kwargs = optional_params.get("chat_template_kwargs")  # vLLM/SGLang's extra_body field
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, Mapping):
@@ -56,7 +57,8 @@ class Request:
 
     def generate_kwargs(self) -> dict[str, Any]:
         return {"tools": self.tools, "tool_choice": self.tool_choice, "response_format": self.response_format,
-                "chat_template_kwargs": dict(self.chat_template_kwargs) if self.chat_template_kwargs else None}
+                "chat_template_kwargs": dict(self.chat_template_kwargs) if self.chat_template_kwargs else None,
+                "parallel_tool_calls": self.parallel_tool_calls}
 
 
 def build_request(messages: Any, optional_params: Mapping[str, Any], stream: bool = False) -> Request:
@@ -66,6 +68,9 @@ def build_request(messages: Any, optional_params: Mapping[str, Any], stream: boo
     if not isinstance(extra_body, Mapping):
         raise InvalidRequestError("extra_body must be an object")
     given = {**extra_body, **{k: v for k, v in given.items() if k != "extra_body"}}
+    if given.get("functions") is not None or given.get("function_call") is not None:
+        raise InvalidRequestError("functions / function_call (OpenAI's deprecated form) are not supported: "
+                                  "pass tools and tool_choice")
     params: dict[str, Any] = {k: given[k] for k in (*_OPENAI, *_EXTRAS) if given.get(k) is not None}
     if "logprobs" in params:
         params["logprobs"] = bool(params["logprobs"])  # a chat API: logprobs is a switch, top_logprobs the count

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 import weakref
 from abc import ABC, abstractmethod
@@ -180,6 +181,12 @@ class _ResultBuilder:
         return GenerateResult(self.rid, [self.outputs[i] for i in sorted(self.outputs)], self.usage, self.prompt_logprobs)
 
 
+def _total_timeout(total: Any) -> None:
+    """generate()'s total_timeout: None or seconds > 0."""
+    if total is not None and (isinstance(total, bool) or not isinstance(total, (int, float)) or not total > 0):
+        raise InvalidRequestError(f"total_timeout must be a number of seconds > 0 or None, got {total!r}")
+
+
 def _generate_message(prompt: Prompt, sampling_params: SamplingParams | None, rid: str | None, **chat: Any) -> Generate:
     """chat: tools, tool_choice, response_format, chat_template_kwargs, parallel_tool_calls (Generate's fields)."""
     rid = rid if rid is not None else uuid.uuid4().hex
@@ -269,6 +276,33 @@ class _StreamCore(ABC):
 
     rid: str
     _open: bool
+    _timeout: float | None  # per reply
+    _total: float | None = None  # generate()'s total_timeout: seconds for the whole request
+    _deadline: float | None = None  # time.monotonic() by which the request must have ended
+
+    def _limit(self, total: float | None) -> None:
+        """The whole request must end within total seconds (checked by _total_timeout) from now; None: no limit."""
+        if total is not None:
+            self._total, self._deadline = total, time.monotonic() + total
+
+    def _wait(self) -> tuple[float | None, bool]:
+        """How long the next reply may take, and whether the request's deadline (not the per-reply timeout) says so."""
+        if self._deadline is None:
+            return self._timeout, False
+        left = max(0.0, self._deadline - time.monotonic())
+        if self._timeout is not None and self._timeout < left:
+            return self._timeout, False
+        return left, True
+
+    @contextmanager
+    def _within(self, by_deadline: bool) -> Iterator[None]:
+        """A wait that the deadline cut short fails as the request's total_timeout running out."""
+        try:
+            yield
+        except DaemonTimeoutError:
+            if by_deadline:
+                raise DaemonTimeoutError(f"the request did not finish within its total_timeout of {self._total:g}s") from None
+            raise
 
     @abstractmethod
     def _end(self) -> None:
@@ -286,7 +320,7 @@ class _StreamCore(ABC):
         except DaemonTimeoutError as e:
             self._abort()
             raise DaemonTimeoutError(
-                f"{e}; the request was aborted (raise the client's timeout for slower requests)"
+                f"{e}; the request was aborted (raise the timeout for slower requests)"
             ) from None
         except BaseException:
             self._abort()
@@ -321,7 +355,9 @@ class Stream(_StreamCore):
         if not self._open:
             raise StopIteration
         with self._aborting():
-            reply = self._conn.next(self.rid, self._timeout)
+            wait, by_deadline = self._wait()
+            with self._within(by_deadline):
+                reply = self._conn.next(self.rid, wait)
         return self._chunk(reply)
 
     def _end(self) -> None:
@@ -434,16 +470,22 @@ class Client(_ClientCore):
         parallel_tool_calls: bool | None = None,
         rid: str | None = None,
         timeout: float | None = _UNSET,
+        total_timeout: float | None = None,
     ) -> GenerateResult:
         """Run one request to the end. prompt: text, token ids, or chat messages [{"role", "content"}].
 
         With messages: tools / tool_choice (OpenAI-style; parallel_tool_calls=False: at most one call), response_format,
         and chat_template_kwargs (extra chat-template variables, e.g. {"enable_thinking": False} for Qwen3 models).
+        timeout: seconds for each reply (the client's by default); total_timeout: seconds for the whole request, as an
+        HTTP client's timeout on a non-streamed completion (None: no limit). Either one running out aborts the
+        request and raises DaemonTimeoutError.
         """
+        _total_timeout(total_timeout)
         stream = self.stream(
             prompt, sampling_params, tools=tools, tool_choice=tool_choice, response_format=response_format,
             chat_template_kwargs=chat_template_kwargs, parallel_tool_calls=parallel_tool_calls, rid=rid, timeout=timeout,
         )
+        stream._limit(total_timeout)
         builder = _ResultBuilder(stream.rid)
         with stream:
             for chunk in stream:
@@ -555,7 +597,9 @@ class AsyncStream(_StreamCore):
                 self._conn = await self._client._connection()
                 self._conn.open(self.rid)
                 self._conn.send(self._msg)
-            reply = await self._conn.next(self.rid, self._timeout)
+            wait, by_deadline = self._wait()
+            with self._within(by_deadline):
+                reply = await self._conn.next(self.rid, wait)
         return self._chunk(reply)
 
     def _end(self) -> None:
@@ -658,11 +702,15 @@ class AsyncClient(_ClientCore):
         parallel_tool_calls: bool | None = None,
         rid: str | None = None,
         timeout: float | None = _UNSET,
+        total_timeout: float | None = None,
     ) -> GenerateResult:
+        """As Client.generate."""
+        _total_timeout(total_timeout)
         stream = self.stream(
             prompt, sampling_params, tools=tools, tool_choice=tool_choice, response_format=response_format,
             chat_template_kwargs=chat_template_kwargs, parallel_tool_calls=parallel_tool_calls, rid=rid, timeout=timeout,
         )
+        stream._limit(total_timeout)
         builder = _ResultBuilder(stream.rid)
         async with stream:
             async for chunk in stream:
