@@ -291,3 +291,24 @@ def test_repetition_penalty_and_sampling_on_a_padded_batch(tiny_model_dir):
         out = model.generate(**inputs, max_new_tokens=6, do_sample=True, top_p=0.9, num_return_sequences=2)
     assert out.shape[0] == 2 * len(TEXTS)
     assert torch.equal(out[:, : inputs["input_ids"].shape[1]], inputs["input_ids"].repeat_interleave(2, dim=0))
+
+
+def test_set_seed_reproduces_a_sampled_call_as_in_transformers(tiny_model_dir):
+    from transformers import set_seed
+
+    model, tokenizer = load(tiny_model_dir("llama"))
+    inputs = batch(tokenizer, [TEXTS[0]] * 3 + [TEXTS[1]])  # identical prompts: each row draws its own sample
+
+    def sampled(seed):
+        set_seed(seed)
+        return model.generate(**inputs, max_new_tokens=8, do_sample=True, top_k=0, num_return_sequences=2)
+
+    with minisgl_generate(model, **ENGINE):
+        first, again, other = sampled(1234), sampled(1234), sampled(1)
+        set_seed(1234)
+        draws = [model.generate(**inputs, max_new_tokens=8, do_sample=True, top_k=0) for _ in range(2)]
+    assert torch.equal(first, again)  # transformers' contract: set_seed(s) then generate() gives the same sample
+    assert not torch.equal(first, other)
+    assert not torch.equal(draws[0], draws[1])  # consecutive calls draw afresh, as transformers' do
+    new = first[:, inputs["input_ids"].shape[1]:].tolist()
+    assert len({tuple(row) for row in new[:6]}) > 1  # identical prompts and their n samples are not one stream

@@ -27,7 +27,8 @@ states, inputs_embeds or extra model inputs, attention masks that are not left p
 prompts longer than the engine's context. Custom stopping_criteria are honoured (they run on
 the rebuilt sequences, on the CPU, once per step, as in transformers).
 
-Sampling (do_sample=True) uses minisgl's sampler: the same distribution, not the same draws.
+Sampling (do_sample=True) uses minisgl's sampler: the same distribution, not the same draws; its seeds come
+from torch's global RNG, so transformers.set_seed(s) before generate() reproduces a call, as in transformers.
 """
 
 from __future__ import annotations

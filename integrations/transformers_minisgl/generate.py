@@ -18,7 +18,7 @@ pad_token_id; the streamer gets the prompt, then one column per step, then end()
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -259,9 +259,10 @@ def run(llm: Any, request: GenerateRequest, streamer: Any = None) -> torch.Tenso
     col = 0
     for prompt in request.prompts:  # nothing is queued unless everything can be
         llm.validate(prompt, params)
+    seeds = _seeds(params, len(rids), n)
     try:
-        for rid, prompt in zip(rids, request.prompts):
-            llm.add_request(rid, prompt, params)
+        for rid, prompt, seed in zip(rids, request.prompts, seeds):
+            llm.add_request(rid, prompt, params if seed is None else replace(params, seed=seed))
         while col < max_new and _any_alive(alive):
             with torch.inference_mode():
                 outputs = llm.step()
@@ -295,6 +296,15 @@ def run(llm: Any, request: GenerateRequest, streamer: Any = None) -> torch.Tenso
     if streamer is not None:
         streamer.end()
     return sequences[:, : prompt_len + col]
+
+
+def _seeds(params: SamplingParams, prompts: int, n: int) -> list[int | None]:
+    """Each prompt's sampling seed, drawn from torch's global RNG as transformers' own sampling draws from it, so
+    transformers.set_seed(s) before generate() reproduces the call (a prompt's n samples take seed, seed + 1, ...)."""
+    if params.greedy or params.seed is not None:
+        return [None] * prompts
+    base = int(torch.randint(0, 2**62, ()).item())
+    return [base + i * n for i in range(prompts)]
 
 
 def _any_alive(alive: list[bool]) -> bool:

@@ -15,7 +15,7 @@ Writes through `param.data` bypass the version counter; call sync_weights(model)
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
