@@ -205,6 +205,27 @@ def test_constructor_params_call_overrides_and_both_stop_lists_reach_sampling_pa
     assert params.stop == ["END", "STOP"]
 
 
+def test_model_kwargs_and_unknown_constructor_arguments_reach_every_call_as_in_chat_openai(stand_in):
+    with pytest.warns(UserWarning, match="min_tokens was transferred to model_kwargs"):
+        llm = ChatMiniSGL(min_tokens=3, model_kwargs={"logit_bias": {"42": 5.0}})
+    assert llm.model_kwargs == {"logit_bias": {"42": 5.0}, "min_tokens": 3}
+    llm.invoke("Hi", min_tokens=4)  # a call's own keyword wins
+    params = stand_in.made[0].requests[0]["params"]
+    assert (params.min_tokens, params.logit_bias) == (4, {42: 5.0})
+    with pytest.warns(UserWarning, match="max_token was transferred"):
+        typo = ChatMiniSGL(max_token=2)
+    with pytest.raises(InvalidRequestError, match="max_token"):  # a typo is refused when used, never dropped
+        typo.invoke("Hi")
+
+
+def test_a_stop_string_is_one_stop_sequence_and_parallel_tool_calls_is_sent(stand_in):
+    llm = ChatMiniSGL(stop=["END"])
+    llm.bind_tools([add], parallel_tool_calls=False).invoke("Hi", stop="Paris")
+    request = stand_in.made[0].requests[0]
+    assert request["params"].stop == ["END", "Paris"]
+    assert request["parallel_tool_calls"] is False and request["tools"][0]["function"]["name"] == "add"
+
+
 def test_chat_template_kwargs_of_the_model_and_the_call_are_merged_and_sent(stand_in):
     llm = ChatMiniSGL(chat_template_kwargs={"enable_thinking": False, "style": "terse"})
     llm.invoke("Hi")

@@ -44,7 +44,8 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils import from_env
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
+from langchain_core.utils.utils import _build_model_kwargs, get_pydantic_field_names
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from minisgl import (
     DEFAULT_TIMEOUT_S,
@@ -82,9 +83,15 @@ class _Request(NamedTuple):
     tool_choice: Any
     response_format: dict[str, Any] | None
     chat_template_kwargs: dict[str, Any] | None
+    parallel_tool_calls: bool | None
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams.from_openai(self.params)  # max_tokens unset: the daemon fills the context
+
+    def chat(self) -> dict[str, Any]:
+        """The Client's chat keywords of this call."""
+        return dict(tools=self.tools, tool_choice=self.tool_choice, response_format=self.response_format,
+                    chat_template_kwargs=self.chat_template_kwargs, parallel_tool_calls=self.parallel_tool_calls)
 
 
 class ChatMiniSGL(BaseChatModel):
@@ -127,6 +134,10 @@ class ChatMiniSGL(BaseChatModel):
     repetition_penalty: float | None = None
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     """Stop strings for every call; a call's own `stop` adds to them."""
+    model_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Call keywords for every call that are not fields here (SamplingParams fields such as min_tokens,
+    logit_bias or ignore_eos); unknown constructor arguments are moved here with a warning, as in ChatOpenAI,
+    and a call then rejects the ones that are not parameters (InvalidRequestError)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra chat-template variables for every call, e.g. {"enable_thinking": False} for Qwen3 (vLLM and
     SGLang's name); a call's own `chat_template_kwargs` are merged over them."""
@@ -148,6 +159,14 @@ class ChatMiniSGL(BaseChatModel):
     _clients: dict[tuple[str, str | None], Client] = PrivateAttr(default_factory=dict)
     _async_clients: dict[Any, dict[tuple[str, str | None], AsyncClient]] = PrivateAttr(default_factory=dict)
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _extra_to_model_kwargs(cls, values: Any) -> Any:
+        """Constructor arguments that are not fields go to model_kwargs (with LangChain's warning)."""
+        if not isinstance(values, dict):
+            return values
+        return _build_model_kwargs(dict(values), get_pydantic_field_names(cls))
 
     # ------------------------------------------------------------------ LangChain's hooks
 
@@ -255,6 +274,7 @@ class ChatMiniSGL(BaseChatModel):
         *,
         tool_choice: str | bool | dict[str, Any] | None = None,
         strict: bool | None = None,
+        parallel_tool_calls: bool | None = None,
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, AIMessage]:
         """Offer tools to the model; the answer's AIMessage.tool_calls holds its calls.
@@ -264,11 +284,14 @@ class ChatMiniSGL(BaseChatModel):
         call; here exactly one), a tool name or {"type": "function", "function": {"name": ...}}
         (that tool), True (the only tool, or any tool when several). Forced calls are
         grammar-constrained, so their arguments always match the tool's schema.
+        parallel_tool_calls=False: at most one call (as OpenAI's).
         """
         formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
         choice = _tool_choice(tool_choice, formatted)
         if choice is not None:
             kwargs["tool_choice"] = choice
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
         return super().bind(tools=formatted, **kwargs)
 
     def with_structured_output(
@@ -386,11 +409,7 @@ class ChatMiniSGL(BaseChatModel):
             client = self._client(request.model)
             answered = False
             try:
-                stream = client.stream(
-                    request.messages, request.sampling_params(), tools=request.tools,
-                    tool_choice=request.tool_choice, response_format=request.response_format,
-                    chat_template_kwargs=request.chat_template_kwargs,
-                )
+                stream = client.stream(request.messages, request.sampling_params(), **request.chat())
                 with stream:
                     for chunk in stream:
                         answered = True
@@ -406,11 +425,7 @@ class ChatMiniSGL(BaseChatModel):
             client = await self._async_client(request.model).connect()
             answered = False
             try:
-                stream = client.stream(
-                    request.messages, request.sampling_params(), tools=request.tools,
-                    tool_choice=request.tool_choice, response_format=request.response_format,
-                    chat_template_kwargs=request.chat_template_kwargs,
-                )
+                stream = client.stream(request.messages, request.sampling_params(), **request.chat())
                 async with stream:
                     async for chunk in stream:
                         answered = True
@@ -426,12 +441,13 @@ class ChatMiniSGL(BaseChatModel):
     # ------------------------------------------------------------------ LangChain → minisgl
 
     def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Request:
-        kwargs = dict(kwargs)
+        kwargs = {**self.model_kwargs, **kwargs}
         kwargs.pop("stream", None)  # stream=True reaches here from invoke(); we always stream
         model = kwargs.pop("model", None) or self.model
         tools = kwargs.pop("tools", None) or None
         tool_choice = kwargs.pop("tool_choice", None)
         response_format = kwargs.pop("response_format", None)
+        parallel_tool_calls = kwargs.pop("parallel_tool_calls", None)
         template_kwargs = kwargs.pop("chat_template_kwargs", None)
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise InvalidRequestError("chat_template_kwargs must be a dict of template variables")
@@ -441,13 +457,15 @@ class ChatMiniSGL(BaseChatModel):
         if unknown:
             raise InvalidRequestError(
                 f"ChatMiniSGL does not take {sorted(unknown)}: a call takes model, stop, tools, tool_choice, "
-                f"response_format, chat_template_kwargs and the sampling parameters {sorted(_CALL_PARAMS)}"
+                f"parallel_tool_calls, response_format, chat_template_kwargs and the sampling parameters "
+                f"{sorted(_CALL_PARAMS)}"
             )
         params = {name: getattr(self, name) for name in _MODEL_PARAMS if getattr(self, name) is not None}
         params.update(kwargs)
         params["stop"] = _merge_stops(self.stop, stop)
         return _Request(
-            model, _to_chat_messages(messages), params, tools, tool_choice, response_format, template_kwargs or None
+            model, _to_chat_messages(messages), params, tools, tool_choice, response_format, template_kwargs or None,
+            parallel_tool_calls,
         )
 
 
@@ -540,10 +558,11 @@ def _usage_metadata(usage: Usage | None) -> UsageMetadata:
 # ---------------------------------------------------------------------- helpers
 
 
-def _merge_stops(*groups: Sequence[str] | None) -> list[str]:
+def _merge_stops(*groups: str | Sequence[str] | None) -> list[str]:
+    """The stop strings of every group, once each; a plain string is one stop string (as OpenAI's stop)."""
     out: list[str] = []
     for group in groups:
-        for s in group or []:
+        for s in [group] if isinstance(group, str) else group or []:
             if s not in out:
                 out.append(s)
     return out
