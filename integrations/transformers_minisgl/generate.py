@@ -102,8 +102,10 @@ def prepare(
     model._validate_model_kwargs(model_kwargs.copy())
 
     inputs_tensor, input_name, model_kwargs = model._prepare_model_inputs(inputs, config.bos_token_id, model_kwargs)
-    if input_name != "input_ids" or inputs_tensor.dim() != 2:
+    if input_name != "input_ids":
         raise UnsupportedGenerationError(f"{input_name} as the input (give input_ids)")
+    if inputs_tensor.dim() != 2:
+        raise UnsupportedGenerationError(f"{inputs_tensor.dim()}-D input_ids (give a [batch, tokens] tensor)")
     extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _HARMLESS_MODEL_KWARGS)
     if extra:
         raise UnsupportedGenerationError(f"model inputs {extra}")
