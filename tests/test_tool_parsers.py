@@ -267,10 +267,30 @@ def test_streaming_holds_back_a_possible_tag_and_streams_arguments() -> None:
 def test_split_deltas_gives_chunk_text_and_openai_tool_calls() -> None:
     parser = HermesToolParser()
     text, calls = split_deltas(parser.feed('ok <tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}'))
-    assert text == "ok " and calls is not None
-    assert calls[0]["function"] == {"name": "get_time", "arguments": ""}
-    assert "".join(c["function"]["arguments"] for c in calls) == '{"tz": "UTC"}'
+    assert text == "ok " and calls is not None and len(calls) == 1  # the call's pieces merged into one entry
+    assert calls[0]["function"] == {"name": "get_time", "arguments": '{"tz": "UTC"}'}
+    assert calls[0]["index"] == 0 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
     assert split_deltas(parser.feed("</tool_call>") + parser.finish()) == ("", None)
+
+
+def test_stream_chunks_rebuild_the_calls_in_the_openai_sdks_accumulator() -> None:
+    # the openai package's own stream accumulator (what `client.chat.completions.stream` uses) is the reference:
+    # a chunk with two entries of one index would come out as two calls
+    deltas_lib = pytest.importorskip("openai.lib.streaming._deltas")
+    text = ('<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Lima", "days": 2}}</tool_call>')
+    for piece_len in (7, 64, len(text)):  # small chunks, and the whole answer in one chunk
+        parser = HermesToolParser()
+        pieces = [text[i : i + piece_len] for i in range(0, len(text), piece_len)]
+        snapshot: dict[str, Any] = {"role": "assistant"}
+        for i, piece in enumerate(pieces):
+            _, calls = split_deltas(parser.feed(piece) + (parser.finish() if i == len(pieces) - 1 else []))
+            if calls:
+                assert len({c["index"] for c in calls}) == len(calls)  # one entry per call in a chunk
+                snapshot = deltas_lib.accumulate_delta(snapshot, {"tool_calls": calls})
+        got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in snapshot["tool_calls"]]
+        assert got == [("get_time", {"tz": "UTC"}), ("get_weather", {"city": "Lima", "days": 2})], piece_len
+        assert all(c["id"].startswith("call_") and c["type"] == "function" for c in snapshot["tool_calls"])
 
 
 def test_streamed_call_id_matches_the_delta_openai_shape() -> None:

@@ -73,10 +73,26 @@ class Delta(NamedTuple):
 
 
 def split_deltas(deltas: list[Delta]) -> tuple[str, list[dict[str, Any]] | None]:
-    """A batch of deltas as one stream chunk: (content text, OpenAI tool_call deltas or None)."""
+    """A batch of deltas as one stream chunk: (content text, OpenAI tool_call deltas or None), one tool_call
+    delta per call index (a call's pieces merged, its arguments joined), as OpenAI's chunks carry them: the
+    openai SDK's stream accumulator takes two entries of one index for two calls."""
     text = "".join(d.content for d in deltas if d.content is not None)
-    calls = [d.tool_call.to_openai() for d in deltas if d.tool_call is not None]
-    return text, calls or None
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        if d.tool_call is None:
+            continue
+        piece = d.tool_call.to_openai()
+        call = calls.get(piece["index"])
+        if call is None:
+            calls[piece["index"]] = piece
+            continue
+        for key in ("id", "type"):
+            if key in piece:
+                call.setdefault(key, piece[key])
+        if "name" in piece["function"]:
+            call["function"].setdefault("name", piece["function"]["name"])
+        call["function"]["arguments"] += piece["function"]["arguments"]
+    return text, [calls[i] for i in sorted(calls)] or None
 
 
 def new_call_id() -> str:
