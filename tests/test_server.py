@@ -775,6 +775,9 @@ def test_embeddings_through_openai_and_ollama_are_hf_last_hidden_states(daemon, 
         oai.embeddings.create(model="gpt-4o", input=texts[0])
     with pytest.raises(ollama.ResponseError):
         o.embed(model="smollm2", input=[])
+    with pytest.raises(ollama.ResponseError, match="dimensions") as e:  # refused, never a vector of another size
+        o.embed(model="smollm2", input=texts[0], dimensions=8)
+    assert e.value.status_code == 400
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_hf_transformers_does(oai, smollm2_dir):
@@ -999,6 +1002,15 @@ def test_the_ollama_client_lists_shows_and_gets_typed_errors(daemon):
     with pytest.raises(ollama.ResponseError) as e:  # the server's API key guards /api as it guards /v1
         ollama.Client(host=daemon.base).chat(model="smollm2", messages=QUESTION)
     assert e.value.status_code == 401
+    # Ollama's conventions: the tag defaults to "latest"; a request with nothing to generate loads the model
+    tagged = o.chat(model="smollm2:latest", messages=QUESTION, options={"temperature": 0, "num_predict": 4})
+    assert tagged.done and tagged.message.content
+    loaded = o.chat(model="smollm2")
+    assert (loaded.done, loaded.done_reason, loaded.message.content) == (True, "load", "")
+    assert o.generate(model="smollm2:latest").done_reason == "load"
+    with pytest.raises(ollama.ResponseError) as e:
+        o.generate(model="smollm2", prompt="def f(", suffix="    return 1")  # no fill-in-the-middle: refused
+    assert e.value.status_code == 400 and "suffix" in e.value.error
 
 
 # ---------------------------------------------------------------------------- SGLang's native API

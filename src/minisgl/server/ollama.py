@@ -134,10 +134,17 @@ def ollama_router(
         body = await json_object(request)
         model = body.get("model")
         if model and model != model_name:
+            names = {model, model.removesuffix(":latest")}  # Ollama's tag defaults to "latest": "m" is "m:latest"
             info = await server.info()
-            if model not in (info.get("name"), info.get("path")):
+            if not names & {model_name, info.get("name"), info.get("path")}:
                 raise _NotFound(f"model '{model}' not found: this server serves '{model_name}'")
         return body
+
+    def _loaded(body: dict[str, Any], piece: dict[str, Any]) -> Response:
+        """Ollama's answer to a request with nothing to generate, its way to load a model (kept loaded here: the
+        daemon serves other clients too)."""
+        return JSONResponse({"model": body.get("model") or model_name, "created_at": _now(), **piece, "done": True,
+                             "done_reason": "load"})
 
     async def _run(request: Request, prompt: Any, body: dict[str, Any], shape: Callable[..., dict[str, Any]]) -> Response:
         """Run one request; stream NDJSON lines (Ollama's default) or answer with one object."""
@@ -193,6 +200,8 @@ def ollama_router(
     @_route
     async def chat(request: Request) -> Response:
         body = await _body(request)
+        if not body.get("messages"):  # no messages: Ollama's way to load a model
+            return _loaded(body, {"message": {"role": "assistant", "content": ""}})
         messages = chat_messages(body.get("messages"))
 
         def shape(text: str, reasoning: str, calls: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -214,9 +223,13 @@ def ollama_router(
             raise InvalidRequestError("prompt must be a string")
         if body.get("images"):
             raise InvalidRequestError("images are not supported (text only)")
+        if body.get("suffix"):
+            raise InvalidRequestError("suffix (fill-in-the-middle) is not supported")
+        if body.get("context"):
+            raise InvalidRequestError("context (the deprecated token context of an earlier answer) is not supported: "
+                                      "send the conversation to /api/chat")
         if not prompt:  # Ollama's way to load a model: nothing to generate
-            return JSONResponse({"model": body.get("model") or model_name, "created_at": _now(), "response": "",
-                                 "done": True, "done_reason": "load"})
+            return _loaded(body, {"response": ""})
         info = await server.info()
         if body.get("raw") or not info.get("has_chat_template"):
             target: Any = prompt
@@ -251,6 +264,8 @@ def ollama_router(
         truncate = body.get("truncate", True)
         if not isinstance(truncate, bool):
             raise InvalidRequestError("truncate must be true or false")
+        if body.get("dimensions") is not None:
+            raise InvalidRequestError("dimensions is not supported: the embedding has the model's hidden size")
         start = time.perf_counter()
         if truncate:  # Ollama's default: an input longer than the context is cut to fit, not refused
             info, stats = await server.info(), await server.client.stats()  # the KV pool may hold less than a context
