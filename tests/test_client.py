@@ -279,6 +279,25 @@ def test_tokenizer_worker_validates_before_the_scheduler(tokenizer: Any) -> None
             prep.prepare(msg)
 
 
+def test_developer_messages_are_system_messages_unless_the_template_knows_the_role(tokenizer_dir: Path) -> None:
+    from minisgl.runtime.tokenizer_worker import RequestPreparer
+    from minisgl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    prep = RequestPreparer(tok, {"context_length": 4096, "model_type": "llama"})
+
+    def ids(role: str) -> list[int]:
+        messages = [{"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+        return prep.prepare(P.Generate("r", messages=messages)).input_ids
+
+    system = tok.encode(tok.apply_chat_template([{"role": "system", "content": "Answer in French."},
+                                                 {"role": "user", "content": "Hi"}], tokenize=False,
+                                                add_generation_prompt=True), add_special_tokens=False)
+    assert ids("developer") == ids("system") == system  # OpenAI: developer messages replace system messages
+    tok.chat_template = THINKING_TEMPLATE.replace("m['role']", "m['role'] if m['role'] != 'developer' else 'dev'")
+    assert tok.decode(ids("developer")).startswith("<|im_start|>dev\n")  # a template with the role renders it
+
+
 # Qwen3's switch, as its template has it: with enable_thinking=False the answer starts after an empty think block.
 THINKING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -81,6 +81,9 @@ def apply_chat_template(
             raise InvalidRequestError(f"message without a role: {m!r}")
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("this model has no chat template: send a plain prompt instead of messages")
+    if "developer" not in str(tokenizer.chat_template):
+        # OpenAI's developer messages replace system messages; a template without the role gets them as system
+        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     # Past tool calls and results need the tool-aware rendering even when this turn offers no tools.
     history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
     if tools or history:
