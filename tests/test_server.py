@@ -802,6 +802,10 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_transformers_does(oai, smoll
         for t in range(1, len(ids)):
             assert lp.token_logprobs[t] == pytest.approx(float(ref[t - 1, ids[t]]), abs=2e-3)
             assert max(lp.top_logprobs[t].values()) == pytest.approx(float(ref[t - 1].max()), abs=2e-3)
+            # OpenAI: the chosen token's logprob is always among them (up to logprobs + 1 entries)
+            assert lp.top_logprobs[t][lp.tokens[t]] == lp.token_logprobs[t] and len(lp.top_logprobs[t]) <= 2
+    zero = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=2, logprobs=0, temperature=0).choices[0]
+    assert [list(d) for d in zero.logprobs.top_logprobs] == [[t] for t in zero.logprobs.tokens]
     plain = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0, echo=True)
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
     # vLLM's extra field: the prompt's logprobs in the choice, without echo.

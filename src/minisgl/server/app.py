@@ -150,8 +150,12 @@ def completion_logprobs(entries: Sequence[dict[str, Any]] | None, text_offset: i
     for e in entries:
         out.tokens.append(e["token"])
         out.token_logprobs.append(e["logprob"])
-        first = e["logprob"] is None  # an echoed prompt's first token: nothing predicts it
-        out.top_logprobs.append(None if first else {t["token"]: t["logprob"] for t in e.get("top_logprobs") or []})
+        if e["logprob"] is None:  # an echoed prompt's first token: nothing predicts it
+            out.top_logprobs.append(None)
+        else:  # the alternatives and, as OpenAI's (up to logprobs + 1 entries), the token itself
+            top = {t["token"]: t["logprob"] for t in e.get("top_logprobs") or []}
+            top.setdefault(e["token"], e["logprob"])
+            out.top_logprobs.append(top)
         out.text_offset.append(text_offset)
         text_offset += len(e["token"])
     return out
