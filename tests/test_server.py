@@ -695,6 +695,10 @@ def test_responses_api_whole_and_streamed_matches_the_chat_answer(oai, client):
 
     short = oai.responses.create(model="smollm2", input="Count: 1, 2, 3,", temperature=0, max_output_tokens=2)
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    assert short.output[0].status == "incomplete"  # the cut message too, as OpenAI marks it
+    with oai.responses.stream(model="smollm2", input="Count: 1, 2, 3,", temperature=0, max_output_tokens=2) as s:
+        final = s.get_final_response()  # the SDK's helper needs its response.completed event
+    assert final.status == "incomplete" and final.output[0].status == "incomplete"
     for bad in (dict(tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}]),
                 dict(previous_response_id="resp_123"),
                 dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}])):

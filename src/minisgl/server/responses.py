@@ -161,9 +161,15 @@ def responses_router(
             return fail(timer, e)
         o = out.outputs[0]
         timer.done(200, out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.cached_tokens)
-        return JSONResponse(shape.response("completed", [shape.message(o.text, "completed")], out.usage, o.finish_reason))
+        item = shape.message(o.text, _item_status(o.finish_reason))
+        return JSONResponse(shape.response("completed", [item], out.usage, o.finish_reason))
 
     return api
+
+
+def _item_status(finish: str | None) -> str:
+    """The output message's status: "incomplete" when max_output_tokens cut it."""
+    return "incomplete" if finish == "length" else "completed"
 
 
 async def _events(
@@ -171,7 +177,9 @@ async def _events(
     error_event: Callable[[BaseException], dict[str, Any]],
 ) -> AsyncIterator[str]:
     """The Responses API's event stream for one message of text (no [DONE]: the stream ends after
-    response.completed, or after an error event)."""
+    response.completed, or after an error event). A response cut by max_output_tokens has status "incomplete" (and
+    so has its message) but still ends with response.completed: the openai SDK's responses.stream() helper waits for
+    that event and fails without it, where OpenAI's API sends response.incomplete."""
     seq = 0
 
     def event(kind: str, **fields: Any) -> str:
@@ -198,7 +206,7 @@ async def _events(
             empty = chunk is None
         yield event("response.output_text.done", text=text, logprobs=[], **where)
         yield event("response.content_part.done", part=shape.part(text), **where)
-        item = shape.message(text, "completed")
+        item = shape.message(text, _item_status(finish))
         yield event("response.output_item.done", output_index=0, item=item)
         yield event("response.completed", response=shape.response("completed", [item], usage, finish))
         if usage is not None:
