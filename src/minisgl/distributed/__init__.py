@@ -2,8 +2,9 @@
 
 The all-reduce is the process group's (NCCL on GPUs, gloo on the CPU). MINISGL_TP_ALLREDUCE=symm_mem (opt-in,
 one host) sends tensors up to 8 MB (a decode step's activations) through a buffer in PyTorch's symmetric memory
-instead: one-shot, every GPU reads its peers' buffers over NVLink and sums. Its kernels cannot be aborted: with a
-peer dead they spin, and rank 0's watch then ends the process (distributed/launch.py).
+instead: one-shot, every GPU reads its peers' buffers over NVLink and sums (the copy into the buffer inside the same
+kernel where this torch has it; a two-shot variant measured the same, session 17). Its kernels cannot be aborted:
+with a peer dead they spin, and rank 0's watch then ends the process (distributed/launch.py).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class SymmMemAllReduce:
                 enable(self.group)
         self.buf = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buf, self.group)  # collective: every rank at the same point
+        self.copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)  # torch >= 2.8
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -66,6 +68,10 @@ class SymmMemAllReduce:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.view(-1)
         slot = self.buf.view(x.dtype)[: flat.numel()]
+        if self.copy_out is not None:  # one kernel: x into the buffer, the ranks' barrier, the sum into a new tensor
+            out = torch.empty_like(flat)  # not x: another block of this rank may still be copying it in
+            self.copy_out(slot, flat, "sum", self.group, out)
+            return out.view_as(x)
         slot.copy_(flat)
         torch.ops.symm_mem.one_shot_all_reduce_out(slot, "sum", self.group, flat)
         return x
