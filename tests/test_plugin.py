@@ -8,6 +8,8 @@ import shutil
 import pytest
 
 from minisgl import LLM, SamplingParams, plugins
+from minisgl.errors import EngineError
+from minisgl.hooks import hookimpl
 
 plugin = pytest.importorskip(
     "minisgl_example_plugin", reason="install it: pip install --no-deps -e examples/plugin_example"
@@ -33,3 +35,30 @@ def test_example_plugin_registers_an_architecture_and_a_lifecycle_hook(tiny_mode
     # Same weights through the built-in Llama: the plugin's model computes the same thing.
     ref = LLM(str(src)).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
+class _RaisingFinishedHook:
+    """A plugin whose request-finished observer raises."""
+
+    @staticmethod
+    @hookimpl
+    def minisgl_request_finished(req):
+        raise RuntimeError("observer bug")
+
+
+def test_a_raising_request_finished_hook_fails_only_its_request(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=2)
+    ref = llm.generate([[11, 12, 13]], params, use_tqdm=False)
+    pm = plugins.get_plugin_manager()
+    pm.register(_RaisingFinishedHook, name="raising-finished")
+    try:
+        llm.scheduler._hook_finished = True  # the scheduler looked hooks up when it was built
+        with pytest.raises(EngineError, match="minisgl_request_finished hook failed: RuntimeError: observer bug"):
+            llm.generate([[11, 12, 13]], params, use_tqdm=False)  # n=2: both sequences finish through the hook
+    finally:
+        pm.unregister(name="raising-finished")
+        llm.scheduler._hook_finished = plugins.has_impl("minisgl_request_finished")
+    assert not llm.scheduler.has_work and llm.scheduler.req_pages() == 0  # nothing left running, no page leaked
+    again = llm.generate([[11, 12, 13]], params, use_tqdm=False)  # the engine goes on
+    assert [o.token_ids for o in again] == [o.token_ids for o in ref]
