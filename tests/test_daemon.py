@@ -208,6 +208,19 @@ def test_stop_strings_are_trimmed_from_the_text(client: Any) -> None:
     assert (chunks[-1].finish_reason, chunks[-1].matched_stop) == ("stop", stop)
 
 
+def test_min_tokens_holds_back_stop_strings_in_the_daemons_text_too(client: Any) -> None:
+    prompt = "The capital of France is"
+    free = client.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    first_word = free.text.split()[0]  # completed by the first token(s): cut at once without min_tokens
+    held = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[first_word], min_tokens=6)
+    out = client.generate(prompt, held)
+    boundary = len(_tokenizer().decode(free.outputs[0].token_ids[:5], skip_special_tokens=True))
+    cut = free.text.find(first_word, max(0, boundary - len(first_word) + 1))  # vLLM's rule on the free answer
+    assert out.text == (free.text if cut < 0 else free.text[:cut]) and len(out.outputs[0].token_ids) >= 6
+    streamed = "".join(c.text for c in client.stream(prompt, held))
+    assert streamed == out.text
+
+
 # ---------------------------------------------------------------------------- aborts free pages
 
 

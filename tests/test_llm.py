@@ -192,6 +192,31 @@ def test_stop_strings_are_trimmed_and_stop_reason_reported(smollm2):
     smollm2.check_integrity()
 
 
+def min_tokens_stop_reference(tokenizer, free_ids: list[int], stop: str, min_tokens: int) -> str:
+    """vLLM's rule, by brute force over the unconstrained greedy answer: the first stop string that ends in the text of
+    the min_tokens-th token or later cuts the text; earlier ones do not count."""
+    boundary = len(tokenizer.decode(free_ids[: min_tokens - 1], skip_special_tokens=True))
+    start = max(0, boundary - len(stop) + 1)  # an occurrence from here on ends after the boundary
+    for k in range(min_tokens, len(free_ids) + 1):
+        text = tokenizer.decode(free_ids[:k], skip_special_tokens=True)
+        if text.find(stop, start) >= 0:
+            return text[: text.find(stop, start)]
+    return tokenizer.decode(free_ids, skip_special_tokens=True)
+
+
+def test_min_tokens_holds_back_stop_strings_too_as_vllm(smollm2):
+    prompt = ["The capital of France is"]
+    free = smollm2.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    first_word = free.text.split()[0]  # a stop string the first token already completes
+    for min_tokens in (0, 1, 6):
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[first_word], min_tokens=min_tokens)
+        out = smollm2.generate(prompt, params, use_tqdm=False)[0]
+        want = min_tokens_stop_reference(smollm2.tokenizer, free.token_ids, first_word, max(min_tokens, 1))
+        assert out.text == want, min_tokens
+        assert len(out.token_ids) >= min_tokens and free.token_ids[: len(out.token_ids)] == out.token_ids
+    smollm2.check_integrity()
+
+
 def test_stop_token_ids_and_max_tokens(smollm2):
     ref = smollm2.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert ref.finish_reason == "length" and len(ref.token_ids) == 8

@@ -231,7 +231,9 @@ class LLM:
             seq = per_index[index]
             text = ""
             if self.tokenizer is not None:  # an engine built from a bare model has token ids only
-                detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens
+                )
                 text = detok.add(seq.token_ids) + detok.finish()
             outputs.append(CompletionOutput(
                 index, text, seq.token_ids, seq.last.finish_reason, seq.last.matched_stop,

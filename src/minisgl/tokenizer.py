@@ -119,10 +119,15 @@ class IncrementalDetokenizer:
 
     Never emits half a UTF-8 character, and holds back text that might be the start of a
     stop string; when a stop string appears the text is cut before it and `stopped` is set.
+    min_tokens: as vLLM, a stop string counts only if it ends in the text of the min_tokens-th token or later.
     """
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True, min_tokens: int = 0
+    ) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
+        self._boundary: int | None = 0 if min_tokens <= 1 else None  # chars before the min_tokens-th token's text
         self.stop = [s for s in stop if s]
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
@@ -154,9 +159,13 @@ class IncrementalDetokenizer:
     def _check_stop(self, old_len: int) -> None:
         if not self.stop:
             return
+        if self._boundary is None:
+            if len(self.token_ids) < self.min_tokens:
+                return
+            self._boundary = len(self._decode(self.token_ids[: self.min_tokens - 1]))
         longest = max(len(s) for s in self.stop)
         start = max(0, old_len - longest + 1)
-        hits = [(self.text.find(s, start), s) for s in self.stop]
+        hits = [(self.text.find(s, max(start, self._boundary - len(s) + 1)), s) for s in self.stop]
         hits = [(pos, s) for pos, s in hits if pos >= 0]
         if hits:
             pos, s = min(hits)

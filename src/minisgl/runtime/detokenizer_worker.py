@@ -17,6 +17,7 @@ class RequestState:
         self.tokenizer = tokenizer
         self.n = int(meta.get("n", 1))
         self.stop = list(meta.get("stop") or [])
+        self.min_tokens = int(meta.get("min_tokens") or 0)
         self.skip_special_tokens = bool(meta.get("skip_special_tokens", True))
         self.tool_parser_name = meta.get("tool_parser")  # set when the request has tools
         self.max_tool_calls: int | None = meta.get("max_tool_calls")  # 1 with parallel_tool_calls=false
@@ -31,7 +32,9 @@ class RequestState:
 
     def detok(self, index: int) -> IncrementalDetokenizer:
         if index not in self.detoks:
-            self.detoks[index] = IncrementalDetokenizer(self.tokenizer, self.stop, self.skip_special_tokens)
+            self.detoks[index] = IncrementalDetokenizer(
+                self.tokenizer, self.stop, self.skip_special_tokens, self.min_tokens
+            )
         return self.detoks[index]
 
     def reasoning_parser(self, index: int) -> Any:

@@ -89,6 +89,7 @@ class RequestPreparer:
         detok = {
             "n": params.n,
             "stop": params.stop,
+            "min_tokens": params.min_tokens,
             "skip_special_tokens": params.skip_special_tokens,
             "tool_parser": self.tool_format if tools else None,
             "max_tool_calls": 1 if msg.parallel_tool_calls is False else None,

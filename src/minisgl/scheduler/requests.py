@@ -65,7 +65,7 @@ def init_req_state(req: Req, device: torch.device, tokenizer: Any, grammar: Call
     if p.stop:
         from minisgl.tokenizer import IncrementalDetokenizer
 
-        req.stop_checker = IncrementalDetokenizer(tokenizer, p.stop, p.skip_special_tokens)
+        req.stop_checker = IncrementalDetokenizer(tokenizer, p.stop, p.skip_special_tokens, p.min_tokens)
     if p.has_grammar:
         req.grammar = grammar().new_state(p, stop_token_ids=sorted(req.eos_token_ids))
 
