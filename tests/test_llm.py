@@ -403,11 +403,16 @@ def test_abort_by_request_id_frees_pages(tiny_model_dir):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(max_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(n=0)],
+    [dict(max_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(n=0),
+     dict(temperature="hot"), dict(temperature=float("nan")), dict(repetition_penalty=float("nan")),
+     dict(top_p=float("inf")), dict(seed=2**70), dict(seed=1.5), dict(stop_token_ids=["a"]), dict(stop_token_ids="12"),
+     dict(n=True), dict(max_tokens=True), dict(min_tokens="3")],
 )
 def test_bad_sampling_params_raise_invalid_request(kwargs):
     with pytest.raises(errors.InvalidRequestError):
         SamplingParams(**kwargs)
+    with pytest.raises(errors.InvalidRequestError):  # as a client's mapping: the same typed error, never a 500
+        SamplingParams.from_dict(kwargs)
 
 
 def test_bad_requests_raise_typed_errors_and_leak_nothing(tiny_model_dir):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import enum
 import json
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple, Sequence
@@ -49,7 +50,10 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        ids = self.stop_token_ids or []
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+            raise InvalidRequestError(f"invalid SamplingParams: stop_token_ids must be a list of token ids, got {ids!r}")
+        self.stop_token_ids = [int(t) for t in ids]
         if self.logit_bias is not None:
             self.logit_bias = _token_biases(self.logit_bias)
         self.validate()
@@ -58,7 +62,14 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid SamplingParams: {msg}")
 
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(f"{name} must be a finite number, got {value!r}")
+        for name in ("n", "min_tokens", "top_k"):
+            if not _is_int(getattr(self, name)):
+                raise bad(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad(f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
@@ -78,15 +89,15 @@ class SamplingParams:
             raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (
             isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
             or not 0 <= self.prompt_logprobs <= 20
         ):
             raise bad(f"prompt_logprobs must be None or an integer in [0, 20], got {self.prompt_logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
+            raise bad(f"seed must be a 64-bit integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop must be a list of non-empty strings")
         if sum(c is not None for c in (self.json_schema, self.regex, self.ebnf)) > 1:
@@ -119,7 +130,9 @@ class SamplingParams:
             raise InvalidRequestError(f"unknown sampling parameters: {sorted(unknown)}")
         try:
             return cls(**d)
-        except TypeError as e:  # a value of the wrong type (e.g. temperature="hot")
+        except InvalidRequestError:
+            raise
+        except (TypeError, ValueError) as e:  # a value of the wrong type that a conversion met first
             raise InvalidRequestError(f"invalid SamplingParams: {e}") from e
 
     @classmethod
@@ -178,6 +191,11 @@ class SamplingParams:
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+
+
+def _is_int(value: Any) -> bool:
+    """An integer, and not a bool (True is an int to Python, not a count to a request)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _guided_grammar(given: Mapping[str, Any]) -> dict[str, Any]:
