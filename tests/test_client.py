@@ -166,6 +166,20 @@ def test_non_loopback_bind_needs_allow_remote(runtime_dir: Path) -> None:
     assert result.returncode == 1 and "--allow-remote" in result.stderr
 
 
+def test_bad_command_lines_end_in_one_error_line_not_a_traceback(runtime_dir: Path, tmp_path: Path) -> None:
+    from minisgl.cli import main
+
+    public = _serve("--address", f"ipc://{tmp_path}/d.sock", "--http-port", "18097", "--host", "0.0.0.0")
+    assert public.returncode == 1 and "--api-key" in public.stderr and "Traceback" not in public.stderr
+    port = _serve("--http-port", "99999")  # argparse's own error, before anything starts
+    assert port.returncode == 2 and "1-65535" in port.stderr
+    for argv, words in ((["generate", "--model", "smollm2", "--device", "bogus", "x"], "unknown device 'bogus'"),
+                        (["keys", "--curve-dir", "/dev/null/x"], "Not a directory")):
+        result = subprocess.run([sys.executable, "-m", "minisgl", *argv], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1 and words in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert main(["generate", "--model", "smollm2", "--seed", str(2**70), "x"]) == 1  # a typed error, one line
+
+
 def test_remote_access_needs_an_authorized_client_key(tmp_path: Path) -> None:
     from minisgl.runtime.daemon import Daemon
 

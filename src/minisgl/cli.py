@@ -10,7 +10,7 @@ from dataclasses import fields
 from typing import Any
 
 from minisgl.config import EngineConfig
-from minisgl.errors import MiniSGLError
+from minisgl.errors import ConfigError, MiniSGLError
 
 logger = logging.getLogger("minisgl")
 
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--curve", action="store_true", help="require CURVE authentication even on a loopback address")
     serve.add_argument("--curve-dir", help="CURVE key directory (default: $MINISGL_CURVE_DIR or ~/.config/minisgl/curve)")
     serve.add_argument("--max-message-bytes", type=int, default=None, help="drop client connections that send more")
-    serve.add_argument("--http-port", type=int, help="also serve the OpenAI-compatible HTTP API on this port")
+    serve.add_argument("--http-port", type=_port, help="also serve the OpenAI-compatible HTTP API on this port")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP server host (default: 127.0.0.1)")
     serve.add_argument("--api-key", help="HTTP server API key (required for a non-loopback --host)")
     serve.add_argument(
@@ -117,6 +117,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return run_node(config)
     http = HttpOptions(args.host, args.http_port, args.api_key) if args.http_port else None
+    if http is not None and not args.api_key:
+        from minisgl.server.app import is_loopback
+
+        if not is_loopback(args.host):  # refused before the model loads, not by the HTTP process after it
+            raise ConfigError(f"refusing to serve HTTP on {args.host!r} without an API key: pass --api-key "
+                              "(or bind 127.0.0.1)")
     if http is not None and (running := _running_daemon(config, args.address)) is not None:
         return _serve_http_only(running, http, args.model)
     return serve(
@@ -265,6 +271,17 @@ def cmd_keys(args: argparse.Namespace) -> int:
 COMMANDS = {"serve": cmd_serve, "stop": cmd_stop, "ps": cmd_ps, "shell": cmd_shell, "generate": cmd_generate, "keys": cmd_keys}
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port number."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port must be in 1-65535, got {port}")
+    return port
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
@@ -279,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except MiniSGLError as e:
+        print(f"minisgl: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a path that cannot be written or read (keys --curve-dir, a log file, ...)
         print(f"minisgl: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -19,7 +19,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(name: str) -> torch.device:
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    try:
+        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' asked for but no CUDA GPU is visible: use device='cpu'")
     if device.type == "cuda" and device.index is None:  # torch.cuda.set_device needs an index
