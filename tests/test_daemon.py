@@ -208,6 +208,16 @@ def test_stop_strings_are_trimmed_from_the_text(client: Any) -> None:
     assert (chunks[-1].finish_reason, chunks[-1].matched_stop) == ("stop", stop)
 
 
+def test_a_stop_token_ends_the_answer_without_its_text(client: Any) -> None:
+    prompt = "The capital of France is"
+    free = client.generate(prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    stop_id = free.outputs[0].token_ids[3]
+    out = client.generate(prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[stop_id]))
+    ids = out.outputs[0].token_ids
+    assert out.outputs[0].finish_reason == "stop" and ids[-1] == stop_id  # the id stays, its text does not
+    assert out.text == _tokenizer().decode(ids[:-1], skip_special_tokens=True)
+
+
 def test_min_tokens_holds_back_stop_strings_in_the_daemons_text_too(client: Any) -> None:
     prompt = "The capital of France is"
     free = client.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))

@@ -223,6 +223,13 @@ def test_stop_token_ids_and_max_tokens(smollm2):
     stop_tok = ref.token_ids[3]
     out = smollm2.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_tok]), use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.token_ids == ref.token_ids[: ref.token_ids.index(stop_tok) + 1]
+    # the stop token's id stays in token_ids, its text is left out (vLLM's and SGLang's default)
+    assert out.text == smollm2.tokenizer.decode(out.token_ids[:-1], skip_special_tokens=True)
+    chat = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(temperature=0, max_tokens=40, skip_special_tokens=False), use_tqdm=False)
+    if chat.finish_reason == "stop":  # ended by EOS: its text (<|im_end|>) is not in the answer either
+        assert chat.text == smollm2.tokenizer.decode(chat.token_ids[:-1], skip_special_tokens=False)
+        assert chat.token_ids[-1] in smollm2.eos_token_ids
 
 
 def test_n_samples_share_the_prompt_and_logprobs_are_reported(smollm2):

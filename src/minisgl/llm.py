@@ -9,7 +9,7 @@ from typing import Any, Iterable, Sequence
 from minisgl.config import EngineConfig
 from minisgl.core import CompletionOutput, FirstOutputShortcuts, SamplingParams, TokenOutput
 from minisgl.errors import EngineError, InvalidRequestError
-from minisgl.tokenizer import IncrementalDetokenizer, apply_chat_template, encode_prompt
+from minisgl.tokenizer import IncrementalDetokenizer, apply_chat_template, encode_prompt, shown_ids
 
 
 @dataclass
@@ -234,7 +234,8 @@ class LLM:
                 detok = IncrementalDetokenizer(
                     self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens
                 )
-                text = detok.add(seq.token_ids) + detok.finish()
+                shown = shown_ids(seq.token_ids, seq.last.finish_reason, seq.last.matched_stop)
+                text = detok.add(shown) + detok.finish()
             outputs.append(CompletionOutput(
                 index, text, seq.token_ids, seq.last.finish_reason, seq.last.matched_stop,
                 logprobs=seq.logprobs if params.logprobs is not None else None,

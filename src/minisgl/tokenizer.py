@@ -114,6 +114,14 @@ def encode_prompt(tokenizer: Any, prompt: str | Sequence[int]) -> list[int]:
     return ids
 
 
+def shown_ids(ids: Sequence[int], finish_reason: str | None, matched_stop: Any) -> Sequence[int]:
+    """The ids whose text an answer shows: a stop token (EOS or one of stop_token_ids) that ended it is left out
+    of the text, as vLLM (unless include_stop_str_in_output) and SGLang do; its id stays in token_ids."""
+    if finish_reason == "stop" and isinstance(matched_stop, int) and ids and ids[-1] == matched_stop:
+        return ids[:-1]
+    return ids
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 

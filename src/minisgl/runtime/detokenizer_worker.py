@@ -7,7 +7,7 @@ from typing import Any
 
 from minisgl.core import TokenOutput
 from minisgl.runtime.protocol import Chunk, Error, Usage
-from minisgl.tokenizer import IncrementalDetokenizer
+from minisgl.tokenizer import IncrementalDetokenizer, shown_ids
 
 
 class RequestState:
@@ -81,7 +81,8 @@ class Detokenizer:
 
     def _chunk(self, state: RequestState, out: TokenOutput) -> Chunk:
         detok = state.detok(out.index)
-        text = detok.add(out.new_token_ids) if out.new_token_ids else ""
+        ids = shown_ids(out.new_token_ids, out.finish_reason, out.matched_stop) if out.finished else out.new_token_ids
+        text = detok.add(ids) if ids else ""
         if out.finished:
             text += detok.finish()
         reasoning = ""

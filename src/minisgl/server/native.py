@@ -194,17 +194,24 @@ def native_router(server: Any, check_key: Callable[[Request], Awaitable[None]], 
         except BaseException as e:  # noqa: BLE001 - typed HTTP errors (fail re-raises cancellation)
             return fail(timer, e)
         answers, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
-        for (_, _, _, outs), result in zip(requests, results):
+        for (_, params, _, outs), result in zip(requests, results):
             for out, o in zip(outs, result.outputs):
                 out.usage = result.usage
                 out.prompt_logprobs = result.prompt_logprobs
-                out.add(o.text, o.token_ids, o.logprobs, o.finish_reason, o.matched_stop)
+                kept = await _kept_stop_token(out, params, o.finish_reason, o.matched_stop)
+                out.add(o.text + kept, o.token_ids, o.logprobs, o.finish_reason, o.matched_stop)
                 answers.append(out.json(started))
             prompt_tokens += result.usage.prompt_tokens
             completion_tokens += result.usage.completion_tokens
             cached += result.usage.cached_tokens
         timer.done(200, prompt_tokens, completion_tokens, cached)
         return JSONResponse(answers if many else answers[0])
+
+    async def _kept_stop_token(out: _Output, params: Any, reason: str | None, matched: Any) -> str:
+        """SGLang's no_stop_trim keeps the text of the stop token that ended the answer (the daemon leaves it out)."""
+        if out.no_stop_trim and reason == "stop" and isinstance(matched, int):
+            return await server.client.detokenize([matched], skip_special_tokens=params.skip_special_tokens)
+        return ""
 
     async def _stream(streams: list[Any], requests: list[Any], many: bool, started: float, timer: Any) -> Response:
         merged = merge_streams(streams)
@@ -225,7 +232,8 @@ def native_router(server: Any, check_key: Callable[[Request], Awaitable[None]], 
                         for o in requests[i][3]:
                             o.usage = chunk.usage
                         totals = [a + b for a, b in zip(totals, chunk.usage)]
-                    out.add(chunk.text, chunk.token_ids, chunk.logprobs, chunk.finish_reason, chunk.matched_stop)
+                    kept = await _kept_stop_token(out, requests[i][1], chunk.finish_reason, chunk.matched_stop)
+                    out.add(chunk.text + kept, chunk.token_ids, chunk.logprobs, chunk.finish_reason, chunk.matched_stop)
                     payload = out.json(started)
                     if many:
                         payload["index"] = offsets[i] + chunk.index
