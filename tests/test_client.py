@@ -180,6 +180,17 @@ def test_bad_command_lines_end_in_one_error_line_not_a_traceback(runtime_dir: Pa
     assert main(["generate", "--model", "smollm2", "--seed", str(2**70), "x"]) == 1  # a typed error, one line
 
 
+def test_a_client_key_name_cannot_leave_the_keys_directory(tmp_path: Path) -> None:
+    from minisgl.runtime.auth import create_client_keys
+
+    for name in ("../evil", "a/b", ".hidden", ""):
+        with pytest.raises(ConfigError, match="plain file name"):
+            create_client_keys(tmp_path, name)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == []  # nothing written anywhere
+    public, secret = create_client_keys(tmp_path, "laptop-1")
+    assert public.parent == secret.parent == tmp_path / "clients"
+
+
 def test_remote_access_needs_an_authorized_client_key(tmp_path: Path) -> None:
     from minisgl.runtime.daemon import Daemon
 

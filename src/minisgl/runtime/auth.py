@@ -52,6 +52,8 @@ def ensure_server_keys(directory: Path) -> tuple[Path, Path]:
 
 def create_client_keys(directory: Path, name: str) -> tuple[Path, Path]:
     """A client keypair under clients/, its public key authorized under authorized_clients/."""
+    if not name or name.startswith(".") or any(c in name for c in "/\\\0"):
+        raise ConfigError(f"a client name is a plain file name (letters, digits, '-', '_', '.'), got {name!r}")
     public, secret = _create_keypair(directory / "clients", name)
     authorized = directory / "authorized_clients"
     authorized.mkdir(parents=True, exist_ok=True, mode=0o700)
