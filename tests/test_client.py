@@ -247,6 +247,9 @@ def test_unknown_engine_option_is_a_config_error(runtime_dir: Path) -> None:
 
     with pytest.raises(ConfigError, match="unknown engine options"):
         Client("smollm2", auto_start=False, page_sise=4)
+    for bad, words in ((dict(kv_cache_gb=-1), "kv_cache_gb must be > 0"), (dict(mem_fraction=1.5), "mem_fraction")):
+        with pytest.raises(ConfigError, match=words):  # a clear error, not an odd one from the pool sizing later
+            EngineConfig.from_kwargs("smollm2", **bad)
 
 
 # ---------------------------------------------------------------------------- tokenizer / detokenizer logic

@@ -68,6 +68,10 @@ class EngineConfig:
             raise ConfigError("multi-node TP needs dist_init_addr=HOST:PORT (node 0's address), the same on every node")
         if self.num_pages is not None and self.num_pages < 1:
             raise ConfigError(f"num_pages must be >= 1, got {self.num_pages!r}")
+        if not self.kv_cache_gb > 0:
+            raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb!r}")
+        if not 0 < self.mem_fraction <= 1:
+            raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction!r}")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ConfigError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
