@@ -10,7 +10,7 @@ from dataclasses import fields
 from typing import Any
 
 from minisgl.config import EngineConfig
-from minisgl.errors import ConfigError, MiniSGLError
+from minisgl.errors import MiniSGLError
 
 logger = logging.getLogger("minisgl")
 
@@ -117,12 +117,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return run_node(config)
     http = HttpOptions(args.host, args.http_port, args.api_key) if args.http_port else None
-    if http is not None and not args.api_key:
-        from minisgl.server.app import is_loopback
+    if http is not None:
+        from minisgl.server.app import check_bind
 
-        if not is_loopback(args.host):  # refused before the model loads, not by the HTTP process after it
-            raise ConfigError(f"refusing to serve HTTP on {args.host!r} without an API key: pass --api-key "
-                              "(or bind 127.0.0.1)")
+        check_bind(args.host, args.api_key)  # refused before the model loads, not by the HTTP process after it
     if http is not None and (running := _running_daemon(config, args.address)) is not None:
         return _serve_http_only(running, http, args.model)
     return serve(
@@ -295,10 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     try:
         return COMMANDS[args.command](args)
-    except MiniSGLError as e:
-        print(f"minisgl: error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # a path that cannot be written or read (keys --curve-dir, a log file, ...)
+    except (MiniSGLError, OSError) as e:  # OSError: a path that cannot be read or written (keys --curve-dir, ...)
         print(f"minisgl: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -52,7 +52,9 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         ids = self.stop_token_ids or []
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
-            raise InvalidRequestError(f"invalid SamplingParams: stop_token_ids must be a list of token ids, got {ids!r}")
+            raise InvalidRequestError(
+                f"invalid SamplingParams: stop_token_ids must be a list of token ids, got {ids!r}"
+            )
         self.stop_token_ids = [int(t) for t in ids]
         if self.logit_bias is not None:
             self.logit_bias = _token_biases(self.logit_bias)
@@ -92,8 +94,7 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (
-            isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
-            or not 0 <= self.prompt_logprobs <= 20
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
         ):
             raise bad(f"prompt_logprobs must be None or an integer in [0, 20], got {self.prompt_logprobs!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):

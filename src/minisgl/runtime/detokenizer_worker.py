@@ -81,7 +81,7 @@ class Detokenizer:
 
     def _chunk(self, state: RequestState, out: TokenOutput) -> Chunk:
         detok = state.detok(out.index)
-        ids = shown_ids(out.new_token_ids, out.finish_reason, out.matched_stop) if out.finished else out.new_token_ids
+        ids = shown_ids(out.new_token_ids, out.finish_reason, out.matched_stop)  # finish_reason: None until the end
         text = detok.add(ids) if ids else ""
         if out.finished:
             text += detok.finish()

@@ -260,8 +260,8 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - a plugin's observer fails only this sequence, never the loop
                 logger.error("plugin hook minisgl_request_finished raised for request %s", req.rid, exc_info=e)
                 if error is None:
-                    error, error_type = f"a plugin's minisgl_request_finished hook failed: {type(e).__name__}: {e}", \
-                        EngineError.__name__
+                    error = f"a plugin's minisgl_request_finished hook failed: {type(e).__name__}: {e}"
+                    error_type = EngineError.__name__
         self.pending_outputs.append(make_output(req, new_tokens or [], new_logprobs, True, error, error_type))
 
     # ------------------------------------------------------------------ introspection

@@ -104,6 +104,14 @@ def api_error(e: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error", type(e).__name__)
 
 
+def check_bind(host: str, api_key: str | None) -> None:
+    """Binding anything but a loopback address needs an api_key (ConfigError otherwise)."""
+    if not is_loopback(host) and not api_key:
+        raise ConfigError(
+            f"refusing to serve HTTP on {host!r} without an API key: pass --api-key (or bind 127.0.0.1)"
+        )
+
+
 def is_loopback(host: str) -> bool:
     if host in _LOOPBACK_NAMES:
         return True
@@ -604,10 +612,7 @@ def run_http_server(
     Binding anything but a loopback address needs an api_key: the server never offers
     unauthenticated remote access.
     """
-    if not is_loopback(host) and not api_key:
-        raise ConfigError(
-            f"refusing to serve HTTP on {host!r} without an API key: pass --api-key (or bind 127.0.0.1)"
-        )
+    check_bind(host, api_key)
     import uvicorn
 
     app = create_app(client_address, model_name, api_key)

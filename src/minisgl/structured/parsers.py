@@ -82,16 +82,9 @@ def split_deltas(deltas: list[Delta]) -> tuple[str, list[dict[str, Any]] | None]
         if d.tool_call is None:
             continue
         piece = d.tool_call.to_openai()
-        call = calls.get(piece["index"])
-        if call is None:
-            calls[piece["index"]] = piece
-            continue
-        for key in ("id", "type"):
-            if key in piece:
-                call.setdefault(key, piece[key])
-        if "name" in piece["function"]:
-            call["function"].setdefault("name", piece["function"]["name"])
-        call["function"]["arguments"] += piece["function"]["arguments"]
+        call = calls.setdefault(piece["index"], piece)
+        if call is not piece:  # a later piece of the call: only argument text (id and name come with the first)
+            call["function"]["arguments"] += piece["function"]["arguments"]
     return text, [calls[i] for i in sorted(calls)] or None
 
 
