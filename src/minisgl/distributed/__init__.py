@@ -5,6 +5,11 @@ one host) sends tensors up to 8 MB (a decode step's activations) through a buffe
 instead: one-shot, every GPU reads its peers' buffers over NVLink and sums (the copy into the buffer inside the same
 kernel where this torch has it; a two-shot variant measured the same, session 17). Its kernels cannot be aborted:
 with a peer dead they spin, and rank 0's watch then ends the process (distributed/launch.py).
+
+MINISGL_TP_ALLREDUCE=fused (opt-in, one host) goes further for the all-reduces that a residual RMSNorm follows
+(every row-parallel projection of a decoder): the projection writes its partial sums into symmetric memory and one
+kernel per rank sums the ranks' rows, adds the residual and normalizes (distributed/reduce_norm.py). The layers ask
+for it with `RowParallelLinear(x, reduce=False)` and `RMSNorm.reduce_forward`; other all-reduces take NCCL's.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,21 +47,29 @@ def get_tp_info() -> TPInfo:
     return _TP
 
 
+def symm_mem_group() -> str:
+    """The TP group's name, with symmetric memory enabled for it (older torch needs that; a no-op later)."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = dist.group.WORLD.group_name
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            enable(group)
+    return group
+
+
 class SymmMemAllReduce:
     """One-shot all-reduce through a symmetric-memory buffer that every rank registered (CUDA only)."""
 
     def __init__(self, device: torch.device, max_bytes: int = SYMM_MEM_MAX_BYTES) -> None:
-        import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.group = dist.group.WORLD.group_name
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed by older torch, a no-op later
-        if enable is not None:
-            import warnings
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                enable(self.group)
+        self.group = symm_mem_group()
         self.buf = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buf, self.group)  # collective: every rank at the same point
         self.copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)  # torch >= 2.8
@@ -78,23 +92,30 @@ class SymmMemAllReduce:
 
 
 _SYMM: SymmMemAllReduce | None = None
+_REDUCE_NORM: Any = None  # reduce_norm.SymmReduceNorm where MINISGL_TP_ALLREDUCE=fused
 
 
 def setup_symm_mem(device: torch.device) -> None:
     """After the process group exists, on every rank: the symmetric-memory all-reduce where it can run."""
-    global _SYMM
-    _SYMM = None
+    global _SYMM, _REDUCE_NORM
+    _SYMM = _REDUCE_NORM = None
     choice = os.environ.get("MINISGL_TP_ALLREDUCE", "nccl")
-    if choice not in ("nccl", "symm_mem"):
-        raise ValueError(f"MINISGL_TP_ALLREDUCE must be nccl or symm_mem, got {choice!r}")
+    if choice not in ("nccl", "symm_mem", "fused"):
+        raise ValueError(f"MINISGL_TP_ALLREDUCE must be nccl, symm_mem or fused, got {choice!r}")
     if choice == "symm_mem" and device.type == "cuda":
         _SYMM = SymmMemAllReduce(device)
         logger.info("tensor-parallel all-reduce up to %d MB through symmetric memory", SYMM_MEM_MAX_BYTES >> 20)
+    elif choice == "fused" and device.type == "cuda":
+        from minisgl.distributed.reduce_norm import SymmReduceNorm
+
+        _REDUCE_NORM = SymmReduceNorm(device, symm_mem_group(), _TP.rank, _TP.size, SYMM_MEM_MAX_BYTES)
+        logger.info("tensor-parallel all-reduce + residual + RMSNorm fused, up to %d MB, through symmetric memory",
+                    SYMM_MEM_MAX_BYTES >> 20)
 
 
 def reset_symm_mem() -> None:
-    global _SYMM
-    _SYMM = None
+    global _SYMM, _REDUCE_NORM
+    _SYMM = _REDUCE_NORM = None
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -106,6 +127,22 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
     dist.all_reduce(x)
     return x
+
+
+def partial_out(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Where a row-parallel projection's [rows, cols] partial sums go when the next norm reduces them in its kernel
+    (MINISGL_TP_ALLREDUCE=fused, and they fit); None: a plain tensor, reduced by all_reduce."""
+    return _REDUCE_NORM.partial_out(rows, cols, dtype) if _REDUCE_NORM is not None else None
+
+
+def fused_reduce_norm(
+    partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(norm(all_reduce(partial) + residual), the sum, in residual) in one kernel where partial came from
+    partial_out; None otherwise."""
+    if _REDUCE_NORM is None or not _REDUCE_NORM.owns(partial):
+        return None
+    return _REDUCE_NORM(partial, residual, weight, eps)
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:

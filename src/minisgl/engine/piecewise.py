@@ -95,7 +95,7 @@ class PiecewiseGraphRunner:
             else:
                 hidden, residual = self.layers[i - 1].attention_output(self.attn_out[:n], self.residual[:n])
             if i == last:
-                hidden, _ = self.norm(hidden, residual)
+                hidden, _ = self.norm.reduce_forward(hidden, residual)
                 _keep(self.hidden[:n], hidden)
                 return
             q, k, v, residual = self.layers[i].attention_input(

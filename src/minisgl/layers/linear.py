@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.distributed import all_reduce, get_tp_info, partial_out
 from minisgl.errors import WeightsError
 
 
@@ -220,6 +220,17 @@ class RowParallelLinear(LinearBase):
         size = param.shape[1]
         copy_checked(param, loaded.narrow(1, self.tp_rank * size, size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.gemm(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        return all_reduce(y)
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """x W^T summed over the ranks; reduce=False: this rank's partial sums, for a norm that reduces them
+        itself (RMSNorm.reduce_forward), written where its fused kernel reads them (distributed.partial_out)."""
+        bias = self.bias if self.tp_rank == 0 else None
+        out = None if reduce or self.tp_size == 1 else partial_out(x.numel() // x.shape[-1], self.output_size, x.dtype)
+        if out is None:
+            y = self.gemm(x, self.weight, bias)
+            return all_reduce(y) if reduce else y
+        x2 = x.reshape(-1, x.shape[-1])
+        if bias is None:
+            torch.mm(x2, self.weight.t(), out=out)
+        else:
+            torch.addmm(bias, x2, self.weight.t(), out=out)
+        return out.view(*x.shape[:-1], self.output_size)

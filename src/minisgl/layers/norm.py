@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl.distributed import all_reduce, fused_reduce_norm
 from minisgl.layers.fused import fused_ops
 from minisgl.layers.linear import copy_checked
 
@@ -43,3 +44,11 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def reduce_forward(self, partial: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(all_reduce(partial), residual) for a row-parallel layer's partial sums (its forward with
+        reduce=False): one kernel for the reduction, the add and the norm where distributed.fused_reduce_norm runs."""
+        fused = fused_reduce_norm(partial, residual, self.weight, self.eps)
+        if fused is not None:
+            return fused
+        return self(all_reduce(partial), residual)

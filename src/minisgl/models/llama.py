@@ -92,8 +92,8 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)), reduce=reduce)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -112,7 +112,9 @@ class LlamaDecoderLayer(nn.Module):
 
     # The layer in two halves around attention (the eager forward above, and engine/piecewise.py's CUDA
     # graphs, which capture everything but attention). The residual add of each sub-block is fused into
-    # the next norm.
+    # the next norm, and so is the tensor-parallel all-reduce of its output: o_proj and the MLP hand on their
+    # partial sums (reduce=False) and the next norm's reduce_forward reduces them (between layers, a layer's
+    # hidden output is those partial sums; the first layer's, the embedding, is complete).
     def attention_input(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
         out_loc: torch.Tensor, q_out: torch.Tensor | None = None,
@@ -122,13 +124,15 @@ class LlamaDecoderLayer(nn.Module):
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm.reduce_forward(hidden, residual)
         return (*self.self_attn.qkv(positions, hidden, out_loc, q_out), residual)
 
     def attention_output(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) after the output projection, the post-attention norm and the MLP."""
-        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
-        return self.mlp(hidden), residual
+        """(hidden, residual) after the output projection, the post-attention norm and the MLP; hidden is the MLP's
+        partial sums under tensor parallelism (the next norm's reduce_forward reduces them)."""
+        partial = self.self_attn.o_proj(attn_out, reduce=False)
+        hidden, residual = self.post_attention_layernorm.reduce_forward(partial, residual)
+        return self.mlp(hidden, reduce=False), residual
 
 
 class LlamaModel(nn.Module):
@@ -147,7 +151,7 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm.reduce_forward(hidden, residual)
         return hidden
 
 

@@ -1,0 +1,144 @@
+"""All-reduce + residual add + RMSNorm in one kernel, through symmetric memory (Triton, CUDA, one host).
+
+A tensor-parallel decoder sums each row-parallel projection's partial outputs across ranks and then, in the next
+kernel, adds the residual and normalizes. Here the projection writes its partial sums straight into a buffer in
+PyTorch's symmetric memory (every rank maps every other rank's buffer), and one kernel per rank does the rest:
+each program meets the same program of every peer at a barrier, then for its rows reads every rank's partial
+sums over NVLink, adds them in float32 and rounds the sum to the model's dtype (what a two-rank NCCL all-reduce
+returns), adds the residual (written back in place), normalizes and writes the output: flashinfer's
+fused_add_rmsnorm arithmetic on the all-reduced rows. One kernel replaces NCCL's all-reduce and the norm, and no
+copy into or out of a communication buffer is needed.
+
+Two buffers, used in turn: the kernel never writes a peer's memory, only reads it, so a rank may overwrite its
+slot only once every peer has finished reading it. A rank fills slot A again two reductions later, after its
+own kernel for the reduction between (on slot B) passed that reduction's barrier, which every peer reaches only
+after its kernel on slot A has finished (kernels of one stream run in order). So one barrier per reduction,
+and no second one after the reads. Each (program, peer) barrier flag goes 0 -> 1 (the peer arrived) -> 0 (seen),
+so CUDA graph replays need no counters; all ranks run the same sequence of forwards with the same row counts.
+
+Its spin-waits cannot be aborted: with a peer dead they spin, and rank 0's watch ends the process (launch.py).
+MINISGL_TP_ALLREDUCE=fused turns it on (distributed/__init__.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+MAX_PROGRAMS = 512  # programs of one launch (the barrier flags: MAX_PROGRAMS x world per slot)
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The Triton kernel, compiled on first use; None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit(do_not_specialize=["M", "rank"])
+    def reduce_norm_kernel(
+        bufs_ptr, flags_ptr, residual_ptr, weight_ptr, out_ptr, M, rank, eps,
+        H: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        dtype = out_ptr.dtype.element_ty
+        if WORLD > 1:  # this program's barrier with the same program of every peer
+            mine = tl.load(flags_ptr + rank).to(tl.pointer_type(tl.int32)) + pid * WORLD
+            for p in range(WORLD):
+                if p != rank:  # tell peer p that this rank's partial sums are ready (its flag for us: 0 -> 1)
+                    theirs = tl.load(flags_ptr + p).to(tl.pointer_type(tl.int32)) + pid * WORLD + rank
+                    while tl.atomic_cas(theirs, 0, 1, sem="release", scope="sys") != 0:
+                        pass
+            for p in range(WORLD):
+                if p != rank:  # wait until peer p has told us (our flag for it: 1 -> 0)
+                    while tl.atomic_cas(mine + p, 1, 0, sem="acquire", scope="sys") != 1:
+                        pass
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        for row in range(pid, M, nprog):
+            offs = row * H + cols  # < 2**31: a slot holds at most a few million elements
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for p in range(WORLD):
+                part = tl.load(bufs_ptr + p).to(tl.pointer_type(dtype))
+                acc += tl.load(part + offs, mask=mask, other=0.0).to(tl.float32)
+            x = acc.to(dtype).to(tl.float32) + tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(residual_ptr + offs, x.to(dtype), mask=mask)
+            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+            tl.store(out_ptr + offs, (x * rstd * w).to(dtype), mask=mask)
+
+    return reduce_norm_kernel
+
+
+def reduce_add_rmsnorm(
+    bufs: torch.Tensor, flags: torch.Tensor, rank: int, rows: int, residual: torch.Tensor, weight: torch.Tensor,
+    eps: float, programs: int | None = None,
+) -> torch.Tensor:
+    """norm(sum of every rank's partial sums + residual), with the residual updated in place to that sum.
+
+    bufs: int64 [world] on the device, the address of each rank's partial sums ([rows, hidden], contiguous,
+    residual's dtype); flags: int64 [world], the address of each rank's barrier flags (int32, MAX_PROGRAMS x world,
+    zero at the start); rank: this rank's index. Every rank calls it with the same rows and programs.
+    """
+    world, hidden = bufs.numel(), residual.shape[-1]
+    assert residual.is_contiguous() and residual.dtype in _DTYPES and residual.shape[0] == rows
+    out = torch.empty_like(residual)
+    if rows == 0:
+        return out
+    # A program a row (up to MAX_PROGRAMS), 8 warps from 8,192 columns: on an H100 with one rank, 256 rows x 5,120
+    # took 3.6 µs so, 4.1-7.2 µs with 64 or 132 programs or 4, 16 or 32 warps (flashinfer's norm alone: 3.1 µs).
+    grid = min(rows, programs or MAX_PROGRAMS, MAX_PROGRAMS)
+    block = 1 << (hidden - 1).bit_length()
+    _kernel()[(grid,)](
+        bufs, flags, residual, weight, out, rows, rank, eps,
+        H=hidden, BLOCK=block, WORLD=world, num_warps=8 if block >= 8192 else 4,
+    )
+    return out
+
+
+class SymmReduceNorm:
+    """The two slots in symmetric memory, their addresses and barrier flags, and the call (CUDA only)."""
+
+    def __init__(self, device: torch.device, group: Any, rank: int, world: int, slot_bytes: int) -> None:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.rank, self.slot_bytes = rank, slot_bytes
+        self.flag_bytes = MAX_PROGRAMS * world * 4
+        stride = slot_bytes + self.flag_bytes
+        self.mem = symm_mem.empty(2 * stride, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(self.mem, group)  # collective: every rank at the same point
+        for k in range(2):
+            self.mem[k * stride + slot_bytes: (k + 1) * stride].zero_()
+        torch.cuda.synchronize(device)
+        dist.barrier()  # no rank signals a peer before the peer's flags are zero
+        ptrs = [int(p) for p in handle.buffer_ptrs]
+        self.bufs = [torch.tensor([p + k * stride for p in ptrs], dtype=torch.int64, device=device) for k in range(2)]
+        self.flags = [torch.tensor([p + k * stride + slot_bytes for p in ptrs], dtype=torch.int64, device=device)
+                      for k in range(2)]
+        self.slots = [self.mem[k * stride: k * stride + slot_bytes] for k in range(2)]
+        self.next = 0
+
+    def partial_out(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The next slot as a [rows, cols] tensor for a row-parallel projection's partial sums, or None where
+        they do not fit (they then take the plain all-reduce). Each one must go to __call__ before the next."""
+        if dtype not in _DTYPES or rows * cols * 2 > self.slot_bytes or _kernel() is None:
+            return None
+        k, self.next = self.next, self.next ^ 1
+        return self.slots[k][: rows * cols * 2].view(dtype).view(rows, cols)
+
+    def owns(self, x: torch.Tensor) -> bool:
+        return x.data_ptr() in (self.slots[0].data_ptr(), self.slots[1].data_ptr())
+
+    def __call__(
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k = 0 if partial.data_ptr() == self.slots[0].data_ptr() else 1
+        out = reduce_add_rmsnorm(self.bufs[k], self.flags[k], self.rank, partial.shape[0], residual, weight, eps)
+        return out, residual
