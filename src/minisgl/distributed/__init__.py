@@ -108,9 +108,11 @@ def setup_symm_mem(device: torch.device) -> None:
     elif choice == "fused" and device.type == "cuda":
         from minisgl.distributed.reduce_norm import SymmReduceNorm
 
-        _REDUCE_NORM = SymmReduceNorm(device, symm_mem_group(), _TP.rank, _TP.size, SYMM_MEM_MAX_BYTES)
-        logger.info("tensor-parallel all-reduce + residual + RMSNorm fused, up to %d MB, through symmetric memory",
-                    SYMM_MEM_MAX_BYTES >> 20)
+        # Each of its two slots holds one reduction: 8 MB takes decode's (batch 256 x 5,120 x bf16: 2.6 MB);
+        # MINISGL_TP_FUSED_MB=192 takes a 16k-token prefill chunk's too (bigger slots: less memory for the KV).
+        mb = int(os.environ.get("MINISGL_TP_FUSED_MB", str(SYMM_MEM_MAX_BYTES >> 20)))
+        _REDUCE_NORM = SymmReduceNorm(device, symm_mem_group(), _TP.rank, _TP.size, mb << 20)
+        logger.info("tensor-parallel all-reduce + residual + RMSNorm fused, up to %d MB, through symmetric memory", mb)
 
 
 def reset_symm_mem() -> None:
