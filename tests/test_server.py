@@ -560,6 +560,39 @@ def test_openai_chat_n2_seed_and_logprobs(oai):
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
 
 
+def test_logprobs_of_grammar_constrained_answers_are_finite_json_numbers(daemon, oai):
+    """A grammar leaves fewer than top_logprobs tokens possible at some steps (after '{' of a JSON object); their
+    alternatives' logprob is -inf, which JSON cannot carry (it was a 500). As vLLM, such a logprob reads -9999.0;
+    the body must parse as strict JSON and the answer must still match its constraint."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+              "additionalProperties": False}
+
+    def strict(text: str) -> Any:
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON body"))
+
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "smollm2", "messages": QUESTION, "temperature": 0, "max_tokens": 16, "logprobs": True,
+            "top_logprobs": 5, "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}
+    r = httpx.post(f"{daemon.base}/v1/chat/completions", json=body, headers=auth, timeout=300)
+    assert r.status_code == 200, r.text
+    choice = strict(r.text)["choices"][0]
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    entries = choice["logprobs"]["content"]
+    assert "".join(e["token"] for e in entries).startswith(choice["message"]["content"])  # + the stop token, as vLLM
+    alternatives = [t["logprob"] for e in entries for t in e["top_logprobs"]]
+    assert -9999.0 in alternatives and all(-9999.0 <= v <= 0.0 for v in alternatives)
+    streamed = httpx.post(f"{daemon.base}/v1/chat/completions", json={**body, "stream": True}, headers=auth, timeout=300)
+    events = [strict(e) for e in _sse_events(streamed.text) if e != "[DONE]"]
+    assert all("error" not in e for e in events), events
+    text = httpx.post(f"{daemon.base}/v1/completions", headers=auth, timeout=300, json={
+        "model": "smollm2", "prompt": "A date:", "max_tokens": 12, "temperature": 0, "logprobs": 3,
+        "regex": r"\d{4}-\d{2}-\d{2}"})
+    assert text.status_code == 200, text.text
+    completion = strict(text.text)["choices"][0]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", completion["text"])
+    assert all(v >= -9999.0 for top in completion["logprobs"]["top_logprobs"] for v in top.values())
+
+
 def test_openai_completions_text_and_token_prompts_and_batches(oai, client, smollm2_dir):
     from transformers import AutoTokenizer
 

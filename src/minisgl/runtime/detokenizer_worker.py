@@ -9,6 +9,9 @@ from minisgl.core import TokenOutput
 from minisgl.runtime.protocol import Chunk, Error, Usage
 from minisgl.tokenizer import IncrementalDetokenizer, shown_ids
 
+# The logprob of a token a grammar masked out is -inf, which JSON cannot carry: it reads as vLLM's floor.
+MIN_LOGPROB = -9999.0
+
 
 class RequestState:
     """One request's decoding state: a detokenizer (and tool parser) per sample index."""
@@ -139,9 +142,10 @@ class Detokenizer:
             entries.append({
                 "token_id": token_id,
                 "token": self._token(token_id),
-                "logprob": float(chosen),
+                "logprob": max(float(chosen), MIN_LOGPROB),
                 "top_logprobs": [
-                    {"token_id": int(t), "token": self._token(int(t)), "logprob": float(v)} for t, v in alts
+                    {"token_id": int(t), "token": self._token(int(t)), "logprob": max(float(v), MIN_LOGPROB)}
+                    for t, v in alts
                 ],
             })
         return entries
