@@ -178,6 +178,25 @@ def test_chat_stream_is_sse_with_role_first_then_deltas_usage_and_done():
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
+def test_every_chunk_of_a_stream_has_the_id_and_created_time_of_its_first(monkeypatch):
+    """OpenAI's chunk object: "Each chunk has the same timestamp" (created), as it has the same id, however long
+    the answer takes; here the clock ticks a second at every reading."""
+    from minisgl.server import protocol
+
+    clock = iter(range(1_700_000_000, 1_800_000_000))
+    monkeypatch.setattr(protocol, "time", SimpleNamespace(time=lambda: next(clock)))
+    with _app_client(StandInClient()) as http:
+        chat = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "stream": True, "n": 2,
+            "stream_options": {"include_usage": True}})
+        text = http.post("/v1/completions", json={"prompt": ["Hi", "Ho"], "stream": True, "max_tokens": 5,
+                                                  "stream_options": {"include_usage": True}})
+    for r in (chat, text):
+        chunks = [json.loads(e) for e in _sse_events(r.text)[:-1]]
+        assert len(chunks) > 5
+        assert {(c["id"], c["created"]) for c in chunks} == {(chunks[0]["id"], chunks[0]["created"])}
+
+
 def test_reasoning_comes_as_reasoning_content_whole_and_in_deltas():
     """A daemon with --reasoning-parser separates the <think> part; the API carries it as vLLM and SGLang do."""
     with _app_client(StandInClient(reasoning="The user asks for a capital.")) as http:

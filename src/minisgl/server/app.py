@@ -66,6 +66,7 @@ from minisgl.server.protocol import (
     TopLogprob,
     Usage,
     new_id,
+    now,
 )
 
 logger = logging.getLogger("minisgl.server")
@@ -514,12 +515,14 @@ async def _chat_events(
     stream: AsyncIterator[Any], timer: RequestTimer,
 ) -> AsyncIterator[str]:
     model, include_usage = server.model_name, body.include_usage
+    created = now()  # every chunk carries the stream's one timestamp, as OpenAI's
     started: set[int] = set()
     usage: Usage | None = None
     status = 200
 
     def event(choice: ChatChunkChoice) -> str:
-        return _sse(_chunk_json(ChatCompletionChunk(id=rid, model=model, choices=[choice]), include_usage))
+        piece = ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
+        return _sse(_chunk_json(piece, include_usage))
 
     try:
         chunk, empty = first
@@ -542,7 +545,7 @@ async def _chat_events(
             except StopAsyncIteration:
                 empty = True
         if include_usage:
-            final = ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage or Usage.of(0, 0, 0))
+            final = ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage or Usage.of(0, 0, 0))
             yield _sse(_chunk_json(final, True))
     except Exception as e:  # noqa: BLE001 - after the first byte an error can only travel in the stream
         status = api_error(e).status
@@ -561,7 +564,7 @@ async def _completion_events(
     body: CompletionRequest, rid: str, model: str, first: tuple[Any, bool],
     merged: AsyncIterator[tuple[int, Any]], timer: RequestTimer,
 ) -> AsyncIterator[str]:
-    include_usage = body.include_usage
+    include_usage, created = body.include_usage, now()
     usage = Usage.of(0, 0, 0)
     offsets: dict[int, int] = {}
     status = 200
@@ -578,7 +581,8 @@ async def _completion_events(
             if chunk.text or logprobs or chunk.finish_reason:
                 choice = CompletionChoice(index=index, text=chunk.text, logprobs=logprobs,
                                           finish_reason=chunk.finish_reason)
-                yield _sse(_chunk_json(CompletionResponse(id=rid, model=model, choices=[choice]), include_usage))
+                piece = CompletionResponse(id=rid, created=created, model=model, choices=[choice])
+                yield _sse(_chunk_json(piece, include_usage))
             if chunk.usage is not None:
                 usage = usage + _usage(chunk.usage)
             try:
@@ -586,7 +590,7 @@ async def _completion_events(
             except StopAsyncIteration:
                 empty = True
         if include_usage:
-            yield _sse(_chunk_json(CompletionResponse(id=rid, model=model, choices=[], usage=usage), True))
+            yield _sse(_chunk_json(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage), True))
     except Exception as e:  # noqa: BLE001 - after the first byte an error can only travel in the stream
         status = api_error(e).status
         yield _error_event(e)
