@@ -748,3 +748,49 @@ def test_a_daemon_that_goes_away_fails_waiting_requests_at_once(router: Scripted
         with pytest.raises(DaemonNotRunningError, match="lost"):
             next(stream)
         assert time.monotonic() - t0 < 5
+
+
+def test_requests_to_a_daemon_that_went_away_fail_at_once_and_succeed_once_it_is_back(router: ScriptedRouter) -> None:
+    """As an HTTP client meets "connection refused": every request while the daemon is gone, not only the first,
+    fails at once with DaemonNotRunningError (not after the timeout); the first one after it is back succeeds."""
+    from minisgl.client import AsyncClient, Client
+
+    def fails_at_once(call: Callable[[], Any]) -> None:
+        t0 = time.monotonic()
+        with pytest.raises(DaemonNotRunningError):
+            call()
+        assert time.monotonic() - t0 < 5
+
+    async def async_round(ac: Any, gone: bool) -> None:
+        if gone:
+            for _ in range(2):
+                t0 = time.monotonic()
+                with pytest.raises(DaemonNotRunningError):
+                    await ac.generate("a b")
+                assert time.monotonic() - t0 < 5
+        else:
+            assert (await ac.generate("a b")).text == "ab"
+
+    with Client("fake", router.address, auto_start=False, timeout=30) as c:
+        loop = asyncio.new_event_loop()
+        ac = AsyncClient("fake", router.address, auto_start=False, timeout=30)
+        try:
+            assert c.generate("a b").text == "ab"
+            loop.run_until_complete(async_round(ac, gone=False))
+            router.close()
+            time.sleep(0.5)
+            for _ in range(2):
+                fails_at_once(lambda: c.generate("a b"))
+            fails_at_once(c.stats)
+            loop.run_until_complete(async_round(ac, gone=True))
+            back = ScriptedRouter(router.address)
+            try:
+                time.sleep(0.5)
+                assert c.generate("a b").text == "ab"
+                loop.run_until_complete(async_round(ac, gone=False))
+            finally:
+                back.close()
+        finally:
+            loop.run_until_complete(ac.close())
+            loop.close()
+

@@ -595,7 +595,7 @@ class AsyncStream(_StreamCore):
         with self._aborting():
             if self._conn is None:
                 self._conn = await self._client._connection()
-                self._conn.open(self.rid)
+                await self._conn.open(self.rid)
                 self._conn.send(self._msg)
             wait, by_deadline = self._wait()
             with self._within(by_deadline):
@@ -722,7 +722,7 @@ class AsyncClient(_ClientCore):
 
     async def _call(self, msg: Any) -> Any:
         conn = await self._connection()
-        conn.open(msg.rid)
+        await conn.open(msg.rid)
         try:
             conn.send(msg)
             return await conn.next(msg.rid, self.timeout)

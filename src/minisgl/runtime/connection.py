@@ -1,7 +1,8 @@
 """A client's link to a daemon: one DEALER socket whose replies are sorted into per-request inboxes.
 
 The socket is watched through a ZMQ monitor, so requests waiting on a daemon that dies (or that
-refuses the client's CURVE keys) fail at once instead of waiting out their timeout.
+refuses the client's CURVE keys) fail at once instead of waiting out their timeout, and so do the
+requests made while the connection is down; ZMQ reconnects on its own when the daemon is back.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
-from minisgl.errors import DaemonTimeoutError
+from minisgl.errors import DaemonNotRunningError, DaemonTimeoutError
 from minisgl.runtime.auth import ClientCurve
 from minisgl.runtime.protocol import Chunk, Chunks, Error, Message, ProtocolError, decode, encode, error_class
 
@@ -26,11 +27,15 @@ logger = logging.getLogger("minisgl")
 Reply = Union[Chunk, Message]  # what one request's inbox receives: its Chunks one by one, or a reply
 
 _WATCHED = (
-    zmq.EVENT_DISCONNECTED
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_DISCONNECTED
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+# A request made while the connection is down waits this long for ZMQ to reconnect (it retries every 0.1 s)
+# before it fails: a daemon that is back by then serves it.
+RECONNECT_WAIT_S = 1.0
 
 
 def _socket(ctx: zmq.Context, address: str, curve: ClientCurve | None) -> zmq.Socket:
@@ -65,6 +70,31 @@ def _event_error(address: str, event: dict[str, Any]) -> Error | None:
     return None
 
 
+class _Link:
+    """Whether the socket is connected, as its monitor's events (read in order) tell."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.lost = False  # the client found the daemon ready just before connecting: assume connected
+
+    def on_event(self, event: dict[str, Any]) -> Error | None:
+        """Follow one monitor event; the error it means for the requests waiting now, if any."""
+        if event["event"] == zmq.EVENT_CONNECTED:
+            self.lost = False
+            return None
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            self.lost = True
+        return _event_error(self.address, event)
+
+    def check(self) -> None:
+        """Refuse a new request while the connection is down (it would wait out its timeout otherwise)."""
+        if self.lost:
+            raise DaemonNotRunningError(
+                f"no minisgl daemon answers at {self.address}: the connection was lost (did it stop?); "
+                "start it again and retry (the client reconnects by itself)"
+            )
+
+
 class _Inboxes:
     """Replies sorted by request id; replies for ids nobody waits on (any more) are dropped."""
 
@@ -94,11 +124,19 @@ class SyncConnection:
         self.monitor = _monitor(self.sock)
         self.sock.connect(address)
         self.inboxes = _Inboxes()
+        self.link = _Link(address)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
 
     def open(self, rid: str) -> None:
+        """Register a request about to be sent; DaemonNotRunningError when the connection is down and stays
+        down for RECONNECT_WAIT_S."""
+        self._events()  # events that came while nobody waited concern the requests before this one
+        deadline = _now() + RECONNECT_WAIT_S
+        while self.link.lost and self.monitor.poll(max(0, int((deadline - _now()) * 1000))):
+            self._events()
+        self.link.check()
         self.inboxes.boxes[rid] = deque()
 
     def forget(self, rid: str) -> None:
@@ -118,10 +156,7 @@ class SyncConnection:
                 self._drain()
             elif self.monitor in events:
                 self._drain()  # replies that arrived before the event come first
-                error = _event_error(self.address, recv_monitor_message(self.monitor))
-                if error is not None:
-                    for target, reply in self.inboxes.route(error):
-                        target.append(reply)
+                self._events()
             elif deadline is not None and _now() >= deadline:
                 raise DaemonTimeoutError(f"no reply from the daemon at {self.address} within {timeout:.1f}s")
         return box.popleft()
@@ -134,6 +169,14 @@ class SyncConnection:
                 return
             for box, reply in self.inboxes.route(_decode_reply(raw)):
                 box.append(reply)
+
+    def _events(self) -> None:
+        """Follow the monitor's waiting events; a lost connection fails the requests waiting now."""
+        while self.monitor.poll(0):
+            error = self.link.on_event(recv_monitor_message(self.monitor))
+            if error is not None:
+                for box, reply in self.inboxes.route(error):
+                    box.append(reply)
 
     def close(self) -> None:
         self.sock.disable_monitor()
@@ -150,9 +193,20 @@ class AsyncConnection:
         self.monitor = _monitor(self.sock)
         self.sock.connect(address)
         self.inboxes = _Inboxes()
+        self.link = _Link(address)
+        self._connected = asyncio.Event()
+        self._connected.set()
         self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
 
-    def open(self, rid: str) -> None:
+    async def open(self, rid: str) -> None:
+        """Register a request about to be sent; DaemonNotRunningError when the connection is down and stays
+        down for RECONNECT_WAIT_S."""
+        if self.link.lost:
+            try:
+                await asyncio.wait_for(self._connected.wait(), RECONNECT_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
+        self.link.check()
         self.inboxes.boxes[rid] = asyncio.Queue()
 
     def forget(self, rid: str) -> None:
@@ -180,7 +234,8 @@ class AsyncConnection:
     async def _watch(self) -> None:
         while True:
             frames = await self.monitor.recv_multipart()
-            error = _event_error(self.address, parse_monitor_message(frames))
+            error = self.link.on_event(parse_monitor_message(frames))
+            (self._connected.clear if self.link.lost else self._connected.set)()
             if error is None:
                 continue
             await asyncio.sleep(0)  # let the reader hand out replies that arrived before the event
