@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import re
 import time
 import uuid
@@ -435,6 +436,47 @@ def test_metrics_count_requests_tokens_and_ttft():
 def test_non_loopback_bind_without_api_key_is_refused():
     with pytest.raises(ConfigError, match="API key"):
         run_http_server("ipc:///unused", host="0.0.0.0", port=1)
+
+
+def test_the_http_server_of_a_daemon_exits_when_the_daemon_process_is_killed(tmp_path):
+    """As the daemon's scheduler and text worker do: an HTTP server left behind would keep the port (a restarted
+    daemon could not bind it) and keep answering for a daemon that is gone."""
+    import subprocess
+    import sys
+
+    from minisgl.runtime.registry import pid_alive
+
+    port = free_port()
+    daemon_stand_in = subprocess.Popen([sys.executable, "-c", f"""
+import multiprocessing, time
+from minisgl.server import HttpOptions
+if __name__ == "__main__":
+    http = multiprocessing.get_context("spawn").Process(
+        target=HttpOptions("127.0.0.1", {port}).run, args=("ipc://{tmp_path}/gone.sock", "m", 30), name="http")
+    http.start()
+    print(http.pid, flush=True)
+    time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)
+    http_pid = int(daemon_stand_in.stdout.readline())
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the HTTP server did not come up"
+                time.sleep(0.1)
+        daemon_stand_in.kill()
+        daemon_stand_in.wait(10)
+        deadline = time.monotonic() + 15
+        while pid_alive(http_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pid_alive(http_pid)
+    finally:
+        daemon_stand_in.kill()
+        if pid_alive(http_pid):
+            os.kill(http_pid, 9)
 
 
 async def _until(cond: Any, seconds: float = 2.0) -> None:

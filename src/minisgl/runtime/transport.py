@@ -7,6 +7,8 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -86,6 +88,18 @@ class ParentWatch:
     @property
     def gone(self) -> bool:
         return os.getppid() != self.ppid
+
+    def terminate_when_gone(self, poll_s: float = 1.0) -> None:
+        """For a worker whose main loop is not its own (uvicorn's): from a watcher thread, SIGTERM this process
+        once the daemon is gone (a killed daemon cannot stop its children)."""
+
+        def watch() -> None:
+            while not self.gone:
+                time.sleep(poll_s)
+            logging.getLogger("minisgl").error("the daemon process is gone; exiting")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def worker_setup(log_level: int) -> None:

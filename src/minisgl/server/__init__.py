@@ -17,10 +17,11 @@ class HttpOptions(NamedTuple):
 
     def run(self, address: str, model: str, log_level: int) -> None:
         """Process entry of the HTTP server: one more client of the daemon at address."""
-        from minisgl.runtime.transport import worker_setup
+        from minisgl.runtime.transport import ParentWatch, worker_setup
         from minisgl.server.app import run_http_server
 
         worker_setup(log_level)
+        ParentWatch().terminate_when_gone()  # a killed daemon leaves no server holding the port
         run_http_server(address, self.host, self.port, self.api_key, model_name=model)
 
 _LAZY = {
