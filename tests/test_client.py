@@ -794,3 +794,58 @@ def test_requests_to_a_daemon_that_went_away_fail_at_once_and_succeed_once_it_is
             loop.run_until_complete(ac.close())
             loop.close()
 
+
+def test_closing_a_client_fails_its_open_streams_at_once_with_a_typed_error(router: ScriptedRouter) -> None:
+    """Streams still read when their client is closed (another thread's, another task's) end with DaemonError at
+    once, not after their timeout or with a raw ZMQError; their requests end in the daemon with the connection."""
+    from minisgl.client import AsyncClient, Client
+    from minisgl.errors import DaemonError
+
+    async def main() -> None:
+        ac = AsyncClient("fake", router.address, auto_start=False, timeout=30)
+        streams = [ac.stream("slow") for _ in range(3)]
+        for s in streams:
+            assert (await s.__anext__()).text == "s"
+        readers = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        await ac.close()
+        for r in readers:
+            with pytest.raises(DaemonError, match="closed"):
+                await asyncio.wait_for(r, 5)
+        assert time.monotonic() - t0 < 5
+        for s in streams:
+            await s.aclose()  # nothing left to abort: no error
+
+    loop = asyncio.new_event_loop()
+    unhandled: list[Any] = []
+    loop.set_exception_handler(lambda _, context: unhandled.append(context))
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert not unhandled
+
+    c = Client("fake", router.address, auto_start=False, timeout=30)
+    errors: list[BaseException] = []
+    started = threading.Barrier(3)
+
+    def read() -> None:
+        stream = c.stream("slow")
+        next(stream)
+        started.wait()
+        try:
+            next(stream)
+        except BaseException as e:  # noqa: BLE001 - recorded for the assertion
+            errors.append(e)
+
+    threads = [threading.Thread(target=read) for _ in range(2)]
+    for t in threads:
+        t.start()
+    started.wait()
+    time.sleep(0.1)
+    c.close()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
+    assert [type(e) for e in errors] == [DaemonError, DaemonError], errors

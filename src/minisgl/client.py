@@ -425,6 +425,8 @@ class Client(_ClientCore):
         self._finalizer = weakref.finalize(self, _close_connections, self._conns)
 
     def _conn(self) -> SyncConnection:
+        if self._closed:
+            raise DaemonError("this Client is closed")
         conn = getattr(self._local, "conn", None)
         if conn is None:
             with self._lock:
@@ -494,6 +496,8 @@ class Client(_ClientCore):
 
     def abort(self, rid: str) -> None:
         """Abort a request in flight (from any thread); its stream ends with finish_reason "abort"."""
+        if self._closed:
+            return  # closing dropped the connection: the daemon aborts its requests itself
         self._conn().send(Abort(rid))
 
     def _call(self, msg: Any) -> Any:

@@ -18,9 +18,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
-from minisgl.errors import DaemonNotRunningError, DaemonTimeoutError
+from minisgl.errors import DaemonError, DaemonNotRunningError, DaemonTimeoutError
 from minisgl.runtime.auth import ClientCurve
-from minisgl.runtime.protocol import Chunk, Chunks, Error, Message, ProtocolError, decode, encode, error_class
+from minisgl.runtime.protocol import Abort, Chunk, Chunks, Error, Message, ProtocolError, decode, encode, error_class
 
 logger = logging.getLogger("minisgl")
 
@@ -33,6 +33,7 @@ _WATCHED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+CLOSED = "the client was closed while this request was in flight"
 # A request made while the connection is down waits this long for ZMQ to reconnect (it retries every 0.1 s)
 # before it fails: a daemon that is back by then serves it.
 RECONNECT_WAIT_S = 1.0
@@ -95,6 +96,13 @@ class _Link:
             )
 
 
+def _closed_send(msg: Message) -> None:
+    """A message sent on a closed connection: an Abort is moot (the daemon aborts the requests of a connection
+    that is gone), anything else a DaemonError."""
+    if not isinstance(msg, Abort):
+        raise DaemonError("this client is closed: make a new one")
+
+
 class _Inboxes:
     """Replies sorted by request id; replies for ids nobody waits on (any more) are dropped."""
 
@@ -132,6 +140,8 @@ class SyncConnection:
     def open(self, rid: str) -> None:
         """Register a request about to be sent; DaemonNotRunningError when the connection is down and stays
         down for RECONNECT_WAIT_S."""
+        if self.sock.closed:
+            raise DaemonError("this client is closed: make a new one")
         self._events()  # events that came while nobody waited concern the requests before this one
         deadline = _now() + RECONNECT_WAIT_S
         while self.link.lost and self.monitor.poll(max(0, int((deadline - _now()) * 1000))):
@@ -143,6 +153,9 @@ class SyncConnection:
         self.inboxes.boxes.pop(rid, None)
 
     def send(self, msg: Message) -> None:
+        if self.sock.closed:
+            _closed_send(msg)
+            return
         self.sock.send(encode(msg))
 
     def next(self, rid: str, timeout: float | None) -> Reply:
@@ -151,7 +164,12 @@ class SyncConnection:
         deadline = None if timeout is None else _now() + timeout
         while not box:
             wait_ms = None if deadline is None else max(0, int((deadline - _now()) * 1000))
-            events = dict(self.poller.poll(wait_ms))
+            try:
+                events = dict(self.poller.poll(wait_ms))
+            except zmq.ZMQError:
+                if self.sock.closed:  # closed by another thread (Client.close) while this one waited
+                    raise DaemonError(CLOSED) from None
+                raise
             if self.sock in events:
                 self._drain()
             elif self.monitor in events:
@@ -206,6 +224,8 @@ class AsyncConnection:
                 await asyncio.wait_for(self._connected.wait(), RECONNECT_WAIT_S)
             except asyncio.TimeoutError:
                 pass
+        if self.sock.closed:
+            raise DaemonError("this client is closed: make a new one")
         self.link.check()
         self.inboxes.boxes[rid] = asyncio.Queue()
 
@@ -214,6 +234,9 @@ class AsyncConnection:
 
     def send(self, msg: Message) -> None:
         """Send without waiting (safe in a finally block of a cancelled task)."""
+        if self.sock.closed:
+            _closed_send(msg)
+            return
         self.sock.send(encode(msg))
 
     async def next(self, rid: str, timeout: float | None) -> Reply:
@@ -243,6 +266,8 @@ class AsyncConnection:
                 box.put_nowait(reply)
 
     async def close(self) -> None:
+        for box, reply in self.inboxes.route(Error("", "DaemonError", CLOSED)):  # requests still read fail now
+            box.put_nowait(reply)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
