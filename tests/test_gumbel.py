@@ -20,7 +20,7 @@ LOGITS = [1.0, 0.2, -0.5, 2.0, 0.0, 1.5, -1.0, 0.7]
 
 
 def test_the_kernels_in_triton_interpreter_on_the_cpu():
-    run_interpreter_cases(__file__, passed=7)
+    run_interpreter_cases(__file__, passed=9)
 
 
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
@@ -123,6 +123,66 @@ def test_per_row_temperatures(device):
     ids = gumbel.sample(logits.repeat(rows, 1).to(device, torch.float16), temps.to(device)).cpu()
     for half, t in ((ids[: rows // 2], 0.5), (ids[rows // 2 :], 3.0)):
         assert chi_square(half, torch.softmax(logits / t, dim=-1)) < CHI2_LIMIT[15]
+
+
+def sharded_sample(logits: torch.Tensor, temps: torch.Tensor, shards: int, seed: int = 0) -> list[torch.Tensor]:
+    """Each simulated TP rank's ids when each samples its shard of the vocabulary's columns (the last one
+    narrower) and the ranks' winners are gathered: every rank runs once with the others' winners as they
+    computed them at the same step (recorded in a first pass; the step counters reset in between)."""
+    from minisgl.engine import gumbel
+
+    rows, vocab = logits.shape
+    width = -(-vocab // shards)
+    ranks = [gumbel.Workspace(rows, width, logits.device, seed=seed, shards=shards, shard=r, col0=r * width,
+                              gather=lambda out, local: None) for r in range(shards)]
+    winners: list[torch.Tensor] = []
+
+    def run(r: int, gather) -> torch.Tensor:
+        ranks[r].gather = gather
+        ranks[r].step.zero_()
+        out = torch.full((rows,), -7, dtype=torch.int64, device=logits.device)
+        gumbel.sample_into(logits[:, r * width : (r + 1) * width], temps, out, ranks[r])
+        return out
+
+    for r in range(shards):  # first pass: each rank's own winners
+        run(r, lambda out, local: winners.append(local.clone()))
+
+    def gather(out: torch.Tensor, local: torch.Tensor) -> None:
+        out.copy_(torch.cat(winners))
+
+    return [run(r, gather) for r in range(shards)]
+
+
+def test_sharded_vocabulary_greedy_takes_the_first_argmax_on_every_rank(device):
+    """Tensor parallelism: each rank holds a shard of the columns; greedy rows get torch.argmax of the whole row
+    (a tie across two ranks' shards: the first column), T < 0 rows are untouched, on every rank alike."""
+    vocab = 3001  # shards of 1,001 columns (two shards: 1,501), the last one narrower
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(9, vocab, generator=gen)
+    logits[2, [40, 2900]] = 9.0
+    logits[3, vocab - 1] = 9.0
+    temps = torch.zeros(9)
+    temps[5] = -1.0
+    for shards in (2, 3):
+        outs = sharded_sample(logits.to(device, torch.bfloat16), temps.to(device), shards)
+        expected = logits.to(torch.bfloat16).float().argmax(dim=-1)
+        expected[5] = -7
+        for out in outs:
+            assert out.cpu().tolist() == expected.tolist()
+        assert outs[0][2].item() == 40 and outs[0][3].item() == vocab - 1
+
+
+@pytest.mark.parametrize("temperature", [0.7])
+def test_sharded_vocabulary_draws_follow_softmax_and_agree_across_ranks(device, temperature):
+    """Each rank draws Gumbel noise for its own columns only; the gathered winners still follow the whole row's
+    softmax(logits / T), and every rank picks the same ids."""
+    rows = ROWS[device]
+    logits = torch.tensor(LOGITS).repeat(rows, 1)
+    outs = sharded_sample(logits.to(device), torch.full((rows,), temperature, device=device), shards=2, seed=5)
+    assert torch.equal(outs[0], outs[1])
+    probs = torch.softmax(logits[0] / temperature, dim=-1)
+    assert chi_square(outs[0], probs) < CHI2_LIMIT[7]
+    assert chi_square(outs[0], torch.softmax(logits[0] / (temperature / 2), dim=-1)) > CHI2_LIMIT[7]
 
 
 def test_replayed_from_a_cuda_graph():

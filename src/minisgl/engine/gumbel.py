@@ -26,7 +26,7 @@ launch (layers/fused.py: pdl_args; MINISGL_PDL=0 turns it off).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -54,14 +54,15 @@ if triton is not None:
         return tl.log2(x)
 
     @triton.jit
-    def _block(src, row, key, temp, off, V, best_v, best_i, NOISE: tl.constexpr, BLOCK: tl.constexpr,
+    def _block(src, stream, key, temp, off, V, best_v, best_i, NOISE: tl.constexpr, BLOCK: tl.constexpr,
                FAST: tl.constexpr):
         """The running per-lane (max, first argmax) updated with logits[off : off + BLOCK] (+ temp * Gumbel noise
-        when NOISE). off is a multiple of BLOCK, so the Philox counters off // 4 + lane are this block's own."""
+        when NOISE). off is a multiple of BLOCK, so the Philox counters off // 4 + lane are this block's own within
+        the row's (the row's vocabulary shard's) stream of counters."""
         Q: tl.constexpr = BLOCK // 4  # one Philox call gives four numbers: one for each quarter of a block
         lanes = tl.arange(0, Q)
         if NOISE:
-            r0, r1, r2, r3 = tl.randint4x(key, (row.to(tl.int64) << 32) + off // 4 + lanes)
+            r0, r1, r2, r3 = tl.randint4x(key, (stream.to(tl.int64) << 32) + off // 4 + lanes)
         for j in tl.static_range(4):
             cols = off + j * Q + lanes
             x = tl.load(src + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
@@ -79,10 +80,10 @@ if triton is not None:
         return best_v, best_i
 
     # Batch-dependent ints are not specialised on: one compiled kernel serves every captured batch size.
-    @triton.jit(do_not_specialize=["NBLK", "SPLITS"])
+    @triton.jit(do_not_specialize=["NBLK", "SPLITS", "SHARD", "COL0"])
     def _draw_kernel(
-        logits_ptr, stride, temp_ptr, step_ptr, seed, best_val_ptr, best_idx_ptr, V, NBLK, SPLITS,
-        BLOCK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+        logits_ptr, stride, temp_ptr, step_ptr, seed, best_val_ptr, best_idx_ptr, V, NBLK, SPLITS, SHARD, COL0,
+        SHARDS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:  # launched early: the logits are complete from here on
             gdc_wait()
@@ -91,6 +92,7 @@ if triton is not None:
         part = tl.program_id(1)
         temp = tl.load(temp_ptr + row)
         src = logits_ptr + row.to(tl.int64) * stride
+        stream = row * SHARDS + SHARD  # a vocabulary shard's own noise (tensor parallelism: a rank's columns)
         Q: tl.constexpr = BLOCK // 4
         best_v = tl.full([Q], float("-inf"), tl.float32)
         best_i = tl.zeros([Q], dtype=tl.int32)
@@ -101,29 +103,33 @@ if triton is not None:
         if temp > 0:
             key = seed + tl.load(step_ptr)
             while k < NBLK:
-                best_v, best_i = _block(src, row, key, temp, start + k * BLOCK, V, best_v, best_i, True, BLOCK, FAST)
+                best_v, best_i = _block(src, stream, key, temp, start + k * BLOCK, V, best_v, best_i, True, BLOCK,
+                                        FAST)
                 k += 1
         elif temp == 0:
             while k < NBLK:
-                best_v, best_i = _block(src, row, seed, temp, start + k * BLOCK, V, best_v, best_i, False, BLOCK, FAST)
+                best_v, best_i = _block(src, stream, seed, temp, start + k * BLOCK, V, best_v, best_i, False, BLOCK,
+                                        FAST)
                 k += 1
         if temp >= 0:  # temp < 0: the row is sampled outside the graph
             v = tl.max(best_v, axis=0)
             tl.store(best_val_ptr + row * SPLITS + part, v)
-            tl.store(best_idx_ptr + row * SPLITS + part, tl.min(tl.where(best_v == v, best_i, V), axis=0))
+            tl.store(best_idx_ptr + row * SPLITS + part, COL0 + tl.min(tl.where(best_v == v, best_i, V), axis=0))
 
-    @triton.jit(do_not_specialize=["SPLITS"])
+    @triton.jit(do_not_specialize=["SPLITS", "STRIDE"])
     def _reduce_kernel(
-        best_val_ptr, best_idx_ptr, temp_ptr, out_ptr, step_ptr, SPLITS, S: tl.constexpr, PDL: tl.constexpr,
+        best_val_ptr, best_idx_ptr, temp_ptr, out_ptr, step_ptr, SPLITS, STRIDE, SHARDS: tl.constexpr,
+        S: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
         row = tl.program_id(0)
-        parts = tl.arange(0, S)
-        live = parts < SPLITS
-        v = tl.load(best_val_ptr + row * SPLITS + parts, mask=live, other=float("-inf"))
-        i = tl.load(best_idx_ptr + row * SPLITS + parts, mask=live, other=2147483647)
+        parts = tl.arange(0, S)  # every shard's programs of this row: [batch, splits] a shard, shards STRIDE apart
+        live = parts < SPLITS * SHARDS
+        at = (parts // SPLITS) * STRIDE + row * SPLITS + parts % SPLITS
+        v = tl.load(best_val_ptr + at, mask=live, other=float("-inf"))
+        i = tl.load(best_idx_ptr + at, mask=live, other=2147483647)
         first = tl.min(tl.where(v == tl.max(v, axis=0), i, 2147483647), axis=0)
         if tl.load(temp_ptr + row) >= 0:
             tl.store(out_ptr + row, first.to(tl.int64))
@@ -149,18 +155,30 @@ def splits_for(batch: int, vocab: int) -> int:
 
 
 class Workspace:
-    """The buffers of sample_into for batches of up to max_bs rows (static: a CUDA graph reads and writes them)."""
+    """The buffers of sample_into for batches of up to max_bs rows (static: a CUDA graph reads and writes them).
+
+    Under tensor parallelism (shards > 1) each rank samples its own vocabulary shard (vocab: the shards' width, the
+    last one's logits may be narrower; col0: its first column's id; shard: its index) and gather(out, local) all-gathers the ranks' per-program winners (an
+    all_gather_into_tensor over the ranks, in shard order) before the reduce: a few KB instead of the logits.
+    """
 
     def __init__(
-        self, max_bs: int, vocab: int, device: torch.device | str, seed: int = 0, max_splits: int | None = None
+        self, max_bs: int, vocab: int, device: torch.device | str, seed: int = 0, max_splits: int | None = None,
+        shards: int = 1, shard: int = 0, col0: int = 0, gather: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
     ) -> None:
+        assert shards == 1 or gather is not None, "a sharded vocabulary needs the ranks' gather"
         self.vocab = vocab
         self.seed = SEED_BIT | (seed & (SEED_BIT - 1))
         self.step = torch.zeros(1, dtype=torch.int64, device=device)
         cells = max(b * (max_splits or splits_for(b, vocab)) for b in range(1, max_bs + 1))
         self.max_splits = max_splits or splits_for(1, vocab)  # the reduce kernel's width: one for every batch size
-        self.best_val = torch.empty(cells, dtype=torch.float32, device=device)
-        self.best_idx = torch.empty(cells, dtype=torch.int32, device=device)
+        self.shards, self.shard, self.col0, self.gather = shards, shard, col0, gather
+        if shards == 1:
+            self.best_val = torch.empty(cells, dtype=torch.float32, device=device)
+            self.best_idx = torch.empty(cells, dtype=torch.int32, device=device)
+        else:  # one buffer to gather: a call's n winners' values (float32 bits), then their ids
+            self.packed = torch.empty(2 * cells, dtype=torch.int32, device=device)
+            self.gathered = torch.empty(shards * 2 * cells, dtype=torch.int32, device=device)
 
 
 def _pow2(n: int) -> int:
@@ -174,23 +192,37 @@ def sample_into(
 
     logits [B, V] of any float dtype (rows contiguous), temperature [B] float32, out [B] int64; two kernel
     launches and no host sync, so it can be captured in a CUDA graph. Each call advances ws.step on the device.
+    With a sharded workspace logits are this rank's columns and every rank gets the same ids (ws.gather between).
     """
     kernels = _kernels()
     assert kernels is not None, "check usable() first"
     draw, reduce = kernels
     batch, vocab = logits.shape
-    splits = splits or splits_for(batch, vocab)
-    assert logits.stride(-1) == 1 and vocab == ws.vocab and batch * splits <= len(ws.best_val)
+    splits = splits or splits_for(batch, ws.vocab)  # the same on every rank, whatever its shard's width
+    n = batch * splits
+    assert logits.stride(-1) == 1 and vocab <= ws.vocab
+    if ws.shards == 1:
+        assert n <= len(ws.best_val)
+        best_val, best_idx = ws.best_val[:n], ws.best_idx[:n]
+    else:
+        assert 2 * n <= len(ws.packed)
+        best_val, best_idx = ws.packed[:n].view(torch.float32), ws.packed[n : 2 * n]
     block = min(BLOCK, max(4, 1 << max(0, vocab - 1).bit_length()))  # a small vocabulary: a block of its size
     blocks = -(-(-(-vocab // splits)) // block)  # blocks per program
-    best_val, best_idx = ws.best_val[: batch * splits], ws.best_idx[: batch * splits]
     launch = pdl_args(logits.device)
     draw[(batch, splits)](
         logits, logits.stride(0), temperature, ws.step, ws.seed, best_val, best_idx, vocab, blocks, splits,
+        ws.shard, ws.col0, SHARDS=ws.shards,
         BLOCK=block, FAST=logits.is_cuda, num_warps=4, **launch,  # FAST: the interpreter has no PTX
     )
+    stride = n  # between two shards' winners
+    if ws.shards > 1:
+        gathered = ws.gathered[: ws.shards * 2 * n]
+        ws.gather(gathered, ws.packed[: 2 * n])
+        best_val, best_idx, stride = gathered.view(torch.float32), gathered[n:], 2 * n
     reduce[(batch,)](
-        best_val, best_idx, temperature, out, ws.step, splits, S=_pow2(max(splits, ws.max_splits)), **launch
+        best_val, best_idx, temperature, out, ws.step, splits, stride, SHARDS=ws.shards,
+        S=_pow2(max(splits, ws.max_splits) * ws.shards), **launch,
     )
 
 

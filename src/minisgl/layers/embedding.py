@@ -51,7 +51,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.gemm(hidden, self.weight)
-        if self.tp_size > 1:
-            logits = all_gather_last_dim(logits)[..., : self.num_embeddings]
-        return logits
+        return self.gather(self.gemm(hidden, self.weight))
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole vocabulary's logits from every rank's [..., num_per_partition] columns."""
+        if self.tp_size == 1:
+            return local
+        return all_gather_last_dim(local)[..., : self.num_embeddings]
