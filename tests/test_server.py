@@ -102,6 +102,7 @@ class StandInClient:
                     last = k == len(pieces) - 1
                     yield SimpleNamespace(
                         index=i, text=p, reasoning="", token_ids=[k], finish_reason="stop" if last else None,
+                        matched_stop=None, prompt_logprobs=None,
                         logprobs=self._logprobs([p]) if sampling_params.logprobs is not None else None,
                         tool_calls=None,
                         usage=self._usage(sampling_params) if last and i == sampling_params.n - 1 else None,
@@ -485,6 +486,45 @@ async def _until(cond: Any, seconds: float = 2.0) -> None:
         if cond():
             return
         await asyncio.sleep(0.02)
+
+
+async def test_streams_left_by_their_http_client_count_as_499_and_leave_nothing_in_flight():
+    """Prometheus counters after disconnects, on every streaming route: each request counted once, as 499 (as the
+    chat route counts it), and the in-flight gauge back at 0."""
+    stand_in = StandInClient(reply=" ".join(["word"] * 200), chunk_delay=0.02)
+    app = create_app("ipc:///unused", "stand-in", None, client_factory=lambda: stand_in)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    routes = {
+        "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 200}),
+        "completions": ("/v1/completions", {"prompt": "x", "max_tokens": 200}),
+        "responses": ("/v1/responses", {"input": "x", "max_output_tokens": 200}),
+        "generate": ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 200}}),
+    }
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            for path, body in routes.values():
+                async with http.stream("POST", path, json={**body, "stream": True}) as r:
+                    assert r.status_code == 200
+                    async for _ in r.aiter_lines():
+                        break
+            await _until(lambda: len(stand_in.aborted) == len(routes))
+            text = ""
+            for _ in range(100):
+                text = (await http.get("/metrics")).text
+                if 'minisgl_requests_in_flight{model_name="stand-in"} 0.0' in text:
+                    break
+                await asyncio.sleep(0.02)
+    finally:
+        server.should_exit = True
+        await task
+    assert len(stand_in.aborted) == len(routes) and not stand_in.finished
+    assert 'minisgl_requests_in_flight{model_name="stand-in"} 0.0' in text
+    counted = re.findall(r'minisgl_requests_total\{endpoint="(\w+)",model_name="stand-in",status="(\d+)"\} (\S+)', text)
+    assert sorted(counted) == sorted((endpoint, "499", "1.0") for endpoint in routes)
 
 
 async def test_client_disconnect_mid_stream_aborts_the_request():

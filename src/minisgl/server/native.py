@@ -244,6 +244,9 @@ def native_router(server: Any, check_key: Callable[[Request], Awaitable[None]], 
             except Exception as e:  # noqa: BLE001 - after the first event an error travels in the stream
                 timer.done(500)
                 yield error_event(e)
+            except BaseException:
+                timer.done(499)  # the HTTP client went away: closing the stream below aborts the request
+                raise
             finally:
                 await close_stream(merged)
 

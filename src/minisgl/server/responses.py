@@ -214,6 +214,9 @@ async def _events(
     except Exception as e:  # noqa: BLE001 - after the first byte an error travels as an event
         status = 500
         yield event("error", **error_event(e))
+    except BaseException:
+        status = 499  # the HTTP client went away: closing the stream below aborts the request
+        raise
     finally:
         await close_stream(stream)
         timer.done(status)
