@@ -718,6 +718,79 @@ def test_a_reasoning_parser_serves_the_think_part_apart_end_to_end(
         proc.wait(30)
 
 
+def test_structured_answers_of_a_model_that_starts_inside_think_come_after_its_reasoning(
+    daemon_runtime_dir: Path, tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A template that opens <think> in the prompt (DeepSeek-R1, QwQ, Qwen3-Thinking-2507) and a model that writes
+    "France capital?</think>Paris!": a grammar (response_format, guided_choice, a forced tool call) constrains the
+    answer after </think>, as vLLM and SGLang apply it, so the reasoning stays reasoning and the answer is the
+    structured content. (Constrained from the first token, the answer was written inside the open block and came
+    back as reasoning_content, with an empty content and no tool call.)"""
+    import httpx
+    import jsonschema
+    import openai
+    from transformers import AutoTokenizer
+
+    from conftest import _build_tiny
+    from minisgl.runtime.launcher import stop_daemon, wait_ready
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = THINKING_TEMPLATE.replace("{% if enable_thinking", "<think>\n{% if enable_thinking")
+    tok.save_pretrained(tmp_path / "tok")
+    pieces = ["France", " capital", "?", "</think>", "Paris", "!"]
+    script = [tok.encode(piece, add_special_tokens=False) for piece in pieces]
+    assert all(len(ids) == 1 for ids in script), script
+    model, _ = _with_test_plugin(
+        tmp_path, _build_tiny("llama", tmp_path / "tok", tmp_path / "r1"), "ScriptedLlamaForCausalLM", monkeypatch,
+        MINISGL_TEST_SCRIPT=",".join(str(ids[0]) for ids in script),
+    )
+    address, port = f"ipc://{daemon_runtime_dir}/r1.sock", free_port()
+    log = daemon_runtime_dir / "r1.log"
+    proc = start_serve(["--model", str(model), "--address", address, "--reasoning-parser", "deepseek-r1",
+                        "--http-port", str(port)], log)
+    messages = [{"role": "user", "content": "Capital of France?"}]
+    answer = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "capital", "parameters": answer}}]
+    try:
+        wait_ready(address, 180, proc=proc, log_path=log)
+        deadline = time.monotonic() + 120  # the HTTP server starts after the daemon is ready
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        ask = dict(model=str(model), messages=messages, temperature=0, max_tokens=200)
+        plain = oai.chat.completions.create(**ask).choices[0].message
+        assert (plain.reasoning_content, plain.content) == ("France capital?", "Paris!")
+
+        choice = oai.chat.completions.create(**ask, extra_body={"guided_choice": ["yes", "no"]}).choices[0]
+        assert choice.message.reasoning_content == "France capital?"
+        assert choice.message.content in ("yes", "no") and choice.finish_reason == "stop"
+
+        fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}}
+        whole = oai.chat.completions.create(**ask, response_format=fmt).choices[0]
+        assert whole.message.reasoning_content == "France capital?" and whole.finish_reason == "stop"
+        jsonschema.validate(json.loads(whole.message.content), answer)
+        deltas = [ch.choices[0].delta for ch in oai.chat.completions.create(**ask, response_format=fmt, stream=True)
+                  if ch.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "France capital?"
+        assert "".join(d.content or "" for d in deltas) == whole.message.content
+
+        called = oai.chat.completions.create(**ask, tools=tools, tool_choice="required").choices[0]
+        assert called.message.reasoning_content == "France capital?" and called.finish_reason == "tool_calls"
+        assert [c.function.name for c in called.message.tool_calls] == ["capital"]
+        jsonschema.validate(json.loads(called.message.tool_calls[0].function.arguments), answer)
+    finally:
+        if proc.poll() is None:
+            stop_daemon(address, 30)
+        proc.wait(30)
+
+
 def test_serve_with_http_port_attaches_to_the_running_daemon(daemon_runtime_dir: Path, tiny_model_dir: Any) -> None:
     """`serve --http-port` for a model whose daemon already runs serves HTTP for that daemon instead of failing."""
     import httpx

@@ -72,5 +72,9 @@ def test_bad_constraints_are_rejected_before_scheduling(tiny_model_dir):
         llm.generate([[1, 2, 3]], SamplingParams(ebnf="root ::= undefined_rule"), use_tqdm=False)
     with pytest.raises(errors.GrammarError):
         SamplingParams(regex=DATE, json_schema=PERSON)
+    with pytest.raises(errors.InvalidRequestError, match="grammar_after needs a grammar"):
+        SamplingParams(grammar_after="</think>")
+    with pytest.raises(errors.InvalidRequestError, match="grammar_after"):
+        SamplingParams(regex=DATE, grammar_after="")
     assert not llm.scheduler.has_work
     llm.check_integrity()

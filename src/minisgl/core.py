@@ -45,6 +45,8 @@ class SamplingParams:
     json_schema: str | dict | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # The grammar constrains only what follows this text (a reasoning model's "</think>"): free until it is written.
+    grammar_after: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,6 +105,10 @@ class SamplingParams:
             raise bad("stop must be a list of non-empty strings")
         if sum(c is not None for c in (self.json_schema, self.regex, self.ebnf)) > 1:
             raise GrammarError("give at most one of json_schema, regex and ebnf")
+        if self.grammar_after is not None and (not isinstance(self.grammar_after, str) or not self.grammar_after):
+            raise bad(f"grammar_after must be None or a non-empty string, got {self.grammar_after!r}")
+        if self.grammar_after is not None and not self.has_grammar:
+            raise bad("grammar_after needs a grammar (json_schema, regex or ebnf) to start after it")
 
     @property
     def greedy(self) -> bool:
@@ -304,6 +310,7 @@ class Req:
     skipped: int = 0  # times prefix-aware ordering passed it over (fairness bound)
     # Per-request state owned by other components (grammar matcher, stop-string decoder, generator).
     grammar: Any = None
+    grammar_gate: Any = None  # with grammar_after: watches the output for it; None once the grammar applies
     stop_checker: Any = None
     generator: Any = None
 

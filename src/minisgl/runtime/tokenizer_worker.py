@@ -6,6 +6,7 @@ the rest go on as AddRequest, whose params the scheduler takes as they are (alre
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from minisgl.core import SamplingParams
@@ -86,6 +87,12 @@ class RequestPreparer:
                 "shorten the prompt"
             )
         params = params.for_prompt(len(input_ids), self.context_length)  # max_tokens unset: to the context's end
+        # Chat answers of a thinking model: does the prompt leave the output inside <think>?
+        reasoning = self._opens_in_reasoning(input_ids) if self.reasoning_parser and msg.messages else None
+        if reasoning and params.has_grammar:  # as vLLM and SGLang: think freely, then answer in the grammar
+            from minisgl.structured.reasoning import END
+
+            params = dataclasses.replace(params, grammar_after=END)
         detok = {
             "n": params.n,
             "stop": params.stop,
@@ -93,8 +100,7 @@ class RequestPreparer:
             "skip_special_tokens": params.skip_special_tokens,
             "tool_parser": self.tool_format if tools else None,
             "max_tool_calls": 1 if msg.parallel_tool_calls is False else None,
-            # Chat answers of a thinking model: does the prompt leave the output inside <think>?
-            "reasoning": self._opens_in_reasoning(input_ids) if self.reasoning_parser and msg.messages else None,
+            "reasoning": reasoning,
             "prompt_ids": input_ids if params.prompt_logprobs is not None else None,  # to name prompt_logprobs' tokens
         }
         return AddRequest(msg.rid, input_ids, params.to_dict(), detok, msg.embed)

@@ -9,6 +9,7 @@ import torch
 
 from minisgl.core import Req, SamplingParams, TokenOutput
 from minisgl.errors import InvalidRequestError, OutOfMemoryError, PromptTooLongError
+from minisgl.tokenizer import IncrementalDetokenizer
 
 
 def check_request(
@@ -63,11 +64,22 @@ def init_req_state(req: Req, device: torch.device, tokenizer: Any, grammar: Call
     if req.seed is not None:
         req.generator = torch.Generator(device=device).manual_seed(req.seed)
     if p.stop:
-        from minisgl.tokenizer import IncrementalDetokenizer
-
         req.stop_checker = IncrementalDetokenizer(tokenizer, p.stop, p.skip_special_tokens, p.min_tokens)
     if p.has_grammar:
         req.grammar = grammar().new_state(p, stop_token_ids=sorted(req.eos_token_ids))
+    if p.grammar_after is not None:
+        req.grammar_gate = IncrementalDetokenizer(tokenizer, [p.grammar_after], skip_special_tokens=False)
+
+
+def grammar_accepts(req: Req, token: int) -> bool:
+    """Advance req's grammar by its new token; False if the grammar rejects it. Before grammar_after is written
+    the token only moves the gate (the token that completes it is not the grammar's either)."""
+    if req.grammar_gate is not None:
+        req.grammar_gate.add([token])
+        if req.grammar_gate.stopped is not None:
+            req.grammar_gate = None
+        return True
+    return req.grammar is None or req.grammar.accept_token(token)
 
 
 def stop_reason(req: Req, token: int, max_seq_len: int) -> tuple[str | None, Any]:
@@ -120,8 +132,8 @@ class Grammars:
 
     def bitmask_fn(self, reqs: list[Req]) -> Callable[[torch.Tensor], Any] | None:
         """The function masking the logits of reqs' rows by their grammars; None when none has one."""
-        if not any(r.grammar is not None for r in reqs):
+        states = [r.grammar if r.grammar_gate is None else None for r in reqs]  # a gated grammar masks nothing yet
+        if not any(s is not None for s in states):
             return None
         backend = self.backend()
-        states = [r.grammar for r in reqs]
         return lambda logits: backend.apply(logits, states)

@@ -23,7 +23,9 @@ from minisgl.errors import EngineError, InvalidRequestError
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.kv import ReqKV
 from minisgl.scheduler.prefill import PrefillManager
-from minisgl.scheduler.requests import Grammars, check_request, init_req_state, make_output, new_reqs, stop_reason
+from minisgl.scheduler.requests import (
+    Grammars, check_request, grammar_accepts, init_req_state, make_output, new_reqs, stop_reason,
+)
 from minisgl.scheduler.step import LaunchedStep, copy_to_host, read_tokens, warmup
 
 logger = logging.getLogger("minisgl")
@@ -206,7 +208,7 @@ class Scheduler:
         req.input_ids.append(token)
         if logprob is not None:
             req.output_logprobs.append(logprob)
-        if req.grammar is not None and not req.grammar.accept_token(token):
+        if not grammar_accepts(req, token):
             self._finish(req, "abort", None, new_tokens=[token], error="the sampled token broke the grammar")
             return
         reason, matched = stop_reason(req, token, self.max_seq_len)
