@@ -800,6 +800,14 @@ def test_sglang_and_vllm_structured_output_extras_constrain_the_answer(oai):
         answer(guided_regex="[0-9]", guided_choice=["a"])
     with pytest.raises(openai.BadRequestError, match="choice"):
         answer(guided_choice=[])
+    # vLLM's structured_outputs={"json_object": true}: any JSON object; a key it cannot honour is a 400, not ignored.
+    as_object = oai.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Give me info about Paris as JSON."}], temperature=0,
+        max_tokens=60, extra_body={"structured_outputs": {"json_object": True}})
+    assert isinstance(json.loads(as_object.choices[0].message.content), dict), as_object
+    for unknown in ({"jsn": schema}, {"json": schema, "disable_any_whitespace": True}, {"json_object": False}):
+        with pytest.raises(openai.BadRequestError, match="structured_outputs"):
+            answer(structured_outputs=unknown)
 
 
 def test_responses_api_whole_and_streamed_matches_the_chat_answer(oai, client):

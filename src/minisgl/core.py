@@ -213,6 +213,15 @@ def _guided_grammar(given: Mapping[str, Any]) -> dict[str, Any]:
     nested = given.get("structured_outputs")
     if nested is not None and not isinstance(nested, Mapping):
         raise InvalidRequestError("structured_outputs must be an object like {'json': {...}} or {'choice': [...]}")
+    unknown = sorted(set(nested or {}) - {"json", "regex", "grammar", "choice", "json_object"})
+    if unknown:
+        raise InvalidRequestError(
+            f"structured_outputs: {unknown} not supported; give one of json, regex, grammar, choice, json_object"
+        )
+    if (nested or {}).get("json_object") is not None:
+        if nested["json_object"] is not True:
+            raise InvalidRequestError("structured_outputs.json_object must be true (any JSON object)")
+        found.append(("json_schema", {"type": "object"}))  # OpenAI's JSON mode, as response_format json_object
     for source, prefix in ((given, "guided_"), (nested or {}, "")):
         for kind, field_name in (("json", "json_schema"), ("regex", "regex"), ("grammar", "ebnf"), ("choice", "ebnf")):
             value = source.get(prefix + kind)
