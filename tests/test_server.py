@@ -199,6 +199,18 @@ def test_every_chunk_of_a_stream_has_the_id_and_created_time_of_its_first(monkey
         assert {(c["id"], c["created"]) for c in chunks} == {(chunks[0]["id"], chunks[0]["created"])}
 
 
+def test_responses_api_refuses_what_it_cannot_honour_instead_of_ignoring_it():
+    """/v1/responses without tools: tool_choice "required" or a named function, and logprobs (top_logprobs, include
+    message.output_text.logprobs) are 400s as OpenAI answers what it cannot do; "auto" and "none" are fine."""
+    with _app_client(StandInClient()) as http:
+        for fine in ({"tool_choice": "auto"}, {"tool_choice": "none"}, {"top_logprobs": 0}):
+            assert http.post("/v1/responses", json={"input": "Hi", **fine}).status_code == 200, fine
+        for bad in ({"tool_choice": "required"}, {"tool_choice": {"type": "function", "name": "f"}},
+                    {"top_logprobs": 2}, {"include": ["message.output_text.logprobs"]}):
+            r = http.post("/v1/responses", json={"input": "Hi", **bad})
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (bad, r.text)
+
+
 def test_reasoning_comes_as_reasoning_content_whole_and_in_deltas():
     """A daemon with --reasoning-parser separates the <think> part; the API carries it as vLLM and SGLang do."""
     with _app_client(StandInClient(reasoning="The user asks for a capital.")) as http:

@@ -2,8 +2,9 @@
 
 What newer OpenAI clients (the openai package's `client.responses`, agent SDKs) send: `input` as a string or a
 list of role messages (input_text / output_text parts), `instructions` as the system message, sampling fields,
-`text.format` for JSON output. Function tools, images, stored conversations (`previous_response_id`) and
-background runs are refused with a 400 that names the chat completions API instead; nothing is dropped silently.
+`text.format` for JSON output. Function tools (and a tool_choice that needs them), logprobs, images, stored
+conversations (`previous_response_id`) and background runs are refused with a 400 that names the chat completions
+API instead; nothing is dropped silently.
 """
 
 from __future__ import annotations
@@ -37,10 +38,19 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None
     previous_response_id: str | None = None
     background: bool | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
 
     def check(self) -> None:
         if self.tools:
             raise InvalidRequestError("tools are not supported on /v1/responses: use /v1/chat/completions for tool calls")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise InvalidRequestError(
+                f"tool_choice {self.tool_choice!r} needs tools, which /v1/responses does not support: "
+                "use /v1/chat/completions for tool calls"
+            )
+        if self.top_logprobs or "message.output_text.logprobs" in (self.include or []):
+            raise InvalidRequestError("logprobs are not supported on /v1/responses: use /v1/chat/completions")
         if self.previous_response_id:
             raise InvalidRequestError("previous_response_id is not supported: responses are not stored; send the whole input")
         if self.background:
