@@ -369,6 +369,22 @@ def test_small_kv_pool_retracts_and_all_64_requests_finish_identically(tiny_mode
     small_llm.check_integrity()
 
 
+def test_long_prompts_that_each_fit_a_small_pool_alone_all_finish_as_with_a_big_pool(tiny_model_dir):
+    """Chunked prefills of the next prompts must not starve the decoding request of pages: it used to be cut short
+    ("length", after a single token at times) when a partly prefilled prompt held the rest of the pool. Each
+    request fits the pool alone (200 + 40 tokens, 256 slots), so each finishes as it does with a big pool."""
+    model_dir = tiny_model_dir("llama")
+    prompts = [[(17 * i + j) % 900 + 20 for j in range(200)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    big = LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)
+    small_llm = LLM(str(model_dir), num_pages=64, page_size=4, max_prefill_tokens=32)
+    small = small_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in small] == [o.token_ids for o in big]
+    assert [o.finish_reason for o in small] == ["length"] * 4
+    assert [o.cached_tokens for o in small] == [o.cached_tokens for o in big]
+    small_llm.check_integrity()
+
+
 def test_generate_keeps_no_per_step_outputs_alive(tiny_model_dir, monkeypatch):
     """generate gathers each sequence's tokens into one list and drops the per-step TokenOutputs as it reads them.
     Kept, they were ~2 objects per generated token, and Python's full garbage collections over them stopped the loop

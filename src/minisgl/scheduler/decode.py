@@ -1,7 +1,8 @@
 """The decode set: the running requests, one KV slot each for the next token, retraction under pressure.
 
-When the KV pool cannot hold the next decode step, the newest running requests are retracted
-(their KV goes to the prefix cache, they go back to the front of the queue) instead of failing.
+When the KV pool cannot hold the next decode step, the partly prefilled prompts give their pages back, then
+the newest running requests are retracted (their KV goes to the prefix cache, they go back to the front of
+the queue) instead of failing.
 """
 
 from __future__ import annotations
@@ -35,12 +36,21 @@ class DecodeManager:
         """
         if not self.running:
             return None
-        # Newest first out: retract until every remaining request has room for one more token.
+        # Until every running request has room for one more token: first roll back the partly prefilled prompts
+        # that wait for pages (they hold pages the running ones need, and would hold them until those finish),
+        # then retract the running requests, newest first.
         while True:
             need = sum(1 for r in self.running if r.cached_len % self.page_size == 0)
-            if need <= self.cache.available_pages or len(self.running) == 1:
+            if need <= self.cache.available_pages:
                 break
-            self._retract(self.running.pop())
+            holder = next((r for r in reversed(self.waiting) if r.table_idx >= 0), None)
+            if holder is not None:
+                logger.debug("rolling back the prefill of %s (%d tokens) under KV pressure", holder.rid, holder.cached_len)
+                self.kv.roll_back(holder)
+            elif len(self.running) > 1:
+                self._retract(self.running.pop())
+            else:
+                break
         reqs = [r for r in self.running if not self._last_token_in_flight_is_final(r, in_flight)]
         if not reqs:
             return None

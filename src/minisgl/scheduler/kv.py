@@ -7,6 +7,8 @@ read the rows' slots and, for decode, each row's last sampled token kept on the 
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -24,6 +26,8 @@ class ReqKV:
         self.device = device
         # Each row's last sampled token, on the device: the next decode step's input without a host round trip.
         self.last_tokens = torch.zeros(table.max_rows, dtype=torch.int64, device=device)
+        # Prompts whose prefill was rolled back: their later admissions match their own computed KV, no prefix hit.
+        self._rolled_back: weakref.WeakSet[Req] = weakref.WeakSet()
 
     def admit(self, req: Req) -> bool:
         """Give a waiting request a table row and its cached prefix (locked)."""
@@ -36,7 +40,7 @@ class ReqKV:
         matched = len(slots)
         self.page_table[row, :matched] = slots
         req.table_idx, req.cache_handle, req.cached_len, req.matched_len = row, handle, matched, matched
-        if req.num_output == 0:
+        if req.num_output == 0 and req not in self._rolled_back:
             req.prefix_hit_len = matched
         return True
 
@@ -73,6 +77,12 @@ class ReqKV:
         self.cache.release(req.input_ids, row, req.cached_len, req.matched_len, req.cache_handle, alloc_len)
         self.table.free(req.table_idx)
         req.table_idx, req.cache_handle, req.cached_len, req.matched_len = -1, None, 0, 0
+
+    def roll_back(self, req: Req) -> None:
+        """Give back the KV of a waiting, partly prefilled request; its prefill starts again later, from what of
+        its prompt the prefix cache still holds. Its prefix hit stays as its first admission counted it."""
+        self.release(req)
+        self._rolled_back.add(req)
 
     def req_pages(self, reqs: list[Req]) -> int:
         """Pages owned by these requests (not by the cache)."""
