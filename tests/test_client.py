@@ -849,3 +849,29 @@ def test_closing_a_client_fails_its_open_streams_at_once_with_a_typed_error(rout
         t.join(5)
     assert not any(t.is_alive() for t in threads)
     assert [type(e) for e in errors] == [DaemonError, DaemonError], errors
+
+
+def test_connections_of_threads_that_ended_are_closed(router: ScriptedRouter) -> None:
+    """A shared Client used from short-lived threads (a threaded web server, a pool made per batch) keeps one
+    connection per live thread: file descriptors stay flat however many threads came and went."""
+    import gc
+
+    from minisgl.client import Client
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with Client("fake", router.address, auto_start=False, timeout=10) as c:
+        assert c.generate("a b").text == "ab"
+        before = open_fds()
+        for _ in range(3):
+            texts: list[str] = []
+            threads = [threading.Thread(target=lambda: texts.append(c.generate("x y").text)) for _ in range(20)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert texts == ["xy"] * 20
+        gc.collect()
+        assert _eventually(lambda: open_fds() <= before + 4), (before, open_fds())
+        assert c.generate("a b").text == "ab"  # the main thread's connection is still there

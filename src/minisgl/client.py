@@ -341,10 +341,11 @@ class _StreamCore(ABC):
 class Stream(_StreamCore):
     """Chunks of one request, as they come; close() (or leaving a `with` block / a for loop early) aborts it."""
 
-    def __init__(self, client: "Client", conn: SyncConnection, rid: str, timeout: float | None) -> None:
+    def __init__(self, client: "Client", held: _ThreadConnection, rid: str, timeout: float | None) -> None:
         self.rid = rid
         self._client = client
-        self._conn = conn
+        self._held = held  # keeps the connection open while the stream lives, even past its thread
+        self._conn = held.conn
         self._timeout = timeout
         self._open = True
 
@@ -386,9 +387,27 @@ class Stream(_StreamCore):
             pass
 
 
-def _close_connections(conns: list[SyncConnection]) -> None:
-    while conns:
-        conns.pop().close()
+def _close_connections(conns: list[SyncConnection], lock: threading.RLock) -> None:
+    with lock:
+        while conns:
+            conns.pop().close()
+
+
+def _close_connection(conn: SyncConnection, conns: list[SyncConnection], lock: threading.RLock) -> None:
+    with lock:
+        if conn in conns:  # not closed with the whole Client already
+            conns.remove(conn)
+            conn.close()
+
+
+class _ThreadConnection:
+    """One thread's connection, closed once the thread has ended (its thread-local slot goes) and no Stream made
+    in it is left: a Client shared by short-lived threads holds one socket per live thread, not one per thread
+    that ever used it."""
+
+    def __init__(self, conn: SyncConnection, conns: list[SyncConnection], lock: threading.RLock) -> None:
+        self.conn = conn
+        weakref.finalize(self, _close_connection, conn, conns, lock)
 
 
 class Client(_ClientCore):
@@ -418,24 +437,27 @@ class Client(_ClientCore):
         self.address = self._locate()
         self._ctx = zmq.Context.instance()
         self._local = threading.local()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a connection's finalizer may run in a thread that holds it
         self._conns: list[SyncConnection] = []
         self._closed = False
         # A Client dropped without close() (or alive at exit) still closes its sockets.
-        self._finalizer = weakref.finalize(self, _close_connections, self._conns)
+        self._finalizer = weakref.finalize(self, _close_connections, self._conns, self._lock)
 
-    def _conn(self) -> SyncConnection:
+    def _thread_connection(self) -> _ThreadConnection:
         if self._closed:
             raise DaemonError("this Client is closed")
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
+        held = getattr(self._local, "conn", None)
+        if held is None:
             with self._lock:
                 if self._closed:
                     raise DaemonError("this Client is closed")
                 conn = SyncConnection(self._ctx, self.address, self.curve)
                 self._conns.append(conn)
-            self._local.conn = conn
-        return conn
+            held = self._local.conn = _ThreadConnection(conn, self._conns, self._lock)
+        return held
+
+    def _conn(self) -> SyncConnection:
+        return self._thread_connection().conn
 
     def stream(
         self,
@@ -455,10 +477,10 @@ class Client(_ClientCore):
             prompt, sampling_params, rid, timeout, tools=tools, tool_choice=tool_choice, response_format=response_format,
             chat_template_kwargs=chat_template_kwargs, parallel_tool_calls=parallel_tool_calls,
         )
-        conn = self._conn()
-        conn.open(msg.rid)
-        conn.send(msg)
-        return Stream(self, conn, msg.rid, timeout)
+        held = self._thread_connection()
+        held.conn.open(msg.rid)
+        held.conn.send(msg)
+        return Stream(self, held, msg.rid, timeout)
 
     def generate(
         self,
@@ -525,14 +547,14 @@ class Client(_ClientCore):
         """Embeddings of texts or token-id lists (one per input, in order; all sent at once): each prompt's last
         hidden state after the final norm, L2-normalised (last-token pooling, as vLLM pools decoder models).
         The prefix cache serves them too."""
-        msgs, conn = _embed_messages(inputs), self._conn()
+        msgs, held = _embed_messages(inputs), self._thread_connection()
         timeout = self.timeout if timeout is _UNSET else timeout
         streams = []
         try:
             for msg in msgs:
-                conn.open(msg.rid)
-                conn.send(msg)
-                streams.append(Stream(self, conn, msg.rid, timeout))
+                held.conn.open(msg.rid)
+                held.conn.send(msg)
+                streams.append(Stream(self, held, msg.rid, timeout))
             out = []
             for stream in streams:
                 with stream:
