@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import logging
 import os
 import re
 import time
@@ -537,6 +538,29 @@ async def test_streams_left_by_their_http_client_count_as_499_and_leave_nothing_
     assert 'minisgl_requests_in_flight{model_name="stand-in"} 0.0' in text
     counted = re.findall(r'minisgl_requests_total\{endpoint="(\w+)",model_name="stand-in",status="(\d+)"\} (\S+)', text)
     assert sorted(counted) == sorted((endpoint, "499", "1.0") for endpoint in routes)
+
+
+async def test_an_ollama_client_that_goes_away_is_no_internal_error(caplog):
+    """A client that gives up on a whole (non-streamed) Ollama answer is a 499 as on the OpenAI routes, not an
+    "internal error" logged with its traceback."""
+    stand_in = StandInClient(reply=" ".join(["word"] * 200), chunk_delay=0.02)
+    app = create_app("ipc:///unused", "stand-in", None, client_factory=lambda: stand_in)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            for path, body in (("/api/chat", {"messages": [{"role": "user", "content": "x"}]}), ("/api/generate", {"prompt": "x"})):
+                with pytest.raises(httpx.ReadTimeout):
+                    await http.post(path, json={**body, "stream": False, "options": {"num_predict": 200}}, timeout=0.2)
+            await _until(lambda: len(stand_in.aborted) == 2)
+    finally:
+        server.should_exit = True
+        await task
+    assert len(stand_in.aborted) == 2 and not stand_in.finished
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
 
 async def test_client_disconnect_mid_stream_aborts_the_request():

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
-from minisgl.server.streams import close_stream, first_item, json_object, unless_disconnected
+from minisgl.server.streams import ClientDisconnected, close_stream, first_item, json_object, unless_disconnected
 from minisgl.tokenizer import flatten_message
 
 # Ollama option -> SamplingParams.from_openai key
@@ -191,6 +191,8 @@ def ollama_router(
                 return await handler(request)
             except _NotFound as e:
                 return _error(404, str(e))
+            except ClientDisconnected:  # nobody reads the answer; the request was aborted
+                return Response(status_code=499)
             except Exception as e:  # noqa: BLE001 - Ollama's error shape, with the status of the error's kind
                 err = api_error(e)
                 return _error(err.status, err.message)
