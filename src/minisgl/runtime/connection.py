@@ -34,6 +34,7 @@ _WATCHED = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
 CLOSED = "the client was closed while this request was in flight"
+IS_CLOSED = "this client is closed: make a new one"
 # A request made while the connection is down waits this long for ZMQ to reconnect (it retries every 0.1 s)
 # before it fails: a daemon that is back by then serves it.
 RECONNECT_WAIT_S = 1.0
@@ -100,7 +101,7 @@ def _closed_send(msg: Message) -> None:
     """A message sent on a closed connection: an Abort is moot (the daemon aborts the requests of a connection
     that is gone), anything else a DaemonError."""
     if not isinstance(msg, Abort):
-        raise DaemonError("this client is closed: make a new one")
+        raise DaemonError(IS_CLOSED)
 
 
 class _Inboxes:
@@ -141,7 +142,7 @@ class SyncConnection:
         """Register a request about to be sent; DaemonNotRunningError when the connection is down and stays
         down for RECONNECT_WAIT_S."""
         if self.sock.closed:
-            raise DaemonError("this client is closed: make a new one")
+            raise DaemonError(IS_CLOSED)
         self._events()  # events that came while nobody waited concern the requests before this one
         deadline = _now() + RECONNECT_WAIT_S
         while self.link.lost and self.monitor.poll(max(0, int((deadline - _now()) * 1000))):
@@ -225,7 +226,7 @@ class AsyncConnection:
             except asyncio.TimeoutError:
                 pass
         if self.sock.closed:
-            raise DaemonError("this client is closed: make a new one")
+            raise DaemonError(IS_CLOSED)
         self.link.check()
         self.inboxes.boxes[rid] = asyncio.Queue()
 
