@@ -653,6 +653,28 @@ THINKING_TEMPLATE = (
 )
 
 
+def _scripted_thinker(
+    tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch, template: str, pieces: list[str]
+) -> tuple[Path, Any]:
+    """(model dir, tokenizer) of a tiny Llama that writes `pieces` (one token each, then EOS; tests/failing_model_plugin.py's script), with
+    <think> and </think> added to its tokenizer as Qwen3 has them (added, not special: decoded as text)."""
+    from transformers import AutoTokenizer
+
+    from conftest import _build_tiny
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = template
+    tok.save_pretrained(tmp_path / "tok")
+    script = [tok.encode(piece, add_special_tokens=False) for piece in pieces]
+    assert all(len(ids) == 1 for ids in script), script
+    model, _ = _with_test_plugin(
+        tmp_path, _build_tiny("llama", tmp_path / "tok", tmp_path / "thinker"), "ScriptedLlamaForCausalLM", monkeypatch,
+        MINISGL_TEST_SCRIPT=",".join(str(ids[0]) for ids in script),
+    )
+    return model, tok
+
+
 def test_a_reasoning_parser_serves_the_think_part_apart_end_to_end(
     daemon_runtime_dir: Path, tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -660,22 +682,10 @@ def test_a_reasoning_parser_serves_the_think_part_apart_end_to_end(
     see tests/failing_model_plugin.py): the Client and the OpenAI API get the reasoning and the answer apart."""
     import httpx
     import openai
-    from transformers import AutoTokenizer
-
-    from conftest import _build_tiny
     from minisgl.runtime.launcher import stop_daemon, wait_ready
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tok.add_tokens(["<think>", "</think>"])  # as Qwen3 has them: added, not special (decoded as text)
-    tok.chat_template = THINKING_TEMPLATE
-    tok.save_pretrained(tmp_path / "tok")
-    pieces = ["<think>", "France", " capital", "?", "</think>", "Paris", "!"]
-    script = [tok.encode(piece, add_special_tokens=False) for piece in pieces]
-    assert all(len(ids) == 1 for ids in script), script
-    model, _ = _with_test_plugin(
-        tmp_path, _build_tiny("llama", tmp_path / "tok", tmp_path / "thinker"), "ScriptedLlamaForCausalLM", monkeypatch,
-        MINISGL_TEST_SCRIPT=",".join(str(ids[0]) for ids in script),
-    )
+    model, tok = _scripted_thinker(tmp_path, tokenizer_dir, monkeypatch, THINKING_TEMPLATE,
+                              ["<think>", "France", " capital", "?", "</think>", "Paris", "!"])
     address, port = f"ipc://{daemon_runtime_dir}/thinker.sock", free_port()
     log = daemon_runtime_dir / "thinker.log"
     proc = start_serve(["--model", str(model), "--address", address, "--reasoning-parser", "qwen3",
@@ -729,22 +739,11 @@ def test_structured_answers_of_a_model_that_starts_inside_think_come_after_its_r
     import httpx
     import jsonschema
     import openai
-    from transformers import AutoTokenizer
-
-    from conftest import _build_tiny
     from minisgl.runtime.launcher import stop_daemon, wait_ready
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tok.add_tokens(["<think>", "</think>"])
-    tok.chat_template = THINKING_TEMPLATE.replace("{% if enable_thinking", "<think>\n{% if enable_thinking")
-    tok.save_pretrained(tmp_path / "tok")
-    pieces = ["France", " capital", "?", "</think>", "Paris", "!"]
-    script = [tok.encode(piece, add_special_tokens=False) for piece in pieces]
-    assert all(len(ids) == 1 for ids in script), script
-    model, _ = _with_test_plugin(
-        tmp_path, _build_tiny("llama", tmp_path / "tok", tmp_path / "r1"), "ScriptedLlamaForCausalLM", monkeypatch,
-        MINISGL_TEST_SCRIPT=",".join(str(ids[0]) for ids in script),
-    )
+    model, _ = _scripted_thinker(tmp_path, tokenizer_dir, monkeypatch,
+                                 THINKING_TEMPLATE.replace("{% if enable_thinking", "<think>\n{% if enable_thinking"),
+                                 ["France", " capital", "?", "</think>", "Paris", "!"])
     address, port = f"ipc://{daemon_runtime_dir}/r1.sock", free_port()
     log = daemon_runtime_dir / "r1.log"
     proc = start_serve(["--model", str(model), "--address", address, "--reasoning-parser", "deepseek-r1",

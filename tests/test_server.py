@@ -8,6 +8,7 @@ in-test stand-in for the daemon client; part two is the acceptance suite: the re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import logging
@@ -501,39 +502,47 @@ async def _until(cond: Any, seconds: float = 2.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_streams_left_by_their_http_client_count_as_499_and_leave_nothing_in_flight():
-    """Prometheus counters after disconnects, on every streaming route: each request counted once, as 499 (as the
-    chat route counts it), and the in-flight gauge back at 0."""
-    stand_in = StandInClient(reply=" ".join(["word"] * 200), chunk_delay=0.02)
-    app = create_app("ipc:///unused", "stand-in", None, client_factory=lambda: stand_in)
+@contextlib.asynccontextmanager
+async def _served(app: Any):
+    """An httpx client of app served by uvicorn on a free loopback port, for tests that need a real connection
+    (a client that goes away mid-answer); the server stops afterwards."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            yield http
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def test_streams_left_by_their_http_client_count_as_499_and_leave_nothing_in_flight():
+    """Prometheus counters after disconnects, on every streaming route: each request counted once, as 499 (as the
+    chat route counts it), and the in-flight gauge back at 0."""
+    stand_in = StandInClient(reply=" ".join(["word"] * 200), chunk_delay=0.02)
+    app = create_app("ipc:///unused", "stand-in", None, client_factory=lambda: stand_in)
     routes = {
         "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 200}),
         "completions": ("/v1/completions", {"prompt": "x", "max_tokens": 200}),
         "responses": ("/v1/responses", {"input": "x", "max_output_tokens": 200}),
         "generate": ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 200}}),
     }
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
-            for path, body in routes.values():
-                async with http.stream("POST", path, json={**body, "stream": True}) as r:
-                    assert r.status_code == 200
-                    async for _ in r.aiter_lines():
-                        break
-            await _until(lambda: len(stand_in.aborted) == len(routes))
-            text = ""
-            for _ in range(100):
-                text = (await http.get("/metrics")).text
-                if 'minisgl_requests_in_flight{model_name="stand-in"} 0.0' in text:
+    async with _served(app) as http:
+        for path, body in routes.values():
+            async with http.stream("POST", path, json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                async for _ in r.aiter_lines():
                     break
-                await asyncio.sleep(0.02)
-    finally:
-        server.should_exit = True
-        await task
+        await _until(lambda: len(stand_in.aborted) == len(routes))
+        text = ""
+        for _ in range(100):
+            text = (await http.get("/metrics")).text
+            if 'minisgl_requests_in_flight{model_name="stand-in"} 0.0' in text:
+                break
+            await asyncio.sleep(0.02)
     assert len(stand_in.aborted) == len(routes) and not stand_in.finished
     assert 'minisgl_requests_in_flight{model_name="stand-in"} 0.0' in text
     counted = re.findall(r'minisgl_requests_total\{endpoint="(\w+)",model_name="stand-in",status="(\d+)"\} (\S+)', text)
@@ -545,20 +554,11 @@ async def test_an_ollama_client_that_goes_away_is_no_internal_error(caplog):
     "internal error" logged with its traceback."""
     stand_in = StandInClient(reply=" ".join(["word"] * 200), chunk_delay=0.02)
     app = create_app("ipc:///unused", "stand-in", None, client_factory=lambda: stand_in)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
-            for path, body in (("/api/chat", {"messages": [{"role": "user", "content": "x"}]}), ("/api/generate", {"prompt": "x"})):
-                with pytest.raises(httpx.ReadTimeout):
-                    await http.post(path, json={**body, "stream": False, "options": {"num_predict": 200}}, timeout=0.2)
-            await _until(lambda: len(stand_in.aborted) == 2)
-    finally:
-        server.should_exit = True
-        await task
+    async with _served(app) as http:
+        for path, body in (("/api/chat", {"messages": [{"role": "user", "content": "x"}]}), ("/api/generate", {"prompt": "x"})):
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(path, json={**body, "stream": False, "options": {"num_predict": 200}}, timeout=0.2)
+        await _until(lambda: len(stand_in.aborted) == 2)
     assert len(stand_in.aborted) == 2 and not stand_in.finished
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
@@ -566,36 +566,27 @@ async def test_an_ollama_client_that_goes_away_is_no_internal_error(caplog):
 async def test_client_disconnect_mid_stream_aborts_the_request():
     stand_in = StandInClient(reply=" ".join(["word"] * 200), chunk_delay=0.02)
     app = create_app("ipc:///unused", "stand-in", None, client_factory=lambda: stand_in)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
-            body = {"messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 200}
-            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
-                async for _ in r.aiter_lines():
-                    break
-            await _until(lambda: stand_in.aborted)
-            assert len(stand_in.aborted) == 1 and not stand_in.finished
-            # Non-streaming too: a client that times out does not leave its request running.
-            with pytest.raises(httpx.ReadTimeout):
-                await http.post("/v1/chat/completions", json={**body, "stream": False}, timeout=0.2)
-            await _until(lambda: len(stand_in.aborted) == 2)
-            assert len(stand_in.aborted) == 2 and not stand_in.finished
-            # Ollama's routes, streamed (its default) and whole, the same.
-            ollama = {"messages": body["messages"], "options": {"num_predict": 200}}
-            async with http.stream("POST", "/api/chat", json=ollama) as r:
-                async for _ in r.aiter_lines():
-                    break
-            with pytest.raises(httpx.ReadTimeout):
-                await http.post("/api/chat", json={**ollama, "stream": False}, timeout=0.2)
-            await _until(lambda: len(stand_in.aborted) == 4)
-            assert len(stand_in.aborted) == 4 and not stand_in.finished
-    finally:
-        server.should_exit = True
-        await task
+    async with _served(app) as http:
+        body = {"messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 200}
+        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            async for _ in r.aiter_lines():
+                break
+        await _until(lambda: stand_in.aborted)
+        assert len(stand_in.aborted) == 1 and not stand_in.finished
+        # Non-streaming too: a client that times out does not leave its request running.
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/chat/completions", json={**body, "stream": False}, timeout=0.2)
+        await _until(lambda: len(stand_in.aborted) == 2)
+        assert len(stand_in.aborted) == 2 and not stand_in.finished
+        # Ollama's routes, streamed (its default) and whole, the same.
+        ollama = {"messages": body["messages"], "options": {"num_predict": 200}}
+        async with http.stream("POST", "/api/chat", json=ollama) as r:
+            async for _ in r.aiter_lines():
+                break
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/api/chat", json={**ollama, "stream": False}, timeout=0.2)
+        await _until(lambda: len(stand_in.aborted) == 4)
+        assert len(stand_in.aborted) == 4 and not stand_in.finished
 
 
 # ---------------------------------------------------------------------------- acceptance: a real daemon
