@@ -4,7 +4,8 @@
   under ~100 chars) for the module; every daemon registered there is stopped afterwards.
 - smollm2_daemon: SmolLM2 served by a daemon that two concurrent auto-starting Clients brought up
   (so it also pins "one daemon per model"); a DaemonHandle with its address, pid, log and clients.
-- start_serve(args, log_path): `python -m minisgl serve ...` as a subprocess (for explicit flags).
+- start_serve(args, log_path): `python -m minisgl serve ...` as a subprocess (for explicit flags); wait_http(port, ...):
+  its HTTP server's base URL once it answers.
 """
 
 from __future__ import annotations
@@ -42,6 +43,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_http(port: int, proc: subprocess.Popen, log_path: Path, timeout: float = 120) -> str:
+    """The base URL of a daemon's HTTP server (a child of the daemon that comes up just after it) once /health
+    answers 200; fails with the daemon's log if the daemon exits or the time runs out first."""
+    import time
+
+    import httpx
+
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return base
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.1)
 
 
 def start_serve(args: list[str], log_path: Path) -> subprocess.Popen:

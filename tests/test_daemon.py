@@ -31,6 +31,7 @@ from daemon_fixtures import (  # noqa: F401 - fixtures are used by name
     free_port,
     smollm2_daemon,
     start_serve,
+    wait_http,
 )
 from minisgl.client import AsyncClient, Client
 from minisgl.core import SamplingParams
@@ -680,7 +681,6 @@ def test_a_reasoning_parser_serves_the_think_part_apart_end_to_end(
 ) -> None:
     """`serve --reasoning-parser qwen3` with a model that writes "<think>France capital?</think>Paris!" (a script:
     see tests/failing_model_plugin.py): the Client and the OpenAI API get the reasoning and the answer apart."""
-    import httpx
     import openai
     from minisgl.runtime.launcher import stop_daemon, wait_ready
 
@@ -707,14 +707,7 @@ def test_a_reasoning_parser_serves_the_think_part_apart_end_to_end(
             assert off.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False)) > out.usage.prompt_tokens
             plain = c.generate("Tell me", greedy)  # not a chat: no reasoning parsing
             assert plain.outputs[0].reasoning_content is None and plain.text.startswith("<think>")
-        deadline = time.monotonic() + 120  # the HTTP server starts after the daemon is ready
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_http(port, proc, log)  # the HTTP server starts after the daemon is ready
         oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         message = oai.chat.completions.create(model=str(model), messages=messages, temperature=0).choices[0].message
         assert (message.reasoning_content, message.content) == ("France capital?", "Paris!")
@@ -736,7 +729,6 @@ def test_structured_answers_of_a_model_that_starts_inside_think_come_after_its_r
     answer after </think>, as vLLM and SGLang apply it, so the reasoning stays reasoning and the answer is the
     structured content. (Constrained from the first token, the answer was written inside the open block and came
     back as reasoning_content, with an empty content and no tool call.)"""
-    import httpx
     import jsonschema
     import openai
     from minisgl.runtime.launcher import stop_daemon, wait_ready
@@ -754,14 +746,7 @@ def test_structured_answers_of_a_model_that_starts_inside_think_come_after_its_r
     tools = [{"type": "function", "function": {"name": "capital", "parameters": answer}}]
     try:
         wait_ready(address, 180, proc=proc, log_path=log)
-        deadline = time.monotonic() + 120  # the HTTP server starts after the daemon is ready
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_http(port, proc, log)  # the HTTP server starts after the daemon is ready
         oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         ask = dict(model=str(model), messages=messages, temperature=0, max_tokens=200)
         plain = oai.chat.completions.create(**ask).choices[0].message

@@ -26,7 +26,9 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from daemon_fixtures import START_TIMEOUT_S, SMOLLM2_ENGINE, daemon_runtime_dir, free_port, start_serve  # noqa: F401
+from daemon_fixtures import (  # noqa: F401 - fixtures are used by name
+    START_TIMEOUT_S, SMOLLM2_ENGINE, daemon_runtime_dir, free_port, start_serve, wait_http,
+)
 from minisgl.core import SamplingParams
 from minisgl.errors import ConfigError, DaemonNotRunningError, InvalidRequestError, PromptTooLongError, RequestAbortedError
 from minisgl.server.app import create_app, run_http_server
@@ -619,16 +621,7 @@ def daemon(daemon_runtime_dir: Any) -> Any:
                         "--http-port", str(port), "--api-key", API_KEY], log_path)
     try:
         wait_ready(address, START_TIMEOUT_S, proc=proc, log_path=log_path)
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:  # the HTTP server is a child of the daemon and comes up just after it
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.2)
+        base = wait_http(port, proc, log_path, timeout=60)
         yield SimpleNamespace(address=address, base=base, log=log_path)
     finally:
         proc.terminate()
