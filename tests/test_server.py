@@ -333,6 +333,25 @@ def test_completions_batch_of_prompts_gets_one_choice_per_prompt_and_sample():
     assert sorted(c["prompt"] for c in stand_in.calls) == ["a", "b"]
 
 
+def test_null_in_a_field_openai_declares_nullable_means_its_default():
+    """The openai package sends an argument given as None as JSON null (its signatures take Optional values);
+    OpenAI and vLLM read it as "not given". A null max_tokens on /v1/completions has no limit (vLLM)."""
+    stand_in = StandInClient()
+    nulls = dict(n=None, presence_penalty=None, frequency_penalty=None, temperature=None, seed=None, stop=None)
+    with _app_client(stand_in) as http:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        chat = sdk.chat.completions.create(model="stand-in", messages=[{"role": "user", "content": "x"}],
+                                           max_tokens=3, logprobs=None, **nulls)
+        text = sdk.completions.create(model="stand-in", prompt="x", max_tokens=None, echo=None, **nulls)
+        answer = sdk.responses.create(model="stand-in", input="x", max_output_tokens=3, stream=None)
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
+    assert len(text.choices) == 1 and not text.choices[0].text.startswith("x")  # no echo
+    assert answer.output_text
+    chat_params, text_params = stand_in.calls[0]["params"], stand_in.calls[1]["params"]
+    assert chat_params.n == 1 and chat_params.presence_penalty == 0.0 and chat_params.frequency_penalty == 0.0
+    assert text_params.n == 1 and text_params.max_tokens is None  # the daemon resolves it to the context's end
+
+
 def test_invalid_sampling_value_is_a_400_in_openai_error_shape():
     with _app_client(StandInClient()) as http:
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "top_p": 7})

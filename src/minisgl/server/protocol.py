@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import time
 import uuid
+import types
+import typing
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
@@ -19,6 +21,24 @@ from minisgl.tokenizer import flatten_message
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """OpenAI's API marks most fields nullable (n, echo, logprobs, penalties, ...), and clients send null for
+        "not given": a null takes the field's default, as vLLM's Optional fields do. A field whose type has
+        None keeps it (a null max_tokens on /v1/completions: no limit, as vLLM)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or _nullable(fields[k])}
+
+
+def _nullable(field: Any) -> bool:
+    """Whether a field takes None itself (a required field keeps its null too: the error names the field)."""
+    annotation = field.annotation
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return field.is_required() or annotation is Any or (union and type(None) in typing.get_args(annotation))
 
 
 class StreamOptions(_Request):
@@ -103,7 +123,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = 16  # OpenAI's default for /v1/completions
+    max_tokens: int | None = 16  # OpenAI's default for /v1/completions; null: up to the context's end (vLLM)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

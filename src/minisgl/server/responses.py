@@ -15,17 +15,14 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
-from minisgl.server.protocol import now
+from minisgl.server.protocol import _Request, now
 from minisgl.server.streams import close_stream, first_item, unless_disconnected
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ResponsesRequest(_Request):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
