@@ -169,7 +169,8 @@ class Scheduler:
         self.num_steps += 1
         for row, entries in (prompt or {}).items():  # before cached_len moves: entries start at its old value
             req = batch.reqs[row]
-            req.prompt_logprobs = (req.prompt_logprobs or [None]) + entries
+            # Cut at cached_len: a prompt rolled back under KV pressure computes its prompt again from the start.
+            req.prompt_logprobs = (req.prompt_logprobs or [None])[: req.cached_len + 1] + entries
         for row, vector in (embeddings or {}).items():
             batch.reqs[row].embedding = vector
         for req, extend in zip(batch.reqs, batch.extend_lens):
