@@ -312,3 +312,65 @@ def test_set_seed_reproduces_a_sampled_call_as_in_transformers(tiny_model_dir):
     assert not torch.equal(draws[0], draws[1])  # consecutive calls draw afresh, as transformers' do
     new = first[:, inputs["input_ids"].shape[1]:].tolist()
     assert len({tuple(row) for row in new[:6]}) > 1  # identical prompts and their n samples are not one stream
+
+
+def test_custom_logits_processors_compose_with_the_configs_like_transformers(tiny_model_dir):
+    """logits_processor=[...] runs before the warpers transformers builds from the config, and on top of them:
+    a custom temperature leaves a greedy call greedy, and a custom top-k narrows the config's."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+    model, tokenizer = load(tiny_model_dir("llama"))
+    inputs = batch(tokenizer, TEXTS[:3])
+    with minisgl_generate(model, fallback=False, **ENGINE):
+        assert_same(model, **inputs, max_new_tokens=6, logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.5)]))
+        # do_sample with transformers' default top_k=50 and a custom top-k of 1: greedy in transformers.
+        assert_same(model, **inputs, max_new_tokens=6, do_sample=True, logits_processor=LogitsProcessorList([TopKLogitsWarper(1)]))
+
+
+def minisgl_distribution(logits: torch.Tensor, params) -> torch.Tensor:
+    """The distribution minisgl's sampler draws the next token from (no penalties): softmax at the temperature,
+    then its min-p / top-k / top-p filter, renormalised."""
+    from minisgl.core import Req
+    from minisgl.engine.sampler import SamplingInfo, _filter_probs
+
+    reqs = [Req(f"r{i}", [1], params, 1) for i in range(logits.shape[0])]
+    info = SamplingInfo.from_reqs(reqs, logits.shape[-1], logits.device)
+    if info.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    probs = _filter_probs(torch.softmax(logits.float() / info.temperature, dim=-1), info)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs,custom,runs",
+    [
+        (dict(temperature=0.05, top_k=0, top_p=0.6), [], True),
+        (dict(temperature=0.05, top_k=20, top_p=0.92, min_p=0.05), [], False),  # transformers: min-p after top-p
+        (dict(temperature=0.7, top_k=0), [("TemperatureLogitsWarper", 0.1)], True),  # temperatures multiply
+        (dict(temperature=0.05, top_k=40), [("TopKLogitsWarper", 3)], True),  # the smaller k wins
+        (dict(temperature=0.05, top_k=0), [("TopPLogitsWarper", 0.6)], False),  # top-p before the temperature
+        (dict(temperature=0.05, top_k=0), [("MinPLogitsWarper", 0.5)], False),  # min-p before the temperature
+        # The order minisgl samples in: temperature, min-p, then top-p over what min-p kept.
+        (dict(top_k=0, top_p=0.92), [("TemperatureLogitsWarper", 0.05), ("MinPLogitsWarper", 0.05)], True),
+    ],
+)
+def test_sampling_draws_from_transformers_distribution_or_falls_back(tiny_model_dir, kwargs, custom, runs):
+    """The first step's distribution: transformers' processed scores (output_scores) against minisgl's sampler
+    fed the raw logits (output_logits) and the SamplingParams the call resolves to; or the call is refused."""
+    from transformers.generation import logits_process as lp
+
+    model, tokenizer = load(tiny_model_dir("llama"))
+    inputs = batch(tokenizer)
+    kwargs = dict(**inputs, do_sample=True, max_new_tokens=1, **kwargs)
+    processors = lp.LogitsProcessorList([getattr(lp, name)(value) for name, value in custom])
+    if not runs:  # patched generate hands this call to transformers
+        with pytest.raises(UnsupportedGenerationError):
+            prepare(model, None, None, processors, None, kwargs, 512, frozenset())
+        return
+    params = prepare(model, None, None, processors, None, kwargs, 512, frozenset()).params
+    ref = hf_generate(model, **kwargs, logits_processor=processors, return_dict_in_generate=True,
+                      output_scores=True, output_logits=True)
+    want = torch.softmax(ref.scores[0].float(), dim=-1)
+    got = minisgl_distribution(ref.logits[0], params)
+    assert torch.equal(got > 0, want > 0), f"kept {(got > 0).sum(-1).tolist()} tokens, transformers {(want > 0).sum(-1).tolist()}"
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

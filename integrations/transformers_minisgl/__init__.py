@@ -22,7 +22,8 @@ Falls back to transformers' own generate (warning once per reason), or raises
 UnsupportedGenerationError with fallback=False, for what the engine cannot run exactly:
 beam search and the other non-sampling modes, assistant_model, prefix_allowed_tokens_fn,
 negative prompts, custom_generate, logits processors other than temperature / top-k / top-p /
-min-p / repetition penalty / min length, output_scores / output_logits / attentions / hidden
+min-p / repetition penalty / min length or in an order minisgl's sampler does not share (min_p with top_p < 1
+in transformers' order: top-p first), output_scores / output_logits / attentions / hidden
 states, inputs_embeds or extra model inputs, attention masks that are not left padding, and
 prompts longer than the engine's context. Custom stopping_criteria are honoured (they run on
 the rebuilt sequences, on the CPU, once per step, as in transformers).

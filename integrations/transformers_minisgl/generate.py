@@ -180,33 +180,58 @@ def sampling_params(
     processors: Any, config: Any, prompt_len: int, max_new: int, pad_lengths: torch.Tensor, model_eos: frozenset[int],
     n: int = 1,
 ) -> SamplingParams:
-    """Read transformers' logits processors back into SamplingParams; raise for those with no exact equivalent."""
+    """Read transformers' logits processors back into SamplingParams; raise for those with no exact equivalent.
+
+    transformers applies the list in order, custom processors (logits_processor=...) before the warpers it builds
+    from the config; minisgl's sampler has one fixed order: penalties and min-length masks, temperature, then
+    min-p and top-k, then top-p over what those kept. A list is read only when applying it in that order picks from
+    the same distribution: temperatures multiply, top-k takes the smallest k, min-p the largest p; a penalty after a
+    filter, a temperature or min-p after top-p or min-p, or top-k or a second top-p after top-p are refused. With
+    do_sample=False every warper leaves the argmax where it was: the call stays greedy.
+    """
     from transformers.generation import logits_process as lp
 
     eos = _token_set(config._eos_token_tensor)
-    fields: dict[str, Any] = dict(temperature=1.0 if config.do_sample else 0.0, top_k=-1, top_p=1.0, min_p=0.0)
+    temperature, top_k, top_p, min_p, repetition = 1.0, -1, 1.0, 0.0, 1.0
     min_tokens = 0
+    filters: list[str] = []  # the filters (top-k, top-p, min-p) applied so far, in order
     for proc in processors:
         kind = type(proc)
+        name = kind.__name__
         if getattr(proc, "filter_value", -float("inf")) != -float("inf"):
-            raise UnsupportedGenerationError(f"{kind.__name__} with filter_value={proc.filter_value}")
+            raise UnsupportedGenerationError(f"{name} with filter_value={proc.filter_value}")
         if getattr(proc, "min_tokens_to_keep", 1) > 1:
-            raise UnsupportedGenerationError(f"{kind.__name__} with min_tokens_to_keep={proc.min_tokens_to_keep}")
+            raise UnsupportedGenerationError(f"{name} with min_tokens_to_keep={proc.min_tokens_to_keep}")
         if kind is lp.TemperatureLogitsWarper:
-            fields["temperature"] = float(proc.temperature)
+            if "top-p" in filters or "min-p" in filters:  # those filters read the probabilities it changes
+                raise UnsupportedGenerationError(f"{name} after a top-p or min-p filter")
+            temperature *= float(proc.temperature)
         elif kind is lp.TopKLogitsWarper:
-            fields["top_k"] = int(proc.top_k)
+            if "top-p" in filters:
+                raise UnsupportedGenerationError(f"{name} after a top-p filter")
+            top_k = int(proc.top_k) if top_k < 0 else min(top_k, int(proc.top_k))
+            filters.append("top-k")
         elif kind is lp.TopPLogitsWarper:
-            fields["top_p"] = float(proc.top_p)
+            if "top-p" in filters:
+                raise UnsupportedGenerationError(f"two {name}s")
+            top_p = float(proc.top_p)
+            filters.append("top-p")
         elif kind is lp.MinPLogitsWarper:
-            fields["min_p"] = float(proc.min_p)
+            if "top-p" in filters:  # minisgl applies top-p to what min-p kept, renormalised
+                raise UnsupportedGenerationError(f"{name} after a top-p filter (min_p with top_p < 1)")
+            min_p = max(min_p, float(proc.min_p))
+            filters.append("min-p")
         elif kind is lp.RepetitionPenaltyLogitsProcessor:
+            if filters:
+                raise UnsupportedGenerationError(f"{name} after a {filters[-1]} filter")
             # transformers < 5 has no prompt_ignore_length and penalises the padding too.
             _check_penalty_window(getattr(proc, "prompt_ignore_length", None), pad_lengths)
-            fields["repetition_penalty"] = float(proc.penalty)
+            repetition *= float(proc.penalty)
         elif kind is lp.MinLengthLogitsProcessor or kind is lp.MinNewTokensLengthLogitsProcessor:
+            if filters:
+                raise UnsupportedGenerationError(f"{name} after a {filters[-1]} filter")
             if _token_set(proc.eos_token_id) != eos:
-                raise UnsupportedGenerationError(f"{kind.__name__} with tokens other than eos_token_id")
+                raise UnsupportedGenerationError(f"{name} with tokens other than eos_token_id")
             if kind is lp.MinLengthLogitsProcessor:
                 min_tokens = max(min_tokens, proc.min_length - prompt_len)
             else:
@@ -214,7 +239,10 @@ def sampling_params(
         elif kind is lp.InfNanRemoveLogitsProcessor or kind is lp.LogitNormalization:
             pass  # neither changes which token is picked
         else:
-            raise UnsupportedGenerationError(f"logits processor {kind.__name__}")
+            raise UnsupportedGenerationError(f"logits processor {name}")
+    fields: dict[str, Any] = dict(temperature=0.0, repetition_penalty=repetition)
+    if config.do_sample:
+        fields.update(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     # The engine stops on (and masks before min_tokens) its own eos unless ignore_eos; it may
     # only do so when the model's eos ids are among this call's.
     use_model_eos = bool(model_eos) and model_eos <= eos
