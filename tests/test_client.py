@@ -307,6 +307,31 @@ def test_tokenizer_worker_validates_before_the_scheduler(tokenizer: Any) -> None
             prep.prepare(msg)
 
 
+def test_messages_the_chat_template_cannot_render_are_invalid_requests_not_internal_errors(tokenizer_dir: Path) -> None:
+    """vLLM answers both with a 400: a content that is neither text nor parts (it was a TypeError inside the
+    template), and a conversation the template itself refuses with raise_exception (Llama 2, Mistral, Gemma)."""
+    from jinja2 import TemplateError
+
+    from minisgl.runtime.tokenizer_worker import RequestPreparer
+    from minisgl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    prep = RequestPreparer(tok, {"context_length": 4096, "model_type": "llama"})
+    for content in (5, {"text": "hi"}, True):
+        with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content"):
+            prep.prepare(P.Generate("r", messages=[{"role": "user", "content": content}]))
+    with pytest.raises(InvalidRequestError, match="role"):
+        prep.prepare(P.Generate("r", messages=[{"role": 3, "content": "hi"}]))
+    tok.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                         "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                         "{{ m['content'] }}{% endfor %}")
+    two_users = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(TemplateError):  # what HF's rendering raises
+        tok.apply_chat_template(two_users, tokenize=False)
+    with pytest.raises(InvalidRequestError, match="must alternate"):
+        prep.prepare(P.Generate("r", messages=two_users))
+
+
 def test_developer_messages_are_system_messages_unless_the_template_knows_the_role(tokenizer_dir: Path) -> None:
     from minisgl.runtime.tokenizer_worker import RequestPreparer
     from minisgl.tokenizer import load_tokenizer

@@ -333,6 +333,16 @@ def test_completions_batch_of_prompts_gets_one_choice_per_prompt_and_sample():
     assert sorted(c["prompt"] for c in stand_in.calls) == ["a", "b"]
 
 
+def test_a_message_whose_content_is_not_text_or_parts_is_a_400_naming_it():
+    """OpenAI's and vLLM's schemas take a string or a list of parts as content (a number was a 500)."""
+    with _app_client(StandInClient()) as http:
+        for message in ({"role": "user", "content": 5}, {"role": "user", "content": {"text": "hi"}},
+                        {"role": None, "content": "hi"}):
+            r = http.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "s"}, message]})
+            assert r.status_code == 400, r.text
+            assert "messages[1]" in r.json()["error"]["message"]
+
+
 def test_null_in_a_field_openai_declares_nullable_means_its_default():
     """The openai package sends an argument given as None as JSON null (its signatures take Optional values);
     OpenAI and vLLM read it as "not given". A null max_tokens on /v1/completions has no limit (vLLM)."""

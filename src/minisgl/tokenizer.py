@@ -22,9 +22,13 @@ def flatten_message(message: Any, i: int) -> dict[str, Any]:
 
     Raises InvalidRequestError for a message without a role or a non-text part (image, audio, ...).
     """
-    if not isinstance(message, dict) or "role" not in message:
-        raise InvalidRequestError(f"messages[{i}] must be an object with a 'role'")
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise InvalidRequestError(f"messages[{i}] must be an object with a 'role' (a string)")
     content = message.get("content")
+    if not isinstance(content, (str, list)) and content is not None:
+        raise InvalidRequestError(
+            f"messages[{i}].content must be a string or a list of text parts, got {type(content).__name__}"
+        )
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -76,9 +80,12 @@ def apply_chat_template(
     template_kwargs = check_chat_template_kwargs(chat_template_kwargs)
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-    for m in messages:
-        if "role" not in m:
-            raise InvalidRequestError(f"message without a role: {m!r}")
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise InvalidRequestError(f"messages[{i}] needs a 'role' (a string): {m!r}")
+        if not isinstance(m.get("content"), (str, list, type(None))):
+            raise InvalidRequestError(f"messages[{i}].content must be a string or a list of parts, got "
+                                      f"{type(m['content']).__name__}")
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("this model has no chat template: send a plain prompt instead of messages")
     if "developer" not in str(tokenizer.chat_template):
@@ -86,17 +93,22 @@ def apply_chat_template(
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     # Past tool calls and results need the tool-aware rendering even when this turn offers no tools.
     history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
-    if tools or history:
-        from minisgl.structured.tools import render_tools_prompt
+    from jinja2 import TemplateError
 
-        text = render_tools_prompt(
-            tokenizer, messages, tools, add_generation_prompt=add_generation_prompt, tool_choice=tool_choice,
-            **template_kwargs,
-        )
-    else:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
-        )
+    try:
+        if tools or history:
+            from minisgl.structured.tools import render_tools_prompt
+
+            text = render_tools_prompt(
+                tokenizer, messages, tools, add_generation_prompt=add_generation_prompt, tool_choice=tool_choice,
+                **template_kwargs,
+            )
+        else:
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+            )
+    except TemplateError as e:  # the template's own check of the conversation (raise_exception), as vLLM a 400
+        raise InvalidRequestError(f"the model's chat template refused these messages: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 
