@@ -677,6 +677,30 @@ def test_sync_client_generates_and_streams(router: ScriptedRouter) -> None:
             c.generate("bad")
 
 
+def test_text_without_a_utf8_form_is_an_invalid_request_and_the_client_goes_on(router: ScriptedRouter) -> None:
+    """JSON can carry half of a surrogate pair ("\\ud83c", what a JavaScript client sends after slicing an emoji),
+    which UTF-8 cannot encode; vLLM answers such a prompt with a 400. It was a UnicodeEncodeError (HTTP 500)."""
+    from minisgl.client import AsyncClient, Client
+
+    half = json.loads('"\\ud83c"')
+    with pytest.raises(UnicodeEncodeError):
+        half.encode("utf-8")
+    with Client("fake", router.address, auto_start=False, timeout=5) as c:
+        with pytest.raises(InvalidRequestError, match="surrogate"):
+            c.generate("a " + half)
+        with pytest.raises(InvalidRequestError, match="surrogate"):
+            c.generate([{"role": "user", "content": "x"}], SamplingParams(stop=[half]))
+        assert c.generate("a b").text == "ab"
+
+    async def run() -> str:
+        async with AsyncClient("fake", router.address, auto_start=False, timeout=5) as ac:
+            with pytest.raises(InvalidRequestError, match="surrogate"):
+                await ac.generate("a " + half)
+            return (await ac.generate("c d")).text
+
+    assert asyncio.run(run()) == "cd"
+
+
 def test_sync_client_is_safe_across_threads(router: ScriptedRouter) -> None:
     from concurrent.futures import ThreadPoolExecutor
 

@@ -275,7 +275,16 @@ CLIENT_MESSAGES = (Generate, Tokenize, Detokenize, FlushCache, Abort, Ping, GetM
 
 
 def encode(msg: Message) -> bytes:
-    return msgpack.packb([PROTOCOL_VERSION, type(msg).TAG, *msg], use_bin_type=True)  # type: ignore[union-attr]
+    """The message's bytes; text that has no UTF-8 form (an unpaired UTF-16 surrogate, which JSON can carry)
+    is the sender's InvalidRequestError."""
+    try:
+        return msgpack.packb([PROTOCOL_VERSION, type(msg).TAG, *msg], use_bin_type=True)  # type: ignore[union-attr]
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start:e.end]
+        raise errors.InvalidRequestError(
+            f"the request holds text that is not valid Unicode ({bad!r}: half of a UTF-16 surrogate pair): "
+            "send whole characters"
+        ) from None
 
 
 def decode(data: bytes) -> Message:
