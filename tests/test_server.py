@@ -247,6 +247,20 @@ def test_ollama_chat_carries_thinking_and_streams_ndjson():
     assert [p["done"] for p in parts] == [False] * (len(parts) - 1) + [True]
 
 
+def test_ollama_options_and_fields_of_the_wrong_type_are_400s_not_internal_errors():
+    """Ollama refuses an option of the wrong type with a 400 ("invalid option type"); num_predict "5" and a
+    numeric system were TypeErrors (500 'internal error')."""
+    chat = {"model": "stand-in", "messages": [{"role": "user", "content": "Hi"}], "stream": False}
+    with _app_client(StandInClient()) as http:
+        for num_predict in ("5", 2.5, True):
+            r = http.post("/api/chat", json={**chat, "options": {"num_predict": num_predict}})
+            assert r.status_code == 400 and "num_predict" in r.json()["error"], r.text
+        r = http.post("/api/generate", json={"model": "stand-in", "prompt": "Hi", "system": 5, "stream": False})
+        assert r.status_code == 400 and "system" in r.json()["error"], r.text
+        ok = http.post("/api/chat", json={**chat, "options": {"num_predict": 2}})
+    assert ok.status_code == 200 and ok.json()["eval_count"] == 2
+
+
 class ToolCallingStandIn(StandInClient):
     """Calls get_weather(city="Paris") the way the daemon reports it: name first, then argument fragments."""
 

@@ -39,6 +39,8 @@ def sampling_params(body: dict[str, Any]) -> SamplingParams:
         raise InvalidRequestError("options must be an object")
     params = {ours: options[theirs] for theirs, ours in _OPTIONS.items() if options.get(theirs) is not None}
     num_predict = options.get("num_predict")
+    if num_predict is not None and (isinstance(num_predict, bool) or not isinstance(num_predict, int)):
+        raise InvalidRequestError(f"options.num_predict must be an integer (-1: no limit), got {num_predict!r}")
     if num_predict is not None and num_predict >= 0:  # -1 (infinite) and -2 (fill the context): to the context's end
         if num_predict == 0:
             raise InvalidRequestError("num_predict 0 generates nothing: give at least 1 (or -1 for no limit)")
@@ -230,6 +232,8 @@ def ollama_router(
         if body.get("context"):
             raise InvalidRequestError("context (the deprecated token context of an earlier answer) is not supported: "
                                       "send the conversation to /api/chat")
+        if not isinstance(body.get("system") or "", str):
+            raise InvalidRequestError("system must be a string")
         if not prompt:  # Ollama's way to load a model: nothing to generate
             return _loaded(body, {"response": ""})
         info = await server.info()
