@@ -556,3 +556,30 @@ def test_unset_max_tokens_runs_to_the_end_of_the_context_window(tiny_model_dir):
     assert len(prompt) + len(out.token_ids) == 64
     assert out.finish_reason == "length"
     llm.check_integrity()
+
+
+def test_vllm_prompt_dicts_are_prompts_and_other_inputs_raise_typed_errors(tiny_model_dir):
+    """vLLM's {"prompt": text} and {"prompt_token_ids": ids} prompts answer as HF does on those tokens; a dict was
+    read as its list of keys (the text "prompt" was generated for). Malformed prompts or sampling_params are typed
+    errors, never a wrong answer or an AttributeError."""
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_model_dir("llama")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    text, ids = "The capital of France is", [17, 300, 4000, 52]
+    ref = hf_greedy(model_dir, [tokenizer.encode(text), ids], 6)
+    llm = LLM(str(model_dir), kv_cache_gb=0.05)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], greedy, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [tokenizer.encode(text), ids]
+    assert [o.token_ids for o in outs] == ref
+    assert llm.generate({"prompt": text}, greedy, use_tqdm=False)[0].token_ids == ref[0]
+    for bad in ({"prompt": text, "multi_modal_data": {}}, {"promt": text}, {"prompt": ids}, {"prompt_token_ids": text},
+                [{"prompt": text}, 5], None, 7, [None]):
+        with pytest.raises(errors.InvalidRequestError):
+            llm.generate(bad, greedy, use_tqdm=False)
+    for bad_params in ({"max_tokens": 3}, [{"max_tokens": 3}], "greedy"):
+        with pytest.raises(errors.InvalidRequestError, match="SamplingParams"):
+            llm.generate([text], bad_params, use_tqdm=False)
+    assert not llm.has_work
+    llm.check_integrity()

@@ -31,6 +31,17 @@ class RequestOutput(FirstOutputShortcuts):
         return self.outputs[0].logprobs
 
 
+def _prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (text, token ids, a prompt dict) or a list of them -> a list of prompts."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    if not isinstance(prompts, Iterable):
+        raise InvalidRequestError(
+            f"prompts must be text, a list of token ids, a prompt dict or a list of those, got {type(prompts).__name__}"
+        )
+    return list(prompts)
+
+
 class _Sequence:
     """One sequence's outputs as generate() gathers them: token ids and logprobs in flat lists, the latest
     TokenOutput (finish reason, counts) and the first prompt logprobs seen.
@@ -107,12 +118,10 @@ class LLM:
 
         Raises EngineError when a forward pass fails (the engine stays usable; nothing is left in flight).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         if not prompts:
             return []
-        token_lists = [encode_prompt(self.tokenizer, p) for p in prompts]
+        token_lists = [self._prompt_ids(p) for p in prompts]
         return self._generate_ids(token_lists, sampling_params, use_tqdm)
 
     def chat(
@@ -142,11 +151,10 @@ class LLM:
         """Embeddings of the prompts (texts or token ids), in order: each prompt's last hidden state after the
         final norm, L2-normalised (last-token pooling, as vLLM's LLM.embed pools decoder models). Batched and
         prefix-cached like generate; raises EngineError when a forward pass fails."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        if not isinstance(prompts, Sequence) or not prompts:
+        prompts = _prompt_list(prompts)
+        if not prompts:
             raise InvalidRequestError("embed takes a prompt (text or token ids) or a non-empty list of prompts")
-        token_lists = [encode_prompt(self.tokenizer, p) for p in prompts]  # type: ignore[union-attr]
+        token_lists = [self._prompt_ids(p) for p in prompts]
         params = SamplingParams.for_embedding()
         for ids in token_lists:
             self.scheduler.validate(ids, params.for_prompt(len(ids), self.max_seq_len))
@@ -170,6 +178,28 @@ class LLM:
             raise
         return [vectors[rid] for rid in rids]
 
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        """One prompt's token ids: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}."""
+        if isinstance(prompt, dict):
+            keys = set(prompt)
+            if keys == {"prompt"}:
+                prompt = prompt["prompt"]
+                if not isinstance(prompt, str):
+                    raise InvalidRequestError(f'a {{"prompt": ...}} prompt must hold text, got {type(prompt).__name__}')
+            elif keys == {"prompt_token_ids"}:
+                prompt = prompt["prompt_token_ids"]
+                if isinstance(prompt, str):
+                    raise InvalidRequestError('a {"prompt_token_ids": ...} prompt must hold a list of token ids')
+            else:
+                raise InvalidRequestError(
+                    f"a prompt dict takes exactly one of the keys 'prompt' (text) or 'prompt_token_ids', got {sorted(keys)}"
+                )
+        if not isinstance(prompt, (str, list, tuple)):
+            raise InvalidRequestError(
+                f"a prompt is text, a list of token ids or a prompt dict, got {type(prompt).__name__}"
+            )
+        return encode_prompt(self.tokenizer, prompt)
+
     def _generate_ids(
         self, token_lists: list[list[int]], sampling_params: Any, use_tqdm: bool
     ) -> list[RequestOutput]:
@@ -178,6 +208,14 @@ class LLM:
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(token_lists)
         else:
+            wrong = [sampling_params] if isinstance(sampling_params, (str, dict)) or not isinstance(
+                sampling_params, Sequence
+            ) else [p for p in sampling_params if not isinstance(p, SamplingParams)]
+            if wrong:
+                raise InvalidRequestError(
+                    "sampling_params must be a SamplingParams or a list of them (one per prompt), got a "
+                    f"{type(wrong[0]).__name__}; build one with SamplingParams(**kwargs)"
+                )
             params_list = list(sampling_params)
             if len(params_list) != len(token_lists):
                 raise InvalidRequestError(
