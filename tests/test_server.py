@@ -989,6 +989,21 @@ def test_embeddings_through_openai_and_ollama_are_hf_last_hidden_states(daemon, 
     assert e.value.status_code == 400
 
 
+def test_echo_of_token_id_prompts_is_their_text_decoded_whole(oai, smollm2_dir):
+    """vLLM (and OpenAI) echo a token-id prompt as the tokenizer decodes it; decoded token by token, an emoji split
+    across byte tokens came back as replacement characters."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    texts = ["Party 🎉 time", "naïve café"]
+    ids = [tok(t).input_ids for t in texts]
+    assert any("\ufffd" in tok.decode([i]) for i in ids[0])  # the emoji's bytes span several tokens
+    r = oai.completions.create(model="smollm2", prompt=ids, max_tokens=2, echo=True, temperature=0)
+    scored = oai.completions.create(model="smollm2", prompt=ids[0], max_tokens=1, echo=True, logprobs=1, temperature=0)
+    assert [c.text[: len(t)] for c, t in zip(r.choices, texts)] == [tok.decode(i) for i in ids] == texts
+    assert scored.choices[0].text.startswith(texts[0]) and len(scored.choices[0].logprobs.tokens) == len(ids[0]) + 1
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_hf_transformers_does(oai, smollm2_dir):
     """What evaluation harnesses send for log-likelihoods: echo=True, logprobs=1, max_tokens=1."""
     import torch

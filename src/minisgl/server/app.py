@@ -414,9 +414,14 @@ def create_app(
             outs = await _unless_disconnected(
                 request, gather_all([server.client.generate(p, rid=r, **kwargs) for p, r in zip(prompts, rids)])
             )
+            # Echoed token-id prompts are decoded whole (as vLLM): token by token, a character split across
+            # tokens (an emoji) would come back as replacement characters.
+            echoes = None
+            if body.echo:
+                echoes = [p if isinstance(p, str) else await server.client.detokenize(p) for p in prompts]
         except BaseException as e:
             return _fail(timer, e)
-        response = _completion_response(outs, rid, model_name, body, prompts)
+        response = _completion_response(outs, rid, model_name, body, echoes)
         u = response.usage or Usage()
         timer.done(200, u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens)
         return JSONResponse(response.model_dump())
@@ -488,17 +493,15 @@ def _chat_response(out: Any, rid: str, model: str) -> ChatCompletionResponse:
 
 
 def _completion_response(
-    outs: list[Any], rid: str, model: str, body: CompletionRequest, prompts: list[Any]
+    outs: list[Any], rid: str, model: str, body: CompletionRequest, echoes: list[str] | None
 ) -> CompletionResponse:
-    """One choice per prompt and sample; with echo each starts with its prompt (and, with logprobs, its
-    prompt tokens' logprobs, offsets counted from the prompt's start)."""
+    """One choice per prompt and sample; with echo each starts with its prompt's text, echoes[p] (and, with
+    logprobs, its prompt tokens' logprobs, offsets counted from the prompt's start)."""
     choices = []
     usage = Usage.of(0, 0, 0)
     for p, out in enumerate(outs):
         prompt_entries = out.prompt_logprobs or []
-        echoed = ""
-        if body.echo:
-            echoed = prompts[p] if isinstance(prompts[p], str) else "".join(e["token"] for e in prompt_entries)
+        echoed = echoes[p] if echoes is not None else ""
         for o in out.outputs:
             entries = ([*prompt_entries, *(o.logprobs or [])] if body.echo else o.logprobs) if body.logprobs is not None else None
             choices.append(CompletionChoice(
