@@ -222,6 +222,21 @@ def test_generation_follows_weights_changed_in_memory(tiny_model_dir):
         assert_same(model, **kwargs)
 
 
+def test_a_custom_max_length_criteria_sets_the_length_as_in_transformers(tiny_model_dir):
+    """stopping_criteria=[MaxLengthCriteria(...)] takes the place of the one transformers builds from max_new_tokens,
+    longer or shorter (the patched generate stopped at max_new_tokens regardless)."""
+    from transformers import MaxLengthCriteria, StoppingCriteriaList
+
+    model, tokenizer = load(tiny_model_dir("llama"))
+    inputs = batch(tokenizer, TEXTS[:2])
+    prompt_len = inputs["input_ids"].shape[1]
+    with minisgl_generate(model, fallback=False, **ENGINE):
+        for max_length, max_new in ((prompt_len + 12, 5), (prompt_len + 3, 10)):
+            criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=max_length)])
+            ref = assert_same(model, **inputs, max_new_tokens=max_new, eos_token_id=None, stopping_criteria=criteria)
+            assert ref.shape[1] == max_length
+
+
 def test_unpatch_restores_transformers_generate(tiny_model_dir):
     model, tokenizer = load(tiny_model_dir("qwen3"))
     original = model.generate

@@ -66,7 +66,7 @@ def prepare(
     """Resolve a generate() call like transformers; raise UnsupportedGenerationError for what minisgl cannot run."""
     from transformers.generation.configuration_utils import GenerationMode
     from transformers.generation.logits_process import LogitsProcessorList
-    from transformers.generation.stopping_criteria import StoppingCriteriaList
+    from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
     logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
     stopping_criteria = stopping_criteria if stopping_criteria is not None else StoppingCriteriaList()
@@ -137,7 +137,9 @@ def prepare(
         generation_config=config, stopping_criteria=stopping_criteria, tokenizer=tokenizer
     )
 
-    max_new = max(1, config.max_length - prompt_len)
+    # transformers' loop ends by its criteria alone: a custom MaxLengthCriteria replaces the one built from max_length.
+    max_length = min((c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)), default=config.max_length)
+    max_new = max(1, max_length - prompt_len)
     longest = max(len(p) for p in prompts)
     if longest + max_new > max_seq_len:
         raise UnsupportedGenerationError(
