@@ -237,6 +237,23 @@ def test_a_custom_max_length_criteria_sets_the_length_as_in_transformers(tiny_mo
             assert ref.shape[1] == max_length
 
 
+def test_a_custom_eos_criteria_replaces_eos_token_id_as_in_transformers(tiny_model_dir):
+    """stopping_criteria=[EosTokenCriteria(b)] with eos_token_id=a: transformers stops rows on b only (and pads them);
+    the engine stopped on a too and the call failed."""
+    from transformers import StoppingCriteriaList
+    from transformers.generation.stopping_criteria import EosTokenCriteria
+
+    model, tokenizer = load(tiny_model_dir("llama"))
+    inputs = batch(tokenizer)
+    prompt_len = inputs["input_ids"].shape[1]
+    free = hf_generate(model, **inputs, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    ignored, stop = early_stop_tokens(free, prompt_len, 2)
+    with minisgl_generate(model, fallback=False, **ENGINE):
+        ref = assert_same(model, **inputs, max_new_tokens=NEW, eos_token_id=ignored, pad_token_id=1,
+                          stopping_criteria=StoppingCriteriaList([EosTokenCriteria(eos_token_id=stop)]))
+    assert (ref[:, prompt_len:] == ignored).any() and (ref[:, -1] == 1).any()
+
+
 def test_unpatch_restores_transformers_generate(tiny_model_dir):
     model, tokenizer = load(tiny_model_dir("qwen3"))
     original = model.generate

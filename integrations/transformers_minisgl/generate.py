@@ -66,7 +66,7 @@ def prepare(
     """Resolve a generate() call like transformers; raise UnsupportedGenerationError for what minisgl cannot run."""
     from transformers.generation.configuration_utils import GenerationMode
     from transformers.generation.logits_process import LogitsProcessorList
-    from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
     logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
     stopping_criteria = stopping_criteria if stopping_criteria is not None else StoppingCriteriaList()
@@ -146,7 +146,9 @@ def prepare(
             f"{longest} prompt tokens + {max_new} new tokens (more than the engine's context of {max_seq_len})"
         )
     pad_lengths = prompt_len - mask.sum(dim=1)
-    params = sampling_params(processors, config, prompt_len, max_new, pad_lengths, model_eos, n)
+    # The tokens transformers stops a row on: a custom EosTokenCriteria replaces the one built from eos_token_id.
+    eos = set().union(*(_token_set(c.eos_token_id) for c in criteria if isinstance(c, EosTokenCriteria)))
+    params = sampling_params(processors, config, prompt_len, max_new, pad_lengths, model_eos, eos, n)
     pads_finished_rows = any(hasattr(c, "eos_token_id") for c in criteria)
     pad = config._pad_token_tensor
     if pads_finished_rows and pad is None:
@@ -180,7 +182,7 @@ def _token_set(ids: Any) -> set[int]:
 
 def sampling_params(
     processors: Any, config: Any, prompt_len: int, max_new: int, pad_lengths: torch.Tensor, model_eos: frozenset[int],
-    n: int = 1,
+    eos: set[int], n: int = 1,
 ) -> SamplingParams:
     """Read transformers' logits processors back into SamplingParams; raise for those with no exact equivalent.
 
@@ -189,11 +191,11 @@ def sampling_params(
     min-p and top-k, then top-p over what those kept. A list is read only when applying it in that order picks from
     the same distribution: temperatures multiply, top-k takes the smallest k, min-p the largest p; a penalty after a
     filter, a temperature or min-p after top-p or min-p, or top-k or a second top-p after top-p are refused. With
-    do_sample=False every warper leaves the argmax where it was: the call stays greedy.
+    do_sample=False every warper leaves the argmax where it was: the call stays greedy. eos: the tokens
+    transformers' stopping criteria end a row on.
     """
     from transformers.generation import logits_process as lp
 
-    eos = _token_set(config._eos_token_tensor)
     temperature, top_k, top_p, min_p, repetition = 1.0, -1, 1.0, 0.0, 1.0
     min_tokens = 0
     filters: list[str] = []  # the filters (top-k, top-p, min-p) applied so far, in order
