@@ -701,6 +701,30 @@ def test_text_without_a_utf8_form_is_an_invalid_request_and_the_client_goes_on(r
     assert asyncio.run(run()) == "cd"
 
 
+def test_a_second_request_with_an_id_in_flight_is_refused_and_the_first_goes_on(router: ScriptedRouter) -> None:
+    """As the daemon refuses a rid in flight, so does a connection (every HTTP user shares the server's one, and
+    SGLang's /generate takes the caller's rid): the second request took over the first one's replies, which then
+    hung until its timeout (and the second's failure could abort the first)."""
+    from minisgl.client import AsyncClient, Client
+
+    with Client("fake", router.address, auto_start=False, timeout=5) as c:
+        first = c.stream("a b c", rid="same")
+        assert next(first).text == "a"
+        with pytest.raises(InvalidRequestError, match="already in flight"):
+            c.stream("d e", rid="same")
+        assert "".join(ch.text for ch in first) == "bc"
+
+    async def run() -> list[Any]:
+        async with AsyncClient("fake", router.address, auto_start=False, timeout=5) as ac:
+            return await asyncio.gather(ac.generate("a b c d", rid="dup"), ac.generate("e f", rid="dup"),
+                                        return_exceptions=True)
+
+    first_result, second = asyncio.run(run())
+    assert isinstance(second, InvalidRequestError) and "already in flight" in str(second)
+    assert first_result.text == "abcd" and first_result.finish_reason == "stop"
+    assert router.aborted == []
+
+
 def test_sync_client_is_safe_across_threads(router: ScriptedRouter) -> None:
     from concurrent.futures import ThreadPoolExecutor
 

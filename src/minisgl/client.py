@@ -618,11 +618,17 @@ class AsyncStream(_StreamCore):
     async def __anext__(self) -> Chunk:
         if not self._open:
             raise StopAsyncIteration
+        if self._conn is None:
+            try:
+                conn = await self._client._connection()
+                await conn.open(self.rid)
+            except BaseException:  # nothing was sent; a refused rid (in flight already) is another request's
+                self._open = False
+                raise
+            self._conn = conn
+            with self._aborting():
+                conn.send(self._msg)
         with self._aborting():
-            if self._conn is None:
-                self._conn = await self._client._connection()
-                await self._conn.open(self.rid)
-                self._conn.send(self._msg)
             wait, by_deadline = self._wait()
             with self._within(by_deadline):
                 reply = await self._conn.next(self.rid, wait)

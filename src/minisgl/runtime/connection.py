@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
-from minisgl.errors import DaemonError, DaemonNotRunningError, DaemonTimeoutError
+from minisgl.errors import DaemonError, DaemonNotRunningError, DaemonTimeoutError, InvalidRequestError
 from minisgl.runtime.auth import ClientCurve
 from minisgl.runtime.protocol import Abort, Chunk, Chunks, Error, Message, ProtocolError, decode, encode, error_class
 
@@ -110,6 +110,13 @@ class _Inboxes:
     def __init__(self) -> None:
         self.boxes: dict[str, Any] = {}
 
+    def claim(self, rid: str, box: Any) -> None:
+        """Give rid its inbox; a rid already waiting here is refused (InvalidRequestError) and keeps its own: taking
+        it over left that request's replies without a reader (it hung until its timeout)."""
+        if rid in self.boxes:
+            raise InvalidRequestError(f"request id {rid!r} is already in flight: give each request its own id")
+        self.boxes[rid] = box
+
     def route(self, msg: Message) -> list[tuple[Any, Reply]]:
         # .get: a stream may be forgotten from another thread (garbage collection) meanwhile.
         if isinstance(msg, Chunks):
@@ -148,7 +155,7 @@ class SyncConnection:
         while self.link.lost and self.monitor.poll(max(0, int((deadline - _now()) * 1000))):
             self._events()
         self.link.check()
-        self.inboxes.boxes[rid] = deque()
+        self.inboxes.claim(rid, deque())
 
     def forget(self, rid: str) -> None:
         self.inboxes.boxes.pop(rid, None)
@@ -228,7 +235,7 @@ class AsyncConnection:
         if self.sock.closed:
             raise DaemonError(IS_CLOSED)
         self.link.check()
-        self.inboxes.boxes[rid] = asyncio.Queue()
+        self.inboxes.claim(rid, asyncio.Queue())
 
     def forget(self, rid: str) -> None:
         self.inboxes.boxes.pop(rid, None)
