@@ -247,6 +247,21 @@ def test_ollama_chat_carries_thinking_and_streams_ndjson():
     assert [p["done"] for p in parts] == [False] * (len(parts) - 1) + [True]
 
 
+def test_ollama_whole_answers_time_generation_apart_from_the_prompt():
+    """Ollama's eval_duration is the time spent generating (clients show eval_count / eval_duration as the eval
+    rate), prompt_eval_duration the prompt's; a whole (stream: false) answer had all of it as the prompt's and an
+    eval_duration of ~0 (an eval rate of ~10^5 tokens/s)."""
+    delay = 0.05
+    with _app_client(StandInClient(chunk_delay=delay)) as http:
+        r = http.post("/api/chat", json={"model": "stand-in", "messages": [{"role": "user", "content": "Hi"}],
+                                         "stream": False})
+    body = r.json()
+    assert body["message"]["content"] == "Paris is the capital of France." and body["eval_count"] == 6
+    assert body["eval_duration"] >= 0.8 * 5 * delay * 1e9  # the five tokens after the first
+    assert body["prompt_eval_duration"] < body["eval_duration"]
+    assert body["total_duration"] >= body["prompt_eval_duration"] + body["eval_duration"]
+
+
 def test_ollama_options_and_fields_of_the_wrong_type_are_400s_not_internal_errors():
     """Ollama refuses an option of the wrong type with a 400 ("invalid option type"); num_predict "5" and a
     numeric system were TypeErrors (500 'internal error')."""

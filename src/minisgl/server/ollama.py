@@ -120,6 +120,21 @@ class _Clock:
         }
 
 
+async def _gather(stream: Any, clock: _Clock) -> tuple[str, str, list[dict[str, Any]], Any]:
+    """A whole answer from its stream: text, reasoning, tool calls and the last chunk (usage, finish_reason)."""
+    from minisgl.client import merge_tool_calls
+
+    text, reasoning, calls, chunk = "", "", [], None
+    try:
+        async for chunk in stream:
+            clock.token()
+            text, reasoning = text + chunk.text, reasoning + (chunk.reasoning or "")
+            merge_tool_calls(calls, chunk.tool_calls or [])
+    finally:
+        await close_stream(stream)
+    return text, reasoning, calls, chunk
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
@@ -181,11 +196,11 @@ def ollama_router(
                     await close_stream(stream)
 
             return StreamingResponse(lines(), media_type="application/x-ndjson")
-        out = await unless_disconnected(request, server.client.generate(prompt, **kwargs))
-        clock.token()
-        o = out.outputs[0]
-        piece = shape(o.text, o.reasoning_content or "", _tool_calls(o.tool_calls))
-        return JSONResponse({**base, "created_at": _now(), **piece, **clock.stats(out.usage, o.finish_reason)})
+        # Streamed underneath too: the first chunk's time splits prompt evaluation from generation (eval_duration).
+        whole = _gather(server.client.stream(prompt, **kwargs), clock)
+        text, reasoning, calls, last = await unless_disconnected(request, whole)
+        piece = shape(text, reasoning, _tool_calls(calls))
+        return JSONResponse({**base, "created_at": _now(), **piece, **clock.stats(last.usage, last.finish_reason)})
 
     def _route(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         async def wrapped(request: Request) -> Response:
