@@ -36,3 +36,55 @@ def test_prompt_logprobs_of_a_prefill_rolled_back_under_kv_pressure_match_hf(tin
             assert lp == pytest.approx(float(ref[t - 1, prompt[t]]), abs=1e-4)
             assert [a for a, _ in alts] == [int(ref[t - 1].argmax())]
     llm.check_integrity()
+
+
+# (arrival step, prompt length, starts with the shared 12-token system prompt, max_tokens): with a 9-page pool
+# of 4-token pages and 4-token prefill chunks, two prompts are left partly prefilled, each waiting for pages
+# the other holds, while nothing runs (no decode step rolls either back).
+STALL_WORKLOAD = [
+    (1, 15, True, 2), (2, 26, False, 10), (2, 23, False, 1), (3, 27, False, 2), (3, 13, False, 1),
+    (7, 18, True, 18), (7, 30, False, 1), (12, 16, False, 2), (14, 12, False, 24), (15, 31, False, 2),
+    (15, 21, True, 15), (16, 16, False, 2), (17, 34, False, 2),
+]
+
+
+def _drive(llm: LLM, arrivals: list[tuple[int, str, list[int], SamplingParams]], max_steps: int) -> dict[str, list[int]]:
+    """Add each request at its step and step the scheduler until it is idle; {rid: output ids} of those finished."""
+    sched = llm.scheduler
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, list[int]] = {}
+    for step in range(max_steps):
+        for at, rid, prompt, params in arrivals:
+            if at == step:
+                sched.add_request(rid, prompt, params)
+        if step > max(a[0] for a in arrivals) and not sched.has_work:
+            break
+        for out in sched.step():
+            tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+            if out.finished:
+                finished[out.rid] = tokens[out.rid]
+    return finished
+
+
+def test_prompts_left_partly_prefilled_with_nothing_running_still_all_finish(tiny_model_dir):
+    """Partly prefilled prompts that wait for pages are rolled back only by a decode step that needs pages; with
+    nothing running, two of them (or one, behind a request ranked first that cannot fit beside it) held the pool
+    for good and every request waited forever. Each request fits the pool alone: all finish as with a big pool."""
+    import random
+
+    model_dir = str(tiny_model_dir("llama"))
+    rng = random.Random(0)
+    system = [rng.randrange(10, 1000) for _ in range(12)]
+    arrivals = []
+    for i, (at, length, shared, max_tokens) in enumerate(STALL_WORKLOAD):
+        head = system if shared else []
+        prompt = head + [rng.randrange(10, 1000) for _ in range(length - len(head))]
+        arrivals.append((at, f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
+    llm = LLM(model_dir, page_size=4, num_pages=9, max_prefill_tokens=4, max_running_requests=4, disable_overlap=True)
+    got = _drive(llm, arrivals, max_steps=3000)
+    assert sorted(got) == sorted(rid for _, rid, _, _ in arrivals), "requests never finished: the scheduler stalled"
+    big = LLM(model_dir, disable_overlap=True)
+    ref = big.generate([p for _, _, p, _ in arrivals], [sp for *_, sp in arrivals], use_tqdm=False)
+    assert [got[rid] for _, rid, _, _ in arrivals] == [o.token_ids for o in ref]
+    llm.check_integrity()
+    assert llm.stats()["req_pages"] == 0

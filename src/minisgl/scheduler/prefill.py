@@ -6,6 +6,9 @@ longer than the token budget is prefilled in chunks across steps; a request that
 uncached prefix with one admitted in the same batch waits one step to read it from the cache.
 That check is a dict look-up per request (BatchPrefixes), not a comparison with every admitted prompt:
 a burst of agent turns puts tens of long prompts in each batch.
+
+With nothing running, partly prefilled prompts that block each other are rolled back but one
+(_resume_stalled): no decode step would.
 """
 
 from __future__ import annotations
@@ -75,10 +78,28 @@ class PrefillManager:
         # Only while something runs: its pages come back, so protection cannot stall the queue.
         protected = self._lock_waiting_prefixes() if running and self.config.cache == "radix" else []
         try:
-            return self._admit_batch(len(running))
+            batch = self._admit_batch(len(running))
         finally:
             for handle in protected:
                 self.cache.unlock(handle)
+        if batch is None and not running:
+            batch = self._resume_stalled()
+        return batch
+
+    def _resume_stalled(self) -> Batch | None:
+        """Nothing runs and nothing could be admitted: partly prefilled prompts hold the pages the others need (two
+        of them, or a request ranked first that cannot fit beside one), and no decode will roll them back. Keep the
+        one furthest along, roll the others back and continue it first: alone it fits the pool (check_request)."""
+        holders = [r for r in self.waiting if r.table_idx >= 0]
+        if not holders:
+            return None
+        keep = max(holders, key=lambda r: r.cached_len)
+        for req in holders:
+            if req is not keep:
+                self.kv.roll_back(req)
+        self.waiting.remove(keep)
+        self.chunked = keep
+        return self._admit_batch(0)
 
     def _ordered_waiting(self) -> list[tuple[Req, int | None]]:
         """The waiting requests in admission order, each with its cached prefix length when ranking computed it."""
