@@ -222,6 +222,24 @@ def test_generation_follows_weights_changed_in_memory(tiny_model_dir):
         assert_same(model, **kwargs)
 
 
+def test_the_engine_follows_the_model_to_another_dtype(tiny_model_dir):
+    """model.to(...) after patching: generate runs where the model now is, as transformers' would (the engine kept
+    its first dtype, and on a GPU a model moved with .cuda() went on generating on the CPU)."""
+    model, tokenizer = load(tiny_model_dir("llama"))
+    inputs = batch(tokenizer)
+    kwargs = dict(**inputs, max_new_tokens=8, do_sample=False)
+    with minisgl_generate(model, **ENGINE):
+        assert_same(model, **kwargs)
+        model.to(torch.bfloat16)
+        model.generate(**kwargs)
+        engine = model._minisgl_generate.llm.scheduler.engine.model
+        assert {p.dtype for p in engine.parameters()} == {torch.bfloat16}
+        model.to(torch.float32)  # back, with the weights rounded to bfloat16 on the way
+        assert_same(model, **kwargs)
+        assert {p.dtype for p in engine.parameters()} == {torch.bfloat16}  # the bf16 engine was shut down, not reused
+        assert {p.dtype for p in model._minisgl_generate.llm.scheduler.engine.model.parameters()} == {torch.float32}
+
+
 def test_a_custom_max_length_criteria_sets_the_length_as_in_transformers(tiny_model_dir):
     """stopping_criteria=[MaxLengthCriteria(...)] takes the place of the one transformers builds from max_new_tokens,
     longer or shorter (the patched generate stopped at max_new_tokens regardless)."""

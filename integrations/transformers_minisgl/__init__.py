@@ -61,9 +61,21 @@ class PatchedGenerate:
         self.fallback = fallback
         self.had_own_generate = "generate" in vars(model)
         self.original = model.generate
+        self.engine_kwargs = engine_kwargs
+        self.placement = _placement(model, engine_kwargs)
         self.llm = _build_engine(model, engine_kwargs)
         self.weights = WeightWatcher(model, self.llm)
         self.warned: set[str] = set()
+
+    def follow(self, model: Any) -> None:
+        """Rebuild the engine where the model went since (model.to(...), .cuda(), .half()), as its generate would run."""
+        placement = _placement(model, self.engine_kwargs)
+        if placement == self.placement:
+            return
+        self.llm.shutdown()
+        self.llm = _build_engine(model, self.engine_kwargs)
+        self.weights = WeightWatcher(model, self.llm)
+        self.placement = placement
 
     def fall_back(self, reason: str) -> None:
         """Warn once per reason, or raise when fallback is off."""
@@ -85,6 +97,15 @@ class PatchedGenerate:
         self.llm.shutdown()
 
 
+def _placement(model: Any, engine_kwargs: dict[str, Any]) -> tuple[str, str]:
+    """The engine's device and dtype: those given to patch_generate, else the model's now."""
+    param = next(model.parameters())
+    return (
+        str(engine_kwargs.get("device", param.device)),
+        str(engine_kwargs.get("dtype", str(param.dtype).removeprefix("torch."))),
+    )
+
+
 def _build_engine(model: Any, engine_kwargs: dict[str, Any]) -> Any:
     from minisgl import LLM, ConfigError
 
@@ -92,8 +113,7 @@ def _build_engine(model: Any, engine_kwargs: dict[str, Any]) -> Any:
     if kwargs.get("tp", 1) != 1:
         raise ConfigError("patch_generate runs the model's own weights in this process: tp must be 1")
     param = next(model.parameters())
-    kwargs.setdefault("device", str(param.device))
-    kwargs.setdefault("dtype", str(param.dtype).removeprefix("torch."))
+    kwargs["device"], kwargs["dtype"] = _placement(model, engine_kwargs)
     if param.device.type == "cuda" and "num_pages" not in kwargs:
         # The model's process goes on using the GPU (training, transformers' own generate): the KV
         # pool takes half of the memory free now, not the serving default.
@@ -107,8 +127,9 @@ def patch_generate(model: Any, fallback: bool = True, **engine_kwargs: Any) -> A
     """Make model.generate run on a minisgl engine built from the model's current weights; returns model.
 
     engine_kwargs go to minisgl.LLM (cache, page_size, max_running_requests, kv_cache_gb, mem_fraction, ...);
-    device and dtype default to the model's; on CUDA the KV pool takes half of the free memory
-    (PATCH_MEM_FRACTION) so the rest of the process keeps room. Patching a patched model rebuilds its engine.
+    device and dtype default to the model's, and follow it: a generate call after model.to(...) rebuilds the
+    engine there. On CUDA the KV pool takes half of the free memory (PATCH_MEM_FRACTION) so the rest of the
+    process keeps room. Patching a patched model rebuilds its engine.
     """
     from transformers import PreTrainedModel
 
@@ -189,6 +210,7 @@ def _generate(
     reason = _unsupported_argument(explicit)
     if reason is None:
         with _ENGINE_LOCK, torch.no_grad():
+            state.follow(model)
             llm = state.llm
             try:
                 request = prepare(
