@@ -88,3 +88,82 @@ def test_prompts_left_partly_prefilled_with_nothing_running_still_all_finish(tin
     assert [got[rid] for _, rid, _, _ in arrivals] == [o.token_ids for o in ref]
     llm.check_integrity()
     assert llm.stats()["req_pages"] == 0
+
+
+def _audit_pages(sched) -> None:
+    """Every page is exactly one of free, in a radix node, or owned by a live request (its row past matched_len),
+    read from the free list, the tree and the page table (not from the cache's counters); every node's lock count
+    is the number of live requests whose handle lies at or below it."""
+    from minisgl.kvcache.radix import RadixCache
+
+    cache, ps = sched.cache, sched.page_size
+    free = cache._free_pages.tolist()
+    tree = cache.prefix_cache
+    nodes = tree._nodes() if isinstance(tree, RadixCache) else []
+    cached = [p for n in nodes for p in (n.value[::ps] // ps).tolist()]
+    owned, locks = [], {}
+    for req in sched.reqs.values():
+        if req.table_idx < 0:
+            continue
+        row = sched.page_table[req.table_idx]
+        assert set((row[: req.matched_len : ps] // ps).tolist()) <= set(cached), "a borrowed page is not cached"
+        owned += (row[req.matched_len : req.cached_len : ps] // ps).tolist()
+        node = req.cache_handle
+        while node is not None and node is not tree.root:
+            locks[id(node)] = locks.get(id(node), 0) + 1
+            node = node.parent
+    assert sorted(free + cached + owned) == list(range(cache.num_pages)), "a page is in two places or none"
+    assert [n.ref_count for n in nodes] == [locks.get(id(n), 0) for n in nodes]
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(page_size=1, num_pages=70, max_prefill_tokens=16, extra={"overlap_on_cpu": True}),
+    dict(page_size=4, num_pages=20, max_prefill_tokens=17, max_running_requests=3, disable_overlap=True),
+    dict(page_size=2, num_pages=40, max_prefill_tokens=8, cache="naive", extra={"overlap_on_cpu": True}),
+])
+def test_random_traffic_with_aborts_and_flushes_keeps_every_page_accounted(tiny_model_dir, engine_kwargs):
+    """Requests arrive, share prefixes, run n > 1 samples and are aborted at every phase (waiting, mid chunked
+    prefill, decoding, retracted, in flight) while a small pool forces roll-backs, retraction and eviction and the
+    prefix cache is flushed now and then: after every step the pages add up (checked page by page), each sequence
+    ends once, and the sequences not aborted equal a big pool's greedy outputs."""
+    import random
+
+    model_dir = str(tiny_model_dir("llama"))
+    rng = random.Random(5)
+    stems = [[rng.randrange(10, 1000) for _ in range(rng.randrange(4, 30))] for _ in range(3)]
+    arrivals, aborts = [], {}
+    for i in range(16):
+        prompt = rng.choice(stems)[: rng.randrange(1, 30)] + [rng.randrange(10, 1000) for _ in range(rng.randrange(1, 20))]
+        params = SamplingParams(temperature=0, max_tokens=rng.choice([1, 4, 12, 20]), ignore_eos=True, n=rng.choice([1, 1, 2]))
+        arrivals.append((rng.randrange(0, 30), f"r{i}", prompt, params))
+        if rng.random() < 0.4:
+            aborts[f"r{i}"] = arrivals[-1][0] + rng.randrange(0, 12)
+    llm = LLM(model_dir, max_seq_len=128, **engine_kwargs)
+    sched = llm.scheduler
+    tokens: dict[tuple[str, int], list[int]] = {}
+    ended: dict[tuple[str, int], str] = {}
+    for step in range(3000):
+        for at, rid, prompt, params in arrivals:
+            if at == step:
+                sched.add_request(rid, prompt, params)
+        for rid, at in aborts.items():
+            if at == step:
+                sched.abort(rid)
+        if rng.random() < 0.05:
+            sched.reset_prefix_cache()
+        if step > 50 and not sched.has_work:
+            break
+        for out in sched.step():
+            key = (out.rid, out.index)
+            assert key not in ended, f"{key} got an output after its last"
+            tokens.setdefault(key, []).extend(out.new_token_ids)
+            if out.finished:
+                ended[key] = out.finish_reason
+        _audit_pages(sched)
+    assert sorted(ended) == sorted((rid, i) for _, rid, _, p in arrivals for i in range(p.n))
+    kept = [(rid, prompt, params) for _, rid, prompt, params in arrivals if rid not in aborts]
+    ref = LLM(model_dir, disable_overlap=True).generate([p for _, p, _ in kept], [sp for *_, sp in kept], use_tqdm=False)
+    for (rid, _, params), want in zip(kept, ref):
+        assert [tokens.get((rid, i), []) for i in range(params.n)] == [o.token_ids for o in want.outputs]
+    assert sched.stats()["req_pages"] == 0
+    llm.check_integrity()
