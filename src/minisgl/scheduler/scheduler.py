@@ -103,7 +103,7 @@ class Scheduler:
             params = SamplingParams.for_embedding()
         params = params.for_prompt(len(input_ids), self.max_seq_len)
         self.validate(input_ids, params)
-        if any((rid, i) in self.reqs for i in range(params.n)):
+        if any(key[0] == rid for key in self.reqs):  # any sample of it: with n > 1 some may have ended already
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         received = plugins.get_plugin_manager().hook.minisgl_request_received if self._hook_received else None
         new = new_reqs(

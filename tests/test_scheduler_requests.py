@@ -1,0 +1,29 @@
+"""The scheduler's request bookkeeping: a request id names one request, all of its samples, until the last ends."""
+
+from __future__ import annotations
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+
+
+def test_a_request_id_stays_in_flight_until_its_last_sample_ends(tiny_model_dir):
+    """n = 2 with max_tokens=1: sample 0 ends with the prompt's prefill, sample 1 (which reads the prompt from the
+    cache) a step later. A new request with the same id in between was accepted and mixed with the old one's
+    sample 1 (one abort ended both); it is an InvalidRequestError that changes nothing, and the id is free again once
+    the last sample ends."""
+    from minisgl.errors import InvalidRequestError
+
+    llm = LLM(str(tiny_model_dir("llama")), disable_overlap=True)
+    sched = llm.scheduler
+    sched.add_request("x", [11, 12, 13], SamplingParams(temperature=0, max_tokens=1, n=2, ignore_eos=True))
+    first = sched.step()
+    assert [(o.index, o.finished) for o in first] == [(0, True)]
+    with pytest.raises(InvalidRequestError, match="already in flight"):
+        sched.add_request("x", [14, 15], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    rest = []
+    while sched.has_work:
+        rest += sched.step()
+    assert [(o.index, o.finished, o.new_token_ids) for o in rest] == [(1, True, first[0].new_token_ids)]
+    sched.add_request("x", [14, 15], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    llm.check_integrity()
