@@ -97,3 +97,20 @@ def test_min_tokens_under_overlap_equals_step_by_step(tiny_model_dir):
         assert p.stop_token_ids[0] not in o.token_ids[:5]
     assert all(r.tokens_in_flight == 0 for r in overlap.scheduler.reqs.values())
     overlap.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_request_larger_than_the_pool_keeps_its_last_token_under_overlap(tiny_model_dir, page_size):
+    """A 20-token prompt, 40 KV slots: the request runs until every slot holds KV, then ends ("length") with the
+    token sampled from the last slot's logits, as a big pool's greedy run has it. Under overlap that token was in
+    flight when the next step found no slot, and ending the request there dropped it."""
+    model_dir = str(tiny_model_dir("llama"))
+    prompt = list(range(20, 40))
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    big = LLM(model_dir, disable_overlap=True).generate([prompt], params, use_tqdm=False)[0]
+    expected = big.token_ids[: 40 - len(prompt) + 1]
+    for kwargs in ({"disable_overlap": True}, OVERLAP):
+        llm = LLM(model_dir, num_pages=40 // page_size, page_size=page_size, **kwargs)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert (out.token_ids, out.finish_reason) == (expected, "length"), kwargs
+        llm.check_integrity()

@@ -59,9 +59,11 @@ class DecodeManager:
         chosen = []
         for req in reqs:
             if not self.kv.reserve(req, 1):
-                # Only possible with a single request larger than the pool.
-                self.running.remove(req)
-                finish_full(req)
+                # Only possible with a single request larger than the pool. A token still in flight is its last:
+                # it ends once that token is read (as without overlap), not now, which would drop the token.
+                if id(req) not in in_flight:
+                    self.running.remove(req)
+                    finish_full(req)
                 continue
             chosen.append((req, 1))
         if not chosen:
