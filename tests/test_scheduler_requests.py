@@ -27,3 +27,24 @@ def test_a_request_id_stays_in_flight_until_its_last_sample_ends(tiny_model_dir)
     assert [(o.index, o.finished, o.new_token_ids) for o in rest] == [(1, True, first[0].new_token_ids)]
     sched.add_request("x", [14, 15], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     llm.check_integrity()
+
+
+def test_usage_of_n_samples_counts_the_prompt_cached_before_the_request(tiny_model_dir):
+    """Usage's cached_tokens is the part of the prompt the prefix cache held when the request came (vLLM's
+    num_cached_tokens). Sample 1 reads the prompt that sample 0 computed and ends last: the daemon's usage took its
+    39 for a 40-token prompt never seen before. A cold prompt: 0; the same prompt again: all but its last token."""
+    from minisgl.runtime.detokenizer_worker import Detokenizer
+
+    llm = LLM(str(tiny_model_dir("llama")), disable_overlap=True)
+    sched, prompt = llm.scheduler, list(range(20, 60))
+    detok = Detokenizer(llm.tokenizer)
+    usages = []
+    for rid in ("cold", "warm"):
+        sched.add_request(rid, prompt, SamplingParams(temperature=0.8, seed=1, max_tokens=4, n=2, ignore_eos=True))
+        detok.add_request(rid, {"n": 2})
+        chunks = []
+        while sched.has_work:
+            chunks += detok.process(sched.step())[0]
+        assert [c.index for c in chunks if c.done] == [1]  # sample 1 ends last: its prefix hit is the prompt
+        usages.append(next(c.usage for c in chunks if c.done))
+    assert [(u.prompt_tokens, u.cached_tokens) for u in usages] == [(40, 0), (40, 39)]

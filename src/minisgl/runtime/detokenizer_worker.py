@@ -32,6 +32,7 @@ class RequestState:
         self.called: set[int] = set()  # indices that produced a tool call
         self.finished: set[int] = set()
         self.completion_tokens = 0
+        self.cached_tokens = 0  # sample 0's prefix hit: the later samples read the prompt sample 0 computed
 
     def detok(self, index: int) -> IncrementalDetokenizer:
         if index not in self.detoks:
@@ -109,12 +110,14 @@ class Detokenizer:
         if finish_reason == "stop" and out.index in state.called:
             finish_reason = "tool_calls"
         usage, done = None, False
+        if out.index == 0:
+            state.cached_tokens = out.cached_tokens
         if out.finished:
             state.finished.add(out.index)
             state.completion_tokens += out.completion_tokens
             if len(state.finished) == state.n:
                 done = True
-                usage = Usage(out.prompt_tokens, state.completion_tokens, out.cached_tokens)
+                usage = Usage(out.prompt_tokens, state.completion_tokens, state.cached_tokens)
                 del self.states[out.rid]
         logprobs = self._logprobs(out.new_token_ids, out.new_logprobs) if out.new_logprobs else None
         prompt_logprobs = None
