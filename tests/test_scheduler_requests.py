@@ -1,4 +1,5 @@
-"""The scheduler's request bookkeeping: a request id names one request, all of its samples, until the last ends."""
+"""A request with n samples is one request: its id is in flight until its last sample ends, its usage counts the
+prompt once (cached_tokens as the prefix cache held it when the request came)."""
 
 from __future__ import annotations
 
