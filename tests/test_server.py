@@ -401,6 +401,21 @@ def test_invalid_sampling_value_is_a_400_in_openai_error_shape():
     assert r2.status_code == 400 and r2.json()["error"]["param"] == "messages"
 
 
+def test_stream_options_without_stream_is_a_400_as_openai_gives():
+    """OpenAI answers stream_options on a request that does not stream with a 400 (vLLM too); it was accepted and
+    ignored, so a client counting on include_usage's final chunk got no error and no such chunk."""
+    with _app_client(StandInClient()) as http:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        for create, kw in ((sdk.chat.completions.create, dict(messages=[{"role": "user", "content": "x"}])),
+                           (sdk.completions.create, dict(prompt="x"))):
+            with pytest.raises(openai.BadRequestError, match="stream_options"):
+                create(model="stand-in", max_tokens=3, stream_options={"include_usage": True}, **kw)
+            with pytest.raises(openai.BadRequestError, match="stream_options"):
+                create(model="stand-in", max_tokens=3, stream=False, stream_options={"include_usage": True}, **kw)
+            streamed = list(create(model="stand-in", max_tokens=3, stream=True, stream_options={"include_usage": True}, **kw))
+            assert streamed[-1].usage is not None
+
+
 def test_error_before_the_first_byte_of_a_stream_is_an_http_error_not_a_200():
     stand_in = StandInClient(error=PromptTooLongError("prompt has 9000 tokens but the context window is 8192"))
     with _app_client(stand_in) as http:

@@ -85,6 +85,12 @@ class _SamplingFields(_Request):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true (as OpenAI and vLLM refuse it)")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
