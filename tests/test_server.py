@@ -1139,6 +1139,20 @@ def test_tool_choice_required_returns_a_valid_call_and_streams_it_as_deltas(oai)
     assert r.choices[0].message.content or r.choices[0].message.tool_calls
 
 
+def test_a_call_forced_by_a_named_tool_choice_finishes_with_stop_as_openai(oai):
+    """OpenAI's chat API ends a call forced by tool_choice {"type": "function", ...} with finish_reason "stop" and
+    one made under "auto"/"required" with "tool_calls" (vLLM aligned with it); minisgl said "tool_calls" for both."""
+    ask = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model="smollm2", messages=ask, tools=TOOLS, tool_choice=named, temperature=0, max_tokens=40,
+              parallel_tool_calls=False)
+    r = oai.chat.completions.create(**kw)
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    assert r.choices[0].finish_reason == "stop"
+    chunks = list(oai.chat.completions.create(**kw, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+
+
 def test_bad_requests_are_openai_bad_request_errors(oai):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         oai.chat.completions.create(model="smollm2", messages=QUESTION, temperature=-1)

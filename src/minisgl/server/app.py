@@ -373,7 +373,7 @@ def create_app(
             out = await _unless_disconnected(request, server.client.generate(messages, rid=rid, **kwargs))
         except BaseException as e:
             return _fail(timer, e)
-        response = _chat_response(out, rid, model_name)
+        response = _chat_response(out, rid, model_name, body)
         if body.prompt_logprobs is not None:
             response.prompt_logprobs = out.prompt_logprobs  # the rendered chat prompt's tokens
         u = response.usage
@@ -481,14 +481,20 @@ def _error_event(e: BaseException) -> str:
     return _sse(ErrorResponse(error=info).model_dump())
 
 
-def _chat_response(out: Any, rid: str, model: str) -> ChatCompletionResponse:
+def _chat_finish(finish: str | None, body: ChatCompletionRequest) -> str | None:
+    """The daemon's finish reason ("tool_calls" when a call was made), as OpenAI's chat API reports it: a call
+    forced by a named tool_choice finishes with "stop" there (vLLM aligned with it too)."""
+    return "stop" if finish == "tool_calls" and isinstance(body.tool_choice, dict) else finish
+
+
+def _chat_response(out: Any, rid: str, model: str, body: ChatCompletionRequest) -> ChatCompletionResponse:
     choices = []
     for o in out.outputs:
         calls = [ToolCall.model_validate(c) for c in o.tool_calls or []] or None
         message = ChatMessage(content=o.text if (o.text or not calls) else None, tool_calls=calls,
                               reasoning_content=o.reasoning_content)
         choices.append(ChatChoice(index=o.index, message=message, logprobs=chat_logprobs(o.logprobs),
-                                  finish_reason=o.finish_reason))
+                                  finish_reason=_chat_finish(o.finish_reason, body)))
     return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage(out.usage))
 
 
@@ -535,7 +541,7 @@ async def _chat_events(
             if index not in started:
                 started.add(index)
                 yield event(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
-            tool_deltas, finish = chunk.tool_calls, chunk.finish_reason  # the daemon says "tool_calls" itself
+            tool_deltas, finish = chunk.tool_calls, _chat_finish(chunk.finish_reason, body)
             logprobs = chat_logprobs(chunk.logprobs) if body.logprobs else None
             if chunk.text or chunk.reasoning or tool_deltas or logprobs or finish:
                 delta = DeltaMessage(content=chunk.text or None, tool_calls=tool_deltas or None,
