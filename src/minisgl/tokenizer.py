@@ -17,11 +17,9 @@ def load_tokenizer(model_dir: str | Path) -> Any:
         raise ModelLoadError(f"could not load a tokenizer from {model_dir}: {e}") from e
 
 
-def flatten_message(message: Any, i: int) -> dict[str, Any]:
-    """An OpenAI-style chat message with text-only content: content parts joined, None content -> "".
-
-    Raises InvalidRequestError for a message without a role or a non-text part (image, audio, ...).
-    """
+def check_message(message: Any, i: int) -> None:
+    """An OpenAI-style chat message's shape: an object with a string role and a content that is a string, a list of
+    parts or None (a chat template given anything else fails inside, as a 500); InvalidRequestError otherwise."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise InvalidRequestError(f"messages[{i}] must be an object with a 'role' (a string)")
     content = message.get("content")
@@ -29,6 +27,15 @@ def flatten_message(message: Any, i: int) -> dict[str, Any]:
         raise InvalidRequestError(
             f"messages[{i}].content must be a string or a list of text parts, got {type(content).__name__}"
         )
+
+
+def flatten_message(message: Any, i: int) -> dict[str, Any]:
+    """An OpenAI-style chat message with text-only content: content parts joined, None content -> "".
+
+    Raises InvalidRequestError for a message check_message refuses or a non-text part (image, audio, ...).
+    """
+    check_message(message, i)
+    content = message.get("content")
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -81,11 +88,7 @@ def apply_chat_template(
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     for i, m in enumerate(messages):
-        if not isinstance(m.get("role"), str):
-            raise InvalidRequestError(f"messages[{i}] needs a 'role' (a string): {m!r}")
-        if not isinstance(m.get("content"), (str, list, type(None))):
-            raise InvalidRequestError(f"messages[{i}].content must be a string or a list of parts, got "
-                                      f"{type(m['content']).__name__}")
+        check_message(m, i)
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("this model has no chat template: send a plain prompt instead of messages")
     if "developer" not in str(tokenizer.chat_template):
