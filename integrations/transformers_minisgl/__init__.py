@@ -97,12 +97,12 @@ class PatchedGenerate:
         self.llm.shutdown()
 
 
-def _placement(model: Any, engine_kwargs: dict[str, Any]) -> tuple[str, str]:
+def _placement(model: Any, engine_kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """The engine's device and dtype: those given to patch_generate, else the model's now."""
     param = next(model.parameters())
     return (
-        str(engine_kwargs.get("device", param.device)),
-        str(engine_kwargs.get("dtype", str(param.dtype).removeprefix("torch."))),
+        engine_kwargs.get("device", str(param.device)),
+        engine_kwargs.get("dtype", str(param.dtype).removeprefix("torch.")),
     )
 
 
@@ -112,8 +112,8 @@ def _build_engine(model: Any, engine_kwargs: dict[str, Any]) -> Any:
     kwargs = dict(engine_kwargs)
     if kwargs.get("tp", 1) != 1:
         raise ConfigError("patch_generate runs the model's own weights in this process: tp must be 1")
-    param = next(model.parameters())
     kwargs["device"], kwargs["dtype"] = _placement(model, engine_kwargs)
+    param = next(model.parameters())
     if param.device.type == "cuda" and "num_pages" not in kwargs:
         # The model's process goes on using the GPU (training, transformers' own generate): the KV
         # pool takes half of the memory free now, not the serving default.
