@@ -128,6 +128,32 @@ def test_match_len_does_not_refresh_lru_time() -> None:
     assert cache.evict(1).tolist() == [0]
 
 
+def test_a_match_resumed_from_a_hint_refreshes_the_whole_path() -> None:
+    """LRU as if the walk had started at the root: the hint's ancestors are touched too."""
+    cache = RadixCache(1)
+    cache.insert([1, 2], torch.tensor([10, 11]))
+    cache.insert([1, 2, 3], torch.tensor([10, 11, 12]))  # [1, 2] -> [3]
+    _, hint = cache.locate([1, 2, 3])
+    cache.insert([7], torch.tensor([17]))
+    cache.insert([8], torch.tensor([18]))
+    assert cache.match_prefix([1, 2, 3, 4], hint).slots.tolist() == [10, 11, 12]  # after [7] and [8]
+    assert cache.evict(1).tolist() == [17]
+    assert cache.evict(1).tolist() == [18]
+    assert cache.evict(1).tolist() == [12]
+    assert sorted(cache.evict(2).tolist()) == [10, 11]
+
+
+def test_a_stale_hint_is_ignored() -> None:
+    cache = RadixCache(1)
+    cache.insert([1, 2, 3], torch.tensor([10, 11, 12]))
+    _, hint = cache.locate([1, 2, 3])
+    cache.evict(3)
+    assert cache.locate([1, 2, 3], hint)[0] == 0
+    cache.insert([1, 2], torch.tensor([20, 21]))
+    assert cache.match_prefix([1, 2, 3], hint).slots.tolist() == [20, 21]
+    assert cache.locate([5, 2, 3], cache.locate([1, 2])[1]) == (0, None)  # not a prefix of these ids
+
+
 def test_reset_returns_every_page_and_empties_the_tree() -> None:
     cache = RadixCache(page_size=2)
     cache.insert([1, 1, 2, 2], slots_of_pages([4, 5], 2))
@@ -208,6 +234,9 @@ class RadixMachine(RuleBasedStateMachine):
         self.ref = ReferenceCache(ps)
         self.free_pages = list(range(self.total_pages))
         self.held: list[tuple[object, list[tuple[int, ...]]]] = []
+        # (tokens, hint) from earlier locate calls: later walks of those tokens (grown or not) resume there, however
+        # the tree changed since (splits, evictions, resets).
+        self.hints: list[tuple[list[int], object]] = []
         rng = random.Random(ps)
         root = [rng.randrange(4) for _ in range(2 * ps)]
         # Shared heads make prefixes overlap, so splits and partial matches happen often.
@@ -232,14 +261,24 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule(choice=st.data())
     def insert(self, choice: st.DataObject) -> None:
+        self._insert(self.sequence(choice.draw(self.sequences(self.page_size))))
+
+    @precondition(lambda self: self.held)
+    @rule(index=st.integers(0, 1000), extra=st.lists(st.integers(0, 1), max_size=12))
+    def insert_from_locked_handle(self, index: int, extra: list[int]) -> None:
+        """A request caches its grown prompt: the walk resumes at the handle it holds."""
+        handle, keys = self.held[index % len(self.held)]
+        self._insert(list(keys[-1]) + extra, start=handle)
+
+    def _insert(self, tokens: list[int], start: object = None) -> None:
         ps = self.page_size
-        tokens = self.sequence(choice.draw(self.sequences(ps)))
         tokens = tokens[: len(tokens) - len(tokens) % ps]
         npages = len(tokens) // ps
         if npages > len(self.free_pages):
             return
         pages, self.free_pages = self.free_pages[:npages], self.free_pages[npages:]
-        got = self.cache.insert(tokens, slots_of_pages(pages, ps) if pages else torch.empty(0, dtype=torch.int64))
+        slots = slots_of_pages(pages, ps) if pages else torch.empty(0, dtype=torch.int64)
+        got = self.cache.insert_node(tokens, slots, start)[0] if start is not None else self.cache.insert(tokens, slots)
         done = len(self.ref.matched(tokens))
         assert got == done * ps
         self.free_pages += pages[:done]  # the caller keeps (and frees) its duplicates
@@ -252,11 +291,21 @@ class RadixMachine(RuleBasedStateMachine):
         ps = self.page_size
         self._match(self.sequence(choice.draw(self.sequences(ps))), lock)
 
-    def _match(self, tokens: list[int], lock: bool) -> None:
+    @precondition(lambda self: self.hints)
+    @rule(index=st.integers(0, 1000), extra=st.lists(st.integers(0, 1), max_size=12), lock=st.booleans())
+    def match_from_hint(self, index: int, extra: list[int], lock: bool) -> None:
+        tokens, hint = self.hints[index % len(self.hints)]
+        self._match(tokens + extra, lock, start=hint)
+
+    def _match(self, tokens: list[int], lock: bool, start: object = None) -> None:
         ps = self.page_size
         keys = self.ref.matched(tokens)
         assert self.cache.match_len(tokens) == len(keys) * ps
-        handle, slots = self.cache.match_prefix(tokens)
+        length, hint = self.cache.locate(tokens, start)
+        assert length == len(keys) * ps
+        if hint is not None:
+            self.hints.append((tokens, hint))
+        handle, slots = self.cache.match_prefix(tokens, start)
         assert slots.tolist() == [s for k in keys for s in self.ref.entries[k].slots]
         assert (handle is None) == (not keys)
         self.ref.touch(keys)

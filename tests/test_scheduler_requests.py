@@ -49,3 +49,26 @@ def test_usage_of_n_samples_counts_the_prompt_cached_before_the_request(tiny_mod
         assert [c.index for c in chunks if c.done] == [1]  # sample 1 ends last: its prefix hit is the prompt
         usages.append(next(c.usage for c in chunks if c.done))
     assert [(u.prompt_tokens, u.cached_tokens) for u in usages] == [(40, 0), (40, 39)]
+
+
+@pytest.mark.parametrize("bad", [-1, "vocab"])
+def test_a_token_out_of_range_past_a_cached_prefix_is_still_rejected(tiny_model_dir, bad):
+    """add_request scans only the tokens past the prefix the cache holds (those were checked when first seen): a bad
+    token right after a long cached prefix, or in its last page, is an InvalidRequestError that changes nothing."""
+    from minisgl.errors import InvalidRequestError
+
+    llm = LLM(str(tiny_model_dir("llama")), disable_overlap=True, page_size=4)
+    sched = llm.scheduler
+    vocab = sched.model_config.vocab_size
+    bad = vocab if bad == "vocab" else bad
+    prompt = [(7 * i) % 500 + 3 for i in range(40)]
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert sched.cache.match_len(prompt) == 40
+    for ids in (prompt + [bad], prompt + [bad, 5, 6], prompt[:37] + [bad], [bad] + prompt):
+        with pytest.raises(InvalidRequestError, match="token ids must be in"):
+            sched.add_request("bad", ids, SamplingParams(temperature=0, max_tokens=2))
+        assert not sched.has_work
+    sched.add_request("ok", prompt + [vocab - 1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while sched.has_work:
+        sched.step()
+    llm.check_integrity()

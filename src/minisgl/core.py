@@ -302,6 +302,7 @@ class Req:
     matched_len: int = 0  # leading tokens whose pages the prefix cache owns (page aligned)
     prefix_hit_len: int = 0  # prompt tokens served from the prefix cache (first admission)
     cache_handle: Any = None  # the prefix cache node this request locks
+    prefix_hint: Any = None  # where the last walk of its prompt in the prefix cache ended, to resume there
     # Output state.
     output_ids: list[int] = field(default_factory=list)
     tokens_in_flight: int = 0  # sampled on the device, not yet read on the host (overlap scheduling)

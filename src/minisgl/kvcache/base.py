@@ -22,12 +22,20 @@ class PrefixCache(ABC):
     page_size: int
 
     @abstractmethod
-    def match_prefix(self, token_ids: list[int]) -> MatchResult:
-        """Longest cached prefix of token_ids, page-aligned. Refreshes LRU time; does not lock."""
+    def match_prefix(self, token_ids: list[int], start: Any = None) -> MatchResult:
+        """Longest cached prefix of token_ids, page-aligned. Refreshes LRU time; does not lock.
+
+        start: a handle or hint an earlier call returned for these ids (or a prefix of them); the cache may
+        resume there, and ignores it when it no longer applies. The result is the same either way.
+        """
 
     def match_len(self, token_ids: list[int]) -> int:
         """Length of the cached prefix of token_ids, without touching LRU time or locks."""
-        return len(self.match_prefix(token_ids).slots)
+        return self.locate(token_ids)[0]
+
+    def locate(self, token_ids: list[int], start: Any = None) -> tuple[int, Any]:
+        """match_len, and a hint for the next call's `start` with these ids (None: none)."""
+        return len(self.match_prefix(token_ids, start).slots), None
 
     @abstractmethod
     def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
@@ -37,8 +45,9 @@ class PrefixCache(ABC):
         free) those slots of its own. The cache adopts the slots after that point.
         """
 
-    def insert_node(self, token_ids: list[int], slots: torch.Tensor) -> tuple[int, Any]:
-        """insert(), and the handle of the node that now ends at len(token_ids) (None when nothing is kept)."""
+    def insert_node(self, token_ids: list[int], slots: torch.Tensor, start: Any = None) -> tuple[int, Any]:
+        """insert(), and the handle of the node that now ends at len(token_ids) (None when nothing is kept).
+        start: as for match_prefix (the inserting request's handle)."""
         cached = self.insert(token_ids, slots)
         return cached, self.match_prefix(token_ids).handle
 

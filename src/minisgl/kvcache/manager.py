@@ -38,6 +38,7 @@ class CacheManager:
         self.device = torch.device(device)
         self._free_pages = torch.arange(num_pages, dtype=torch.int64, device=self.device)
         self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
+        self._next_offsets = self._page_offsets + 1  # slot after `last`, and on: one kernel per partial page
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
 
     # ------------------------------------------------------------------ sizes
@@ -65,13 +66,18 @@ class CacheManager:
         """How many leading tokens of token_ids are cached; locks nothing, allocates nothing."""
         return self.prefix_cache.match_len(token_ids)
 
+    def locate(self, token_ids: Sequence[int], start: Any = None) -> tuple[int, Any]:
+        """match_len, and a hint that makes the next locate / match_and_lock of these ids resume where this one
+        ended (a waiting request keeps it between steps)."""
+        return self.prefix_cache.locate(token_ids, start)
+
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         """Cached prefix of token_ids; lock(handle) before anything else can evict (any allocation)."""
         return self.prefix_cache.match_prefix(token_ids)
 
-    def match_and_lock(self, token_ids: Sequence[int]) -> MatchResult:
-        """Cached prefix of token_ids, locked at once: unlock(handle) gives it back."""
-        handle, slots = self.prefix_cache.match_prefix(token_ids)
+    def match_and_lock(self, token_ids: Sequence[int], start: Any = None) -> MatchResult:
+        """Cached prefix of token_ids, locked at once: unlock(handle) gives it back. start: a hint from locate."""
+        handle, slots = self.prefix_cache.match_prefix(token_ids, start)
         self.prefix_cache.lock(handle)
         return MatchResult(handle, slots)
 
@@ -116,12 +122,12 @@ class CacheManager:
         parts: list[torch.Tensor] = []
         if old_len < have_end:
             last = page_table_row[old_len - 1 : old_len]  # a tensor, not .item(): no device sync
-            parts.append(last + 1 + self._page_offsets[: min(new_len, have_end) - old_len])
+            parts.append(last + self._next_offsets[: min(new_len, have_end) - old_len])
         if num_new > 0:
             pages = self.allocate_pages(num_new)
             if pages is None:
                 return None
-            slots = (pages.unsqueeze(1) * ps + self._page_offsets).flatten()
+            slots = torch.add(self._page_offsets, pages.unsqueeze(1), alpha=ps).flatten()  # one kernel
             parts.append(slots[: new_len - have_end])
         slots = parts[0] if len(parts) == 1 else torch.cat(parts)
         page_table_row[old_len:new_len] = slots
@@ -147,7 +153,7 @@ class CacheManager:
         alloc_len = length if alloc_len is None else alloc_len
         assert num_matched % ps == 0 and num_matched <= length <= alloc_len, (num_matched, length, alloc_len)
         aligned = length - length % ps
-        cached, _ = self._insert(token_ids, page_table_row, aligned, num_matched)
+        cached, _ = self._insert(token_ids, page_table_row, aligned, num_matched, handle)
         # Own slots the cache did not adopt: the duplicate head and everything after `aligned`.
         self.free(torch.cat([page_table_row[num_matched:cached:ps], page_table_row[aligned:alloc_len:ps]]) // ps)
         self.prefix_cache.unlock(handle)
@@ -165,7 +171,7 @@ class CacheManager:
         aligned = length - length % ps
         if aligned <= num_matched:
             return handle, num_matched
-        cached, handle_new = self._insert(token_ids, page_table_row, aligned, num_matched)
+        cached, handle_new = self._insert(token_ids, page_table_row, aligned, num_matched, handle)
         owned = aligned if handle_new is not None else 0  # the naive cache keeps nothing
         duplicate_end = min(cached, owned)
         if duplicate_end > num_matched:
@@ -180,13 +186,14 @@ class CacheManager:
         return handle_new, max(owned, num_matched)
 
     def _insert(
-        self, token_ids: Sequence[int], page_table_row: torch.Tensor, aligned: int, num_matched: int
+        self, token_ids: Sequence[int], page_table_row: torch.Tensor, aligned: int, num_matched: int, handle: Any
     ) -> tuple[int, Any]:
         """Offer the first `aligned` positions to the cache; returns where the request's own adopted part starts
-        and the handle of the cached node that ends at `aligned` (None if the cache keeps nothing)."""
+        and the handle of the cached node that ends at `aligned` (None if the cache keeps nothing). The walk
+        resumes at the request's locked handle: only the tokens past it are compared."""
         if aligned == 0:
             return 0, None
-        cached, handle = self.prefix_cache.insert_node(token_ids[:aligned], page_table_row[:aligned])
+        cached, handle = self.prefix_cache.insert_node(token_ids[:aligned], page_table_row[:aligned], handle)
         # The locked matched prefix is always still cached, so cached >= num_matched.
         assert cached >= num_matched, f"prefix cache lost a locked prefix: {cached} < {num_matched}"
         return cached, handle

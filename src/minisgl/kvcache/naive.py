@@ -15,11 +15,11 @@ class NaiveCache(PrefixCache):
         self.device = torch.device(device)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+    def match_prefix(self, token_ids: Sequence[int], start: Any = None) -> MatchResult:
         return MatchResult(None, self._empty)
 
-    def match_len(self, token_ids: Sequence[int]) -> int:
-        return 0
+    def locate(self, token_ids: Sequence[int], start: Any = None) -> tuple[int, Any]:
+        return 0, None
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
         # "All of it was already cached": the caller keeps, and so frees, every slot it offered.

@@ -5,6 +5,12 @@ Children are keyed by the first page of their edge (the first token when page_si
 walk costs O(len(token_ids)) with list compares done a page (or a run of pages) at a time.
 Eviction is LRU over unlocked leaves: a lazy heap of (last_access, seq, node) entries, checked
 against the node when popped, so touching a node never has to search the heap.
+
+A walk can resume from a node an earlier walk of the same ids reached (`start`: a request's locked
+handle, or the hint `locate` returned): nodes never move (a split keeps a node's end, eviction
+detaches a leaf), so the node's end is found by following parents, and only the tokens past it are
+compared. A waiting request ranked at every step, and a request caching its prompt, no longer
+compare their whole prompt again and again (agent turns: tens of nodes deep).
 """
 
 from __future__ import annotations
@@ -73,9 +79,9 @@ class RadixCache(PrefixCache):
 
     # ------------------------------------------------------------------ queries
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+    def match_prefix(self, token_ids: Sequence[int], start: Any = None) -> MatchResult:
         ids = _as_list(token_ids)
-        node, _, values = self._walk(ids, split=True, tick=self._tick())
+        node, _, _, values = self._walk(ids, split=True, tick=self._tick(), start=start)
         self._touched(node)
         if node is self.root:
             return MatchResult(None, self._empty)
@@ -83,8 +89,12 @@ class RadixCache(PrefixCache):
 
     def match_len(self, token_ids: Sequence[int]) -> int:
         """Page-aligned cached length of token_ids; leaves the tree and LRU times untouched."""
-        _, length, _ = self._walk(_as_list(token_ids), split=False, tick=None)
-        return length
+        return self.locate(token_ids)[0]
+
+    def locate(self, token_ids: Sequence[int], start: Any = None) -> tuple[int, Any]:
+        """match_len, and the deepest whole node matched: the `start` of the next walk of these ids."""
+        node, _, length, _ = self._walk(_as_list(token_ids), split=False, tick=None, start=start)
+        return length, (node if node is not self.root else None)
 
     @property
     def evictable_pages(self) -> int:
@@ -99,7 +109,7 @@ class RadixCache(PrefixCache):
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
         return self.insert_node(token_ids, slots)[0]
 
-    def insert_node(self, token_ids: Sequence[int], slots: torch.Tensor) -> tuple[int, Any]:
+    def insert_node(self, token_ids: Sequence[int], slots: torch.Tensor, start: Any = None) -> tuple[int, Any]:
         ids = _as_list(token_ids)
         n = len(ids)
         if n % self.page_size:
@@ -107,7 +117,7 @@ class RadixCache(PrefixCache):
         if len(slots) < n:
             raise ValueError(f"insert got {len(slots)} slots for {n} tokens")
         tick = self._tick()
-        node, cached, _ = self._walk(ids, split=True, tick=tick)
+        node, _, cached, _ = self._walk(ids, split=True, tick=tick, start=start)
         if cached < n:
             # Clone: the caller's slots are usually a view of a page-table row that gets reused.
             value = slots[cached:n].to(device=self.device, dtype=torch.int64, copy=True)
@@ -183,30 +193,58 @@ class RadixCache(PrefixCache):
     def _edge(self, ids: list[int], pos: int) -> Any:
         return ids[pos] if self.page_size == 1 else tuple(ids[pos : pos + self.page_size])
 
-    def _walk(self, ids: list[int], split: bool, tick: int | None) -> tuple[RadixNode, int, list[torch.Tensor]]:
-        """Follow ids down the tree; returns the deepest matched node, the matched length, the slots per node.
+    def _walk(
+        self, ids: list[int], split: bool, tick: int | None, start: Any = None
+    ) -> tuple[RadixNode, int, int, list[torch.Tensor]]:
+        """Follow ids down the tree (from `start` when it is still on their path); returns the deepest whole node
+        matched, its end, the matched length and, with split, the slots of every node down to it.
 
         With split, a match that ends inside an edge splits it there, so the result is a node boundary.
         """
         n = len(ids) - len(ids) % self.page_size
-        node, pos = self.root, 0
-        values: list[torch.Tensor] = []
+        node, pos, values = self._resume(start, ids, n, tick, split) if start is not None else (self.root, 0, [])
+        end = pos
+        ps = self.page_size
         while pos < n:
-            child = node.children.get(self._edge(ids, pos))
+            child = node.children.get(ids[pos] if ps == 1 else tuple(ids[pos : pos + ps]))
             if child is None:
                 break
-            common = _common_len(child.key, ids, pos, self.page_size)
-            if common < len(child.key):
+            key = child.key
+            # The usual case first, one slice compared: the whole edge matches.
+            common = len(key) if pos + len(key) <= n and ids[pos : pos + len(key)] == key else _common_len(key, ids, pos, ps)
+            if common < len(key):
                 if not split:
                     pos += common
                     break
                 child = self._split(child, common)
             node = child
             pos += common
-            values.append(node.value)
+            end = pos
+            if split:
+                values.append(node.value)
             if tick is not None:
                 node.last_access = tick
-        return node, pos, values
+        return node, end, pos, values
+
+    def _resume(
+        self, start: RadixNode, ids: list[int], n: int, tick: int | None, values: bool
+    ) -> tuple[RadixNode, int, list[torch.Tensor]]:
+        """(start, its end, the slots down to it) when start is in this tree and ends with ids' tokens there; else
+        the root. Following parents costs no token compares; the nodes on the way are touched as a walk would."""
+        path: list[RadixNode] = []
+        node: RadixNode | None = start
+        end = 0
+        while node is not None and node is not self.root:
+            path.append(node)
+            end += len(node.key)
+            node = node.parent
+        # Detached (evicted, or a tree before reset) or not these ids' prefix: walk from the root.
+        if node is not self.root or end > n or ids[end - len(start.key) : end] != start.key:
+            return self.root, 0, []
+        if tick is not None:
+            for p in path:
+                p.last_access = tick
+        return start, end, [p.value for p in reversed(path)] if values else []
 
     def _split(self, node: RadixNode, at: int) -> RadixNode:
         """Cut node's edge at `at` (page aligned); returns the new upper node, node keeps the rest."""

@@ -36,8 +36,11 @@ class ReqKV:
             return False
         # The last token is always computed: its logits give the next token. A request that wants its prompt's
         # logprobs computes the whole prompt (cached tokens have no logits).
-        handle, slots = self.cache.match_and_lock([] if req.wants_prompt_logprobs else req.input_ids[: req.seq_len - 1])
+        handle, slots = self.cache.match_and_lock(
+            [] if req.wants_prompt_logprobs else req.input_ids[: req.seq_len - 1], req.prefix_hint
+        )
         matched = len(slots)
+        req.prefix_hint = handle if handle is not None else req.prefix_hint
         self.page_table[row, :matched] = slots
         req.table_idx, req.cache_handle, req.cached_len, req.matched_len = row, handle, matched, matched
         if req.num_output == 0 and req not in self._rolled_back:

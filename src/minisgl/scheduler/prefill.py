@@ -75,8 +75,10 @@ class PrefillManager:
 
     def schedule(self, running: list[Req]) -> Batch | None:
         """The next prefill batch next to `running` (the decoding requests), or None."""
-        # Only while something runs: its pages come back, so protection cannot stall the queue.
-        protected = self._lock_waiting_prefixes() if running and self.config.cache == "radix" else []
+        # Only while something runs: its pages come back, so protection cannot stall the queue. Only when this
+        # admission may evict: each admitted request allocates at most its extend's pages plus one partial page.
+        may_evict = self.cache.free_pages < self.config.max_prefill_tokens // self.page_size + len(self.waiting) + 2
+        protected = self._lock_waiting_prefixes() if running and may_evict and self.config.cache == "radix" else []
         try:
             batch = self._admit_batch(len(running))
         finally:
@@ -105,17 +107,21 @@ class PrefillManager:
         """The waiting requests in admission order, each with its cached prefix length when ranking computed it."""
         if self.config.schedule_policy != "lpm" or self.config.cache != "radix" or len(self.waiting) > LPM_MAX_WAITING:
             return [(r, None) for r in self.waiting]
-        match_len = self.cache.match_len
         starved = [(r, None) for r in self.waiting if r.skipped >= STARVATION_LIMIT]
-        rest = [(r, match_len(r.input_ids[: r.seq_len - 1])) for r in self.waiting if r.skipped < STARVATION_LIMIT]
+        rest = [(r, self._cached_len(r)) for r in self.waiting if r.skipped < STARVATION_LIMIT]
         rest.sort(key=lambda pair: -pair[1])  # stable: ties keep arrival order
         return starved + rest
+
+    def _cached_len(self, req: Req) -> int:
+        """req's cached prefix now; the walk resumes where its last one ended (req.prefix_hint)."""
+        length, req.prefix_hint = self.cache.locate(req.input_ids[: req.seq_len - 1], req.prefix_hint)
+        return length
 
     def _lock_waiting_prefixes(self) -> list[Any]:
         handles = []
         for req in list(self.waiting)[:PROTECT_WAITING]:
             if req.table_idx < 0:
-                handle, _ = self.cache.match_and_lock(req.input_ids[: req.seq_len - 1])
+                handle, _ = self.cache.match_and_lock(req.input_ids[: req.seq_len - 1], req.prefix_hint)
                 if handle is not None:
                     handles.append(handle)
         return handles
@@ -144,7 +150,7 @@ class PrefillManager:
             fresh = req.table_idx < 0
             if fresh and share and not req.wants_prompt_logprobs:
                 if cached is None:
-                    cached = self.cache.match_len(req.input_ids[: req.seq_len - 1])
+                    cached = self._cached_len(req)
                 if batch_prompts.extends(req.input_ids, cached):
                     continue
             if fresh and not self.kv.admit(req):

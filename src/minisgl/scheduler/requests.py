@@ -13,12 +13,18 @@ from minisgl.tokenizer import IncrementalDetokenizer
 
 
 def check_request(
-    input_ids: list[int], params: SamplingParams, *, vocab_size: int, max_seq_len: int, page_size: int, num_pages: int
+    input_ids: list[int], params: SamplingParams, *, vocab_size: int, max_seq_len: int, page_size: int, num_pages: int,
+    known_valid: int = 0,
 ) -> None:
-    """Raise a typed error for a request that can never be served (grammar aside); changes nothing."""
+    """Raise a typed error for a request that can never be served (grammar aside); changes nothing.
+
+    known_valid: how many leading tokens are known to be in range (the prefix cache holds them: they were checked
+    when first seen); only the rest is scanned, which on a long shared prompt is most of this check's time.
+    """
     if not input_ids:
         raise InvalidRequestError("empty prompt: give at least one token")
-    if min(input_ids) < 0 or max(input_ids) >= vocab_size:
+    rest = input_ids[known_valid:] if known_valid else input_ids
+    if rest and (min(rest) < 0 or max(rest) >= vocab_size):
         raise InvalidRequestError(f"token ids must be in [0, {vocab_size}) for this model")
     if params.logit_bias and max(params.logit_bias) >= vocab_size:
         raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size}) for this model")

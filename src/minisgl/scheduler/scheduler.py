@@ -83,11 +83,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self.pending_outputs or self._inflight)
 
-    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, input_ids: list[int], params: SamplingParams, known_valid: int = 0) -> None:
         """Raise a typed error for a request that can never be served; changes nothing."""
         check_request(
             input_ids, params, vocab_size=self.model_config.vocab_size, max_seq_len=self.max_seq_len,
-            page_size=self.page_size, num_pages=self.cache.num_pages,
+            page_size=self.page_size, num_pages=self.cache.num_pages, known_valid=known_valid,
         )
         if params.has_grammar:
             self.grammars.backend().validate(params)
@@ -102,7 +102,9 @@ class Scheduler:
         if embed:
             params = SamplingParams.for_embedding()
         params = params.for_prompt(len(input_ids), self.max_seq_len)
-        self.validate(input_ids, params)
+        # The cached prefix's tokens were checked when first seen; the walk's end is where admission's resumes.
+        cached, hint = self.cache.locate(input_ids)
+        self.validate(input_ids, params, known_valid=cached)
         if any(key[0] == rid for key in self.reqs):  # any sample of it: with n > 1 some may have ended already
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         received = plugins.get_plugin_manager().hook.minisgl_request_received if self._hook_received else None
@@ -111,6 +113,7 @@ class Scheduler:
             (lambda req: received(req=req)) if received is not None else None, embed,
         )
         for req in new:
+            req.prefix_hint = hint
             init_req_state(req, self.device, self.tokenizer, self.grammars.backend)
             self.reqs[(rid, req.index)] = req
             self.waiting.append(req)
