@@ -31,7 +31,7 @@ from minisgl.scheduler.tp import make_scheduler
 
 
 CURRENT: dict[str, float] = defaultdict(float)
-SCHEDULE_CALLS = ("schedule", "_lock_waiting_prefixes", "_ordered_waiting", "admit", "reserve", "make_batch", "cache_prefix",
+SCHEDULE_CALLS = ("gc", "extends", "add", "schedule", "_lock_waiting_prefixes", "_ordered_waiting", "admit", "reserve", "make_batch", "cache_prefix",
                   "prepare", "forward")  # the step being launched: host seconds per wrapped call
 
 
@@ -118,6 +118,10 @@ def main() -> None:
     wrap(sched.prefill, "_lock_waiting_prefixes", totals)
     wrap(sched.kv, "admit", totals)
     wrap(sched.kv, "reserve", totals)
+    from minisgl.scheduler.prefill import BatchPrefixes
+
+    wrap(BatchPrefixes, "extends", totals)
+    wrap(BatchPrefixes, "add", totals)
     prof = cProfile.Profile()
     if args.cprofile_prefill:
         forward_and_sample = sched.engine.forward_and_sample
@@ -219,6 +223,7 @@ def main() -> None:
             gc_start[0] = time.perf_counter()
         else:
             gc_pauses.append((gc_start[0], time.perf_counter(), info["generation"]))
+            CURRENT["gc"] += time.perf_counter() - gc_start[0]
             if in_schedule[0]:
                 gc_in_schedule.append(time.perf_counter() - gc_start[0])
 
