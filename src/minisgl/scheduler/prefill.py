@@ -56,10 +56,19 @@ class BatchPrefixes:
         need = cached + self.width
         if need > len(ids) - 1:
             return False
-        for other in self._by_key.get((cached, tuple(ids[cached:need])), ()):
-            if other[:cached] == ids[:cached]:
-                return True
-        return False
+        return any(_same_prefix(other, ids, cached) for other in self._by_key.get((cached, tuple(ids[cached:need])), ()))
+
+
+def _same_prefix(a: list[int], b: list[int], n: int) -> bool:
+    """a[:n] == b[:n], compared from the end in growing slices: prompts of one burst that share a window (agents whose
+    replies end alike) differ a few hundred tokens back, not at the shared system prompt, so a miss costs little."""
+    hi, step = n, 64
+    while hi > 0:
+        lo = max(0, hi - step)
+        if a[lo:hi] != b[lo:hi]:
+            return False
+        hi, step = lo, step * 4
+    return True
 
 
 class PrefillManager:
