@@ -62,6 +62,7 @@ class Stats:
     cached_tokens: int = 0
     max_cacheable: int = 0
     ttft: list[float] = field(default_factory=list)
+    ttft_turn: list[int] = field(default_factory=list)  # the turn of each ttft entry
     seconds: float = 0.0
     output_tokens: int = 0
 
@@ -77,6 +78,10 @@ class Stats:
             "hit_ratio_of_max": round(self.cached_tokens / max(1, self.max_cacheable), 4),
             "ttft_p50_ms": round(float(np.percentile(ttft, 50)), 1),
             "ttft_p99_ms": round(float(np.percentile(ttft, 99)), 1),
+            "ttft_p50_ms_by_turn": [
+                round(float(np.percentile([t for t, k in zip(self.ttft, self.ttft_turn) if k == turn], 50)) * 1000, 1)
+                for turn in sorted(set(self.ttft_turn))
+            ],
             "seconds": round(self.seconds, 2),
             "output_tokens": self.output_tokens,
         }
@@ -120,6 +125,7 @@ def run_workload(sched: Any, work: Workload) -> Stats:
             if rid not in first_seen and out.new_token_ids:
                 first_seen.add(rid)
                 stats.ttft.append(time.perf_counter() - sent_at[rid])
+                stats.ttft_turn.append(int(rid.rsplit("-turn", 1)[1]))
             outputs.setdefault(rid, []).extend(out.new_token_ids)
             if not out.finished:
                 continue
