@@ -49,7 +49,7 @@ def _common_len(key: list[int], ids: list[int], start: int, page_size: int) -> i
     """Length of the longest page-aligned common prefix of key and ids[start:]."""
     n = min(len(key), len(ids) - start)
     n -= n % page_size
-    if key[:n] == ids[start : start + n]:
+    if (key if n == len(key) else key[:n]) == ids[start : start + n]:  # the usual case: the whole edge, one slice
         return n
     lo, step = 0, page_size * _COARSE_PAGES
     while lo + step <= n and key[lo : lo + step] == ids[start + lo : start + lo + step]:
@@ -204,15 +204,12 @@ class RadixCache(PrefixCache):
         n = len(ids) - len(ids) % self.page_size
         node, pos, values = self._resume(start, ids, n, tick, split) if start is not None else (self.root, 0, [])
         end = pos
-        ps = self.page_size
         while pos < n:
-            child = node.children.get(ids[pos] if ps == 1 else tuple(ids[pos : pos + ps]))
+            child = node.children.get(self._edge(ids, pos))
             if child is None:
                 break
-            key = child.key
-            # The usual case first, one slice compared: the whole edge matches.
-            common = len(key) if pos + len(key) <= n and ids[pos : pos + len(key)] == key else _common_len(key, ids, pos, ps)
-            if common < len(key):
+            common = _common_len(child.key, ids, pos, self.page_size)
+            if common < len(child.key):
                 if not split:
                     pos += common
                     break
