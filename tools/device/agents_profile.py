@@ -27,6 +27,7 @@ import torch
 
 from minisgl.bench.agents import Workload, run_workload
 from minisgl.config import EngineConfig
+from minisgl.scheduler import collector
 from minisgl.scheduler.tp import make_scheduler
 
 
@@ -76,6 +77,8 @@ def main() -> None:
                    help="queue a 30 ms GPU sleep before each prefill: a call whose host time includes it waits for the GPU")
     p.add_argument("--kernels", action="store_true",
                    help="torch.profiler over each prefill forward (synchronized after it): GPU kernels by total time")
+    p.add_argument("--auto-gc", action="store_true",
+                   help="leave Python's collector automatic (the bench and the daemon run it at the scheduler's safe point)")
     p.add_argument("--timeline", type=int, nargs="*", default=None,
                    help="print every step from the first submit of these turns (default 2) to their last first token")
     args = p.parse_args()
@@ -272,7 +275,10 @@ def main() -> None:
         torch.cuda.set_sync_debug_mode("warn")
     if args.cprofile:
         prof.enable()
+    if not args.auto_gc:
+        collector.take_over()  # as `minisgl bench agents` and the daemon's scheduler process do
     stats = run_workload(sched, work)
+    collector.release()
     prof.disable()
     gc.callbacks.remove(on_gc)
     print(f"gc: {len(gc_pauses)} collections, {1000 * sum(b - a for a, b, _ in gc_pauses):.1f} ms in all; by generation "

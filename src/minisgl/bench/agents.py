@@ -160,6 +160,7 @@ def max_shared_prefix(prompt: list[int], earlier: list[list[int]]) -> int:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from minisgl.config import EngineConfig
+    from minisgl.scheduler import collector
     from minisgl.scheduler.tp import make_scheduler
 
     results: dict[str, Any] = {"model": args.model, "agents": args.agents, "turns": args.turns,
@@ -178,7 +179,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         work = Workload.make(vocab, args.agents, args.turns, args.system_len, args.tool_len, args.output_len, args.seed)
         warm = Workload.make(vocab, 1, 1, 16, 4, 2, args.seed + 1)
         run_workload(sched, warm)
-        stats = run_workload(sched, work)
+        collector.take_over()  # as the daemon's scheduler process does once it is ready
+        try:
+            stats = run_workload(sched, work)
+        finally:
+            collector.release()
         sched.check_integrity()
         results[cache] = stats.summary()
         print(f"[{cache}] " + json.dumps(results[cache]))

@@ -325,18 +325,6 @@ class Engine:
         return dict(zip(rows, vectors))
 
 
-def freeze_startup_heap() -> None:
-    """In a process that hosts one engine for the rest of its life (the daemon's scheduler, a TP rank): collect, then
-    move every object alive now (the engine, torch, transformers: ~466k on the H100 machine) out of the garbage
-    collector's reach, as vLLM's engine core does after start-up. A full collection walked them all, ~0.25-0.31 s
-    with the GPU's feed stopped; after the freeze the same collections took 20-44 ms (tools/device/gc_probe.py,
-    docs/benchmarks.md session 12). Objects made later are collected as before."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-
-
 def _min_over_ranks(n: int, device: torch.device) -> int:
     """The smallest n over the TP ranks: every rank must schedule on the same pool size (free memory differs a little)."""
     from minisgl.distributed import get_tp_info

@@ -33,6 +33,7 @@ from minisgl.runtime.protocol import (
     error_reply,
 )
 from minisgl.runtime.transport import Endpoints, ParentWatch, pull, push, recv_ready, worker_setup
+from minisgl.scheduler import collector
 
 if TYPE_CHECKING:
     from minisgl.scheduler.scheduler import Scheduler
@@ -86,9 +87,7 @@ def run_scheduler(config: EngineConfig, endpoints: Endpoints, log_level: int) ->
     detokenizer.send(encode(WorkerInit(info, tokenizer)))
     frontend.send(encode(SchedulerReady(info, tokenizer, sched.stats())))
     logger.info("scheduler ready in %.1fs", time.perf_counter() - t0)
-    from minisgl.engine.engine import freeze_startup_heap
-
-    freeze_startup_heap()
+    collector.take_over()
     exit_code = 0
     try:
         SchedulerLoop(sched, inbox, detokenizer, frontend).run()
@@ -132,6 +131,7 @@ class SchedulerLoop:
                 return
             else:
                 self.sched.check_alive()  # a TP rank that died while idle stops the daemon now, not at the next request
+                collector.collect_due()
 
     def _apply(self, msg: Any) -> None:
         if isinstance(msg, AddRequest):

@@ -20,6 +20,7 @@ from minisgl.config import EngineConfig
 from minisgl.core import Batch, Req, SamplingParams, TokenOutput
 from minisgl.distributed import get_tp_info
 from minisgl.errors import EngineError, InvalidRequestError
+from minisgl.scheduler.collector import collect_due
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.kv import ReqKV
 from minisgl.scheduler.prefill import PrefillManager
@@ -52,6 +53,7 @@ class Scheduler:
         self.prefill = PrefillManager(config, self.kv)
         self.decode = DecodeManager(self.kv, self.prefill.waiting, self.max_seq_len)
         self.reqs: dict[tuple[str, int], Req] = {}
+        self._live: dict[str, int] = {}  # rid -> its sequences in self.reqs (with n > 1 some may have ended already)
         self.pending_outputs: list[TokenOutput] = []
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.num_steps = 0
@@ -105,7 +107,7 @@ class Scheduler:
         # The cached prefix's tokens were checked when first seen; the walk's end is where admission's resumes.
         cached, hint = self.cache.locate(input_ids)
         self.validate(input_ids, params, known_valid=cached)
-        if any(key[0] == rid for key in self.reqs):  # any sample of it: with n > 1 some may have ended already
+        if rid in self._live:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         received = plugins.get_plugin_manager().hook.minisgl_request_received if self._hook_received else None
         new = new_reqs(
@@ -116,6 +118,7 @@ class Scheduler:
             req.prefix_hint = hint
             init_req_state(req, self.device, self.tokenizer, self.grammars.backend)
             self.reqs[(rid, req.index)] = req
+            self._live[rid] = self._live.get(rid, 0) + 1
             self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
@@ -147,6 +150,7 @@ class Scheduler:
                 launched = self._launch(batch)
             except Exception as e:  # noqa: BLE001 - the batch fails, the engine keeps serving
                 self._fail(batch.reqs, e, batch.extend_lens)
+        collect_due()  # the GPU has a forward to compute: the host's time is free until its tokens are needed
         if self.overlap:
             previous, self._inflight = self._inflight, launched
             if previous is not None:
@@ -259,7 +263,10 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self.kv.release(req)
-        self.reqs.pop((req.rid, req.index), None)
+        if self.reqs.pop((req.rid, req.index), None) is not None:
+            self._live[req.rid] -= 1
+            if not self._live[req.rid]:
+                del self._live[req.rid]
         if self._hook_finished:
             try:
                 plugins.get_plugin_manager().hook.minisgl_request_finished(req=req)

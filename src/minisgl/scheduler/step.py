@@ -50,29 +50,52 @@ def read_tokens(step: LaunchedStep) -> list[int] | None:
     return step.tokens.tolist()
 
 
+# Warm-up prompts span this many pages and one more each: CUDA loads a kernel when it first runs (lazy module
+# loading, PyTorch's default), and some kernels have a variant for small inputs (index_select over at most 16
+# indices); a warm-up of 1-token prompts left the first real prefill over more pages to load the others, 15-35 ms of
+# host time with the GPU idle on the H100 machine (docs/benchmarks.md, session 21).
+WARMUP_PAGES = 16
+
+
 @torch.inference_mode()
 def warmup(config: EngineConfig, engine: Any, kv: ReqKV, eos_token_ids: frozenset[int]) -> None:
-    """One prefill and one decode of a 1-token prompt, outside the books, before anything is served.
+    """A prefill of two prompts in one batch, then a decode step of both, outside the books, before anything is served.
 
-    A dtype or kernel this machine cannot run then fails the start-up with a clear error
-    instead of the first request. Nothing is cached; every page and row is given back.
+    A dtype or kernel this machine cannot run then fails the start-up with a clear error instead of the first
+    request. The prompts are shorter where the pool, the prefill budget or the context window is small (down to one
+    1-token prompt). Nothing is cached; every page and row is given back.
     """
+    ps = kv.page_size
+    length = WARMUP_PAGES * ps + 1
+    # Each prompt and its one decoded token in at most half the pool; both prompts in one prefill batch.
+    length = min(length, (kv.cache.available_pages // 2) * ps - 1, config.max_prefill_tokens // 2, engine.max_seq_len - 1)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    req = Req(rid="warmup", input_ids=[0], sampling_params=params, prompt_len=1, eos_token_ids=eos_token_ids)
-    if not kv.admit(req):
-        return
-    assert req.matched_len == 0, "the prefix cache is empty at start-up"
-    reserved = 0
+    reqs: list[Req] = []
+    reserved: list[int] = []  # positions with slots past cached_len, per request
     try:
+        for n in [length, length] if length >= 1 else [1]:
+            req = Req(rid="warmup", input_ids=[0] * n, sampling_params=params, prompt_len=n, eos_token_ids=eos_token_ids)
+            if not kv.admit(req):
+                break
+            assert req.matched_len == 0, "the prefix cache is empty at start-up"
+            reqs.append(req)
+            reserved.append(0)
         for phase in (Phase.PREFILL, Phase.DECODE):
-            if not kv.reserve(req, 1):
-                break  # a pool too small for two tokens still serves one-token requests
-            reserved = 1
-            next_ids, *_ = engine.forward_and_sample(kv.make_batch(phase, [(req, 1)]), [req])
+            chosen = []
+            for i, req in enumerate(reqs):
+                extend = req.seq_len - req.cached_len
+                if not kv.reserve(req, extend):
+                    break  # a pool too small for two tokens still serves one-token requests
+                reserved[i] = extend
+                chosen.append((req, extend))
+            if not reqs or len(chosen) < len(reqs):
+                break
+            next_ids, *_ = engine.forward_and_sample(kv.make_batch(phase, chosen), reqs)
             assert next_ids is not None
-            kv.last_tokens[req.table_idx] = next_ids[0]
-            req.cached_len, reserved = req.cached_len + 1, 0
-            req.input_ids.append(int(next_ids[0]))
+            for i, req in enumerate(reqs):
+                kv.last_tokens[req.table_idx] = next_ids[i]
+                req.cached_len, reserved[i] = req.seq_len, 0
+                req.input_ids.append(int(next_ids[i]))
     except Exception as e:
         what = f"{config.model} in {str(engine.dtype).removeprefix('torch.')} on {engine.device}"
         raise EngineError(
@@ -80,6 +103,7 @@ def warmup(config: EngineConfig, engine: Any, kv: ReqKV, eos_token_ids: frozense
             "Pick another --dtype (float32 runs on every CPU) or --device"
         ) from e
     finally:
-        row = kv.page_table[req.table_idx]
-        kv.cache.release(req.input_ids, row, 0, 0, req.cache_handle, alloc_len=req.cached_len + reserved)
-        kv.table.free(req.table_idx)
+        for req, extra in zip(reqs, reserved):
+            row = kv.page_table[req.table_idx]
+            kv.cache.release(req.input_ids, row, 0, 0, req.cache_handle, alloc_len=req.cached_len + extra)
+            kv.table.free(req.table_idx)

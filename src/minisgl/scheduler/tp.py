@@ -162,7 +162,7 @@ def _next_ops(store: Any, key: str) -> list[Any]:
 
 def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
     """Ranks > 0: mirror rank 0's scheduler step by step until told to exit; returns an exit code."""
-    from minisgl.engine.engine import freeze_startup_heap
+    from minisgl.scheduler import collector
     from minisgl.scheduler.scheduler import Scheduler
 
     logging.basicConfig(level=logging.WARNING, format=f"[minisgl tp{rank}] %(levelname)s %(message)s")
@@ -173,7 +173,7 @@ def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
     try:
         init_distributed(config, rank, store)
         sched = Scheduler(config)
-        freeze_startup_heap()
+        collector.take_over()
         while True:
             t0 = time.perf_counter()
             ops = _next_ops(store, key)
