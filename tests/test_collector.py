@@ -59,6 +59,14 @@ def test_no_collection_runs_until_collect_due_then_the_generations_follow_cpytho
     assert generations == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
 
 
+def test_a_deferred_collection_waits_until_the_young_generation_is_ten_times_its_threshold(managed):
+    gc.set_threshold(50, 10, 10)
+    keep = [[] for _ in range(100)]
+    assert collector.collect_due(defer=True) is None and managed == []
+    keep += [[] for _ in range(450)]  # 550 young containers: past 10 x 50
+    assert collector.collect_due(defer=True) == 0 and len(managed) == 1
+
+
 def test_cyclic_garbage_is_freed_at_the_safe_point(managed):
     gc.set_threshold(100, 10, 10)
     freed = []

@@ -150,7 +150,9 @@ class Scheduler:
                 launched = self._launch(batch)
             except Exception as e:  # noqa: BLE001 - the batch fails, the engine keeps serving
                 self._fail(batch.reqs, e, batch.extend_lens)
-        collect_due()  # the GPU has a forward to compute: the host's time is free until its tokens are needed
+        # The GPU has a forward to compute: the host's time is free until its tokens are needed, unless more prefill
+        # is to be admitted next (the host then feeds chunks back to back).
+        collect_due(defer=bool(self.waiting) or self.prefill.chunked is not None)
         if self.overlap:
             previous, self._inflight = self._inflight, launched
             if previous is not None:
