@@ -33,9 +33,8 @@ def managed():
     finally:
         gc.callbacks.remove(callback)
         collector.release()
-        gc.unfreeze()
         gc.set_threshold(*thresholds)
-    assert gc.isenabled() and not collector.is_managed()
+    assert gc.isenabled() and not collector.is_managed() and gc.get_freeze_count() == 0
 
 
 class Cycle:
