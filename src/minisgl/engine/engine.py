@@ -16,6 +16,10 @@ from minisgl.kvcache.pool import FP8_DTYPES, KVPool
 logger = logging.getLogger("minisgl")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Head sizes FlashInfer's kernels (FA2 and FA3 prefill, decode) are built for. Its FA2 prefill JIT-builds any size
+# without a check: 32 fails with "Invalid configuration", other sizes that are not multiples of 64 read out of
+# bounds or give wrong results silently (flashinfer-ai/flashinfer#4299). "auto" runs torch-native attention there.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -159,17 +163,24 @@ class Engine:
             return self.config.page_size
         name = self.config.attention_backend
         gpu = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
-        flashinfer = name in ("flashinfer", "xqa", "flashinfer,xqa") or (name == "auto" and _importable("flashinfer"))
+        flashinfer = name in ("flashinfer", "xqa", "flashinfer,xqa") or (name == "auto" and self._flashinfer_fits())
         return 16 if gpu and flashinfer else 1
+
+    def _flashinfer_fits(self) -> bool:
+        """FlashInfer is installed and takes this model's head size."""
+        return self.model_config.head_dim in FLASHINFER_HEAD_DIMS and _importable("flashinfer")
 
     def _backend_names(self, backends: dict[str, Any]) -> tuple[str, str]:
         """(prefill, decode) backend names from "auto", "NAME" or "PREFILL,DECODE"."""
         name = self.config.attention_backend
         if name == "auto":
             gpu = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
-            name = "flashinfer" if gpu and "flashinfer" in backends and _importable("flashinfer") else "torch"
-            if gpu and name == "torch":
+            name = "flashinfer" if gpu and "flashinfer" in backends and self._flashinfer_fits() else "torch"
+            if gpu and name == "torch" and not _importable("flashinfer"):
                 logger.warning("flashinfer is not installed: torch-native attention (pip install minisgl[gpu])")
+            elif gpu and name == "torch":
+                logger.warning("head_dim %d: FlashInfer's kernels take %s; torch-native attention, no CUDA graphs",
+                               self.model_config.head_dim, "/".join(map(str, FLASHINFER_HEAD_DIMS)))
             if name == "flashinfer" and self._auto_xqa(backends):
                 name = "flashinfer,xqa"
             elif name == "flashinfer" and self._auto_xqa(backends, 16):  # fp8 on Hopper, pages XQA does not take
@@ -189,6 +200,11 @@ class Engine:
                 raise ConfigError(f"attention backend {part!r} needs a CUDA GPU: use 'torch' on {self.device}")
             if part != "torch" and self.dtype not in (torch.float16, torch.bfloat16):
                 raise ConfigError(f"attention backend {part!r} needs dtype bfloat16 or float16, got {self.dtype}")
+            if part in ("flashinfer", "fa3") and self.model_config.head_dim not in FLASHINFER_HEAD_DIMS:
+                raise ConfigError(
+                    f"attention backend {part!r} takes head_dim {', '.join(map(str, FLASHINFER_HEAD_DIMS))}; this model's is "
+                    f"{self.model_config.head_dim}: use 'torch' (or 'auto')"
+                )
         if self.kv_dtype != self.dtype and parts[0] == "fa3":
             raise ConfigError("an fp8 KV cache needs FlashInfer's FA2 prefill (attention_backend 'flashinfer'), not 'fa3'")
         return parts[0], parts[-1]

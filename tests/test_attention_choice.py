@@ -1,0 +1,68 @@
+"""Which attention backend and page size a CUDA engine picks for a model's head size.
+
+FlashInfer's kernels are built for head sizes 64, 128 and 256; its FA2 prefill JIT-builds any other size without a
+check and then fails (32: "Invalid configuration", seen on the H100) or reads out of bounds and returns wrong results
+(sizes not a multiple of 64: flashinfer-ai/flashinfer#4299). "auto" must then run torch-native attention (pages of
+one token, as on the CPU), and naming a FlashInfer backend must be refused with a ConfigError before anything loads.
+The engine's own checks are exercised here without a GPU: an Engine shell with a CUDA device and FlashInfer
+reported importable; tests/test_warmup.py runs a head_dim-32 model end to end on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from minisgl.config import EngineConfig
+from minisgl.engine import engine as engine_mod
+from minisgl.errors import ConfigError
+
+BACKENDS = {name: object() for name in ("torch", "flashinfer", "fa3", "xqa")}
+
+
+def shell(head_dim: int, attention_backend: str = "auto") -> engine_mod.Engine:
+    eng = engine_mod.Engine.__new__(engine_mod.Engine)
+    eng.config = EngineConfig(attention_backend=attention_backend)
+    eng.device = torch.device("cuda", 0)
+    eng.dtype = eng.kv_dtype = torch.bfloat16
+    eng.model_config = SimpleNamespace(head_dim=head_dim)
+    eng.page_size = eng._page_size()
+    return eng
+
+
+@pytest.fixture(autouse=True)
+def flashinfer_importable(monkeypatch):
+    monkeypatch.setattr(engine_mod, "_importable", lambda name: name == "flashinfer")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_auto_runs_flashinfer_on_pages_of_16_for_the_sizes_it_is_built_for(head_dim):
+    eng = shell(head_dim)
+    assert eng.page_size == 16
+    assert eng._backend_names(BACKENDS) == ("flashinfer", "flashinfer")
+    for name, names in [("flashinfer", ("flashinfer", "flashinfer")), ("fa3,flashinfer", ("fa3", "flashinfer")),
+                        ("torch,flashinfer", ("torch", "flashinfer"))]:
+        assert shell(head_dim, name)._backend_names(BACKENDS) == names
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 112, 160, 192])
+def test_auto_runs_torch_attention_on_single_token_pages_for_other_sizes(head_dim, caplog):
+    eng = shell(head_dim)
+    assert eng.page_size == 1
+    with caplog.at_level(logging.WARNING, logger="minisgl"):
+        assert eng._backend_names(BACKENDS) == ("torch", "torch")
+    assert f"head_dim {head_dim}" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["flashinfer", "fa3", "fa3,flashinfer", "torch,flashinfer", "xqa", "flashinfer,xqa"])
+@pytest.mark.parametrize("head_dim", [32, 96])
+def test_naming_a_flashinfer_backend_for_another_size_is_a_config_error(name, head_dim):
+    with pytest.raises(ConfigError, match=f"head_dim .*{head_dim}"):
+        shell(head_dim, name)._backend_names(BACKENDS)
+
+
+def test_torch_attention_is_taken_for_any_size():
+    assert shell(96, "torch")._backend_names(BACKENDS) == ("torch", "torch")
