@@ -12,14 +12,11 @@ from minisgl.config import EngineConfig
 from minisgl.core import Batch, Req, get_context
 from minisgl.errors import ConfigError
 from minisgl.kvcache.pool import FP8_DTYPES, KVPool
+from minisgl.layers.fused import FLASHINFER_HEAD_DIMS
 
 logger = logging.getLogger("minisgl")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Head sizes FlashInfer's kernels (FA2 and FA3 prefill, decode) are built for. Its FA2 prefill JIT-builds any size
-# without a check: 32 fails with "Invalid configuration", other sizes that are not multiples of 64 read out of
-# bounds or give wrong results silently (flashinfer-ai/flashinfer#4299). "auto" runs torch-native attention there.
-FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -167,7 +164,7 @@ class Engine:
         return 16 if gpu and flashinfer else 1
 
     def _flashinfer_fits(self) -> bool:
-        """FlashInfer is installed and takes this model's head size."""
+        """FlashInfer is installed and takes this model's head size ("auto" runs torch-native attention otherwise)."""
         return self.model_config.head_dim in FLASHINFER_HEAD_DIMS and _importable("flashinfer")
 
     def _backend_names(self, backends: dict[str, Any]) -> tuple[str, str]:

@@ -18,6 +18,10 @@ from typing import Any
 import torch
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
+# Head sizes flashinfer's attention and RoPE kernels are built for. Its RoPE refuses any other ("Unsupported
+# head_dim"); its FA2 prefill JIT-builds any size without a check, then fails (32: "Invalid configuration") or reads
+# out of bounds and gives wrong results silently (sizes not a multiple of 64: flashinfer-ai/flashinfer#4299).
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 _flashinfer: Any = None
 _checked = False
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from minisgl.errors import ModelLoadError
-from minisgl.layers.fused import fused_ops
+from minisgl.layers.fused import FLASHINFER_HEAD_DIMS, fused_ops
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -70,9 +70,9 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, heads, head_dim], k [T, kv_heads, head_dim] rotated at positions [T].
 
-        On CUDA (flashinfer) q and k are rotated in place in one kernel.
+        On CUDA (flashinfer, for the head sizes it is built for) q and k are rotated in place in one kernel.
         """
-        fi = fused_ops(q)
+        fi = fused_ops(q) if self.head_dim in FLASHINFER_HEAD_DIMS else None
         if fi is not None:
             fi.rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, self.head_dim, self.cos_sin(), is_neox=True)
             return q, k
