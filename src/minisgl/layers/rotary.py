@@ -51,6 +51,7 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self._fused = head_dim in FLASHINFER_HEAD_DIMS  # flashinfer's kernel takes this size
         inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(t.device))
@@ -72,7 +73,7 @@ class RotaryEmbedding(nn.Module):
 
         On CUDA (flashinfer, for the head sizes it is built for) q and k are rotated in place in one kernel.
         """
-        fi = fused_ops(q) if self.head_dim in FLASHINFER_HEAD_DIMS else None
+        fi = fused_ops(q) if self._fused else None
         if fi is not None:
             fi.rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, self.head_dim, self.cos_sin(), is_neox=True)
             return q, k
