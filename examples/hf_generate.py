@@ -50,8 +50,10 @@ def main() -> None:
     with torch.no_grad():
         model.lm_head.weight[first] = 0.0
     edited = model.generate(**one, max_new_tokens=16, do_sample=False)
-    print(f"\nAfter zeroing the weights of {tokenizer.decode([first])!r}:",
-          tokenizer.decode(edited[0, one["input_ids"].shape[1] :], skip_special_tokens=True).strip())
+    print(
+        f"\nAfter zeroing the weights of {tokenizer.decode([first])!r}:",
+        tokenizer.decode(edited[0, one["input_ids"].shape[1] :], skip_special_tokens=True).strip(),
+    )
 
     # The scoped form, on a second model object: transformers' generate is back after the block.
     other = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -16,8 +16,10 @@ def main() -> None:
     llm = LLM("smollm2")
     outs = llm.chat([[{"role": "user", "content": q}] for q in questions], SamplingParams(temperature=0, max_tokens=64))
     for q, out in zip(questions, outs):
-        print(f"Q: {q}\nA: {out.text.strip()}\n   ({out.prompt_tokens} prompt tokens, {out.completion_tokens} generated, "
-              f"{out.cached_tokens} from the prefix cache, finish: {out.finish_reason})\n")
+        print(
+            f"Q: {q}\nA: {out.text.strip()}\n   ({out.prompt_tokens} prompt tokens, {out.completion_tokens} generated, "
+            f"{out.cached_tokens} from the prefix cache, finish: {out.finish_reason})\n"
+        )
 
 
 if __name__ == "__main__":

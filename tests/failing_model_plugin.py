@@ -14,7 +14,9 @@ from minisgl.hooks import hookimpl
 
 # A prompt holding these three tokens in a row crashes the forward of its batch.
 POISON = [7, 8, 9]
-NO_KERNEL = "mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
+NO_KERNEL = (
+    "mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
+)
 
 
 @hookimpl
@@ -56,5 +58,8 @@ def minisgl_register_architectures() -> dict[str, type]:
                 logits[row, after.get(token, script[0])] = 30.0
             return logits
 
-    return {"PoisonedLlamaForCausalLM": PoisonedLlamaForCausalLM, "NoKernelLlamaForCausalLM": NoKernelLlamaForCausalLM,
-            "ScriptedLlamaForCausalLM": ScriptedLlamaForCausalLM}
+    return {
+        "PoisonedLlamaForCausalLM": PoisonedLlamaForCausalLM,
+        "NoKernelLlamaForCausalLM": NoKernelLlamaForCausalLM,
+        "ScriptedLlamaForCausalLM": ScriptedLlamaForCausalLM,
+    }

@@ -45,8 +45,11 @@ def test_auto_runs_flashinfer_on_pages_of_16_for_the_sizes_it_is_built_for(head_
     eng = shell(head_dim)
     assert eng.page_size == 16
     assert eng._backend_names(BACKENDS) == ("flashinfer", "flashinfer")
-    for name, names in [("flashinfer", ("flashinfer", "flashinfer")), ("fa3,flashinfer", ("fa3", "flashinfer")),
-                        ("torch,flashinfer", ("torch", "flashinfer"))]:
+    for name, names in [
+        ("flashinfer", ("flashinfer", "flashinfer")),
+        ("fa3,flashinfer", ("fa3", "flashinfer")),
+        ("torch,flashinfer", ("torch", "flashinfer")),
+    ]:
         assert shell(head_dim, name)._backend_names(BACKENDS) == names
 
 
@@ -100,6 +103,8 @@ def test_rope_uses_flashinfer_only_for_its_head_sizes_and_matches_hf_otherwise(h
         freqs = torch.outer(positions.float(), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         # HF's layout: [batch, heads, tokens, head_dim], cos/sin [batch, tokens, head_dim]
-        q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], emb.cos()[None], emb.sin()[None])
+        q_ref, k_ref = apply_rotary_pos_emb(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], emb.cos()[None], emb.sin()[None]
+        )
         torch.testing.assert_close(q_out, q_ref[0].transpose(0, 1))
         torch.testing.assert_close(k_out, k_ref[0].transpose(0, 1))

@@ -12,8 +12,23 @@ from minisgl.bench import main
 
 def test_bench_offline_runs_and_reports_throughput(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "offline.json"
-    main(["offline", "--model", str(tiny_model_dir("llama")), "--num-prompts", "4", "--input-len", "16",
-          "--output-len", "4", "--repeat", "2", "--json", str(out)])
+    main(
+        [
+            "offline",
+            "--model",
+            str(tiny_model_dir("llama")),
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--repeat",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert "tok/s" in capsys.readouterr().out
     res = json.loads(out.read_text())
     assert len(res["minisgl_runs_s"]) == 2  # the best of the runs is reported
@@ -24,8 +39,25 @@ def test_bench_agents_radix_beats_naive_on_cached_tokens(tiny_model_dir, tmp_pat
     import json
 
     out = tmp_path / "agents.json"
-    main(["agents", "--model", str(tiny_model_dir("llama")), "-k", "3", "-t", "2", "--system-len", "64",
-          "--tool-len", "8", "--output-len", "4", "--json", str(out)])
+    main(
+        [
+            "agents",
+            "--model",
+            str(tiny_model_dir("llama")),
+            "-k",
+            "3",
+            "-t",
+            "2",
+            "--system-len",
+            "64",
+            "--tool-len",
+            "8",
+            "--output-len",
+            "4",
+            "--json",
+            str(out),
+        ]
+    )
     res = json.loads(out.read_text())
     assert res["naive"]["cached_tokens"] == 0
     # Agents share the system prompt and their own history: radix serves most of it from the cache.
@@ -53,8 +85,25 @@ def test_bench_help_lists_every_subcommand_and_each_has_its_own_help(capsys):
 
 def test_bench_hf_generate_patched_greedy_fp32_equals_transformers_row_for_row(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "hf.json"
-    main(["hf-generate", "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--num-prompts", "2",
-          "--input-len", "16", "--output-len", "4", "--repeat", "2", "--json", str(out)])
+    main(
+        [
+            "hf-generate",
+            "--model",
+            str(tiny_model_dir("llama")),
+            "--device",
+            "cpu",
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--repeat",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     # transformers' own generate is the reference: greedy fp32 on the same weights agrees on every row.
     speedup, rows = re.search(r"speedup ([\d.]+)x; identical rows (\d+)/(\d+)", printed).group(1, 2)
@@ -87,9 +136,31 @@ def test_bench_profile_cpu_step_replays_a_full_decode_batch(tiny_model_dir, caps
 def test_bench_routing_cache_aware_serves_each_later_turn_from_the_cache(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("MINISGL_RUNTIME_DIR", str(tmp_path))  # the bench points its daemons here; restored after
     out = tmp_path / "routing.json"
-    main(["routing", "--model", str(tiny_model_dir("llama")), "--num-pages", "2048", "--agents", "2",
-          "--agent-types", "2", "--turns", "2", "--system-words", "40", "--result-words", "10", "--max-tokens", "2",
-          "--think-ms", "0", "--json", str(out)])
+    main(
+        [
+            "routing",
+            "--model",
+            str(tiny_model_dir("llama")),
+            "--num-pages",
+            "2048",
+            "--agents",
+            "2",
+            "--agent-types",
+            "2",
+            "--turns",
+            "2",
+            "--system-words",
+            "40",
+            "--result-words",
+            "10",
+            "--max-tokens",
+            "2",
+            "--think-ms",
+            "0",
+            "--json",
+            str(out),
+        ]
+    )
     res = {r["policy"]: r for r in json.loads(out.read_text())["results"]}
     for r in res.values():
         assert r["requests"] == 4 and sum(r["per_daemon"].values()) == 4
@@ -111,14 +182,37 @@ def test_bench_tp_gen_tp2_greedy_fp32_equals_transformers(tiny_model_dir, tmp_pa
 
     model_dir, out = tiny_model_dir("llama"), tmp_path / "tp2.json"
     # `gen` leaves through os._exit once its figures are written: run it as the benchmark does, in a child.
-    subprocess.run([sys.executable, "-m", "minisgl", "bench", "tp", "gen", "--model-dir", str(model_dir), "--tp", "2",
-                    "--device", "cpu", "--dtype", "float32", "--num-prompts", "2", "--max-new", "4", "--out", str(out)],
-                   check=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "minisgl",
+            "bench",
+            "tp",
+            "gen",
+            "--model-dir",
+            str(model_dir),
+            "--tp",
+            "2",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--num-prompts",
+            "2",
+            "--max-new",
+            "4",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        timeout=120,
+    )
     tokens = json.loads(out.read_text())["tokens"]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for prompt, got in zip(parity_prompts(2), tokens, strict=True):
         want = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=4, min_new_tokens=4)
-        assert got == want[0, len(prompt):].tolist()
+        assert got == want[0, len(prompt) :].tolist()
 
 
 def test_throughput_timing_counts_the_garbage_collectors_time(tiny_model_dir):

@@ -22,7 +22,7 @@ def make(num_pages: int, page_size: int, kind: str = "radix") -> CacheManager:
 
 def own_pages(mgr: CacheManager, row: torch.Tensor, length: int, num_matched: int) -> list[int]:
     end = -(-length // mgr.page_size) * mgr.page_size
-    return (row[num_matched:end:mgr.page_size] // mgr.page_size).tolist()
+    return (row[num_matched : end : mgr.page_size] // mgr.page_size).tolist()
 
 
 # ---------------------------------------------------------------------------- allocation
@@ -267,7 +267,9 @@ class Simulation:
         if req.length == len(req.tokens):  # sampled: one more token, its KV comes next step
             req.tokens.append(self.rng.randrange(50))
         if self.rng.random() < 0.5:
-            req.handle, req.num_matched = self.mgr.cache_prefix(req.tokens, row, req.length, req.num_matched, req.handle)
+            req.handle, req.num_matched = self.mgr.cache_prefix(
+                req.tokens, row, req.length, req.num_matched, req.handle
+            )
 
     def release(self, req: SimReq) -> None:
         row = self.table.page_table[req.row]

@@ -44,18 +44,38 @@ def runtime_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_every_message_survives_the_codec() -> None:
     usage = P.Usage(5, 3, 2)
-    chunk = P.Chunk("r", 1, "hé", [1, 2], [{"token_id": 1, "token": "a", "logprob": -0.5, "top_logprobs": []}],
-                    "stop", "\n", [{"index": 0, "function": {"name": "f"}}], usage, True)
+    chunk = P.Chunk(
+        "r",
+        1,
+        "hé",
+        [1, 2],
+        [{"token_id": 1, "token": "a", "logprob": -0.5, "top_logprobs": []}],
+        "stop",
+        "\n",
+        [{"index": 0, "function": {"name": "f"}}],
+        usage,
+        True,
+    )
     out = TokenOutput("r", 0, [7], [[-0.1, [[7, -0.1]]]], True, "stop", 2, 4, 1, 1, None)
     msgs = [
         P.Generate("r", prompt="hi", params=SamplingParams(max_tokens=3).to_dict(), tools=[{"type": "function"}]),
         P.Generate("r", messages=[{"role": "user", "content": "x"}], tool_choice="auto"),
-        P.Abort("r"), P.Ping("r"), P.GetModelInfo("r"), P.GetStats("r"), P.Shutdown("r"),
-        P.Chunks([chunk, chunk._replace(usage=None, done=False)]), P.Error("r", "GrammarError", "bad"),
-        P.Pong("r", "ready", 1, "m", "ipc:///x", "0.1", {"tp": 1}), P.ModelInfoReply("r", {"a": 1}),
-        P.StatsReply("r", {"free_pages": 3}), P.AddRequest("r", [1, 2], {"n": 1}, {"stop": []}),
-        P.RequestMeta("r", {"n": 2}), P.TokenOutputs([out]), P.WorkerInit({"context_length": 8}, b"\x00\x01"),
-        P.SchedulerReady({"x": 1}, b"tok", {"total_pages": 4}), P.WorkerReady("tokenizer"),
+        P.Abort("r"),
+        P.Ping("r"),
+        P.GetModelInfo("r"),
+        P.GetStats("r"),
+        P.Shutdown("r"),
+        P.Chunks([chunk, chunk._replace(usage=None, done=False)]),
+        P.Error("r", "GrammarError", "bad"),
+        P.Pong("r", "ready", 1, "m", "ipc:///x", "0.1", {"tp": 1}),
+        P.ModelInfoReply("r", {"a": 1}),
+        P.StatsReply("r", {"free_pages": 3}),
+        P.AddRequest("r", [1, 2], {"n": 1}, {"stop": []}),
+        P.RequestMeta("r", {"n": 2}),
+        P.TokenOutputs([out]),
+        P.WorkerInit({"context_length": 8}, b"\x00\x01"),
+        P.SchedulerReady({"x": 1}, b"tok", {"total_pages": 4}),
+        P.WorkerReady("tokenizer"),
         P.WorkerFailed("scheduler", "ModelLoadError", "no"),
     ]
     for msg in msgs:
@@ -173,8 +193,10 @@ def test_bad_command_lines_end_in_one_error_line_not_a_traceback(runtime_dir: Pa
     assert public.returncode == 1 and "--api-key" in public.stderr and "Traceback" not in public.stderr
     port = _serve("--http-port", "99999")  # argparse's own error, before anything starts
     assert port.returncode == 2 and "1-65535" in port.stderr
-    for argv, words in ((["generate", "--model", "smollm2", "--device", "bogus", "x"], "unknown device 'bogus'"),
-                        (["keys", "--curve-dir", "/dev/null/x"], "Not a directory")):
+    for argv, words in (
+        (["generate", "--model", "smollm2", "--device", "bogus", "x"], "unknown device 'bogus'"),
+        (["keys", "--curve-dir", "/dev/null/x"], "Not a directory"),
+    ):
         result = subprocess.run([sys.executable, "-m", "minisgl", *argv], capture_output=True, text=True, timeout=120)
         assert result.returncode == 1 and words in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert main(["generate", "--model", "smollm2", "--seed", str(2**70), "x"]) == 1  # a typed error, one line
@@ -268,8 +290,13 @@ def test_the_daemon_fills_an_unset_max_tokens_from_the_context(tokenizer: Any) -
     prep = RequestPreparer(tokenizer, {"context_length": 64})
     add = prep.prepare(P.Generate("r", prompt="Hello there", params={"max_tokens": None}))
     assert add.params["max_tokens"] == 64 - len(add.input_ids)
-    chat = prep.prepare(P.Generate("r", messages=[{"role": "user", "content": "Hi"}],
-                                   params=SamplingParams.from_openai({"temperature": 0}).to_dict()))
+    chat = prep.prepare(
+        P.Generate(
+            "r",
+            messages=[{"role": "user", "content": "Hi"}],
+            params=SamplingParams.from_openai({"temperature": 0}).to_dict(),
+        )
+    )
     assert chat.params["max_tokens"] == 64 - len(chat.input_ids)
     given = prep.prepare(P.Generate("r", prompt="Hello there", params={"max_tokens": 5}))
     assert given.params["max_tokens"] == 5
@@ -322,9 +349,11 @@ def test_messages_the_chat_template_cannot_render_are_invalid_requests_not_inter
             prep.prepare(P.Generate("r", messages=[{"role": "user", "content": content}]))
     with pytest.raises(InvalidRequestError, match="role"):
         prep.prepare(P.Generate("r", messages=[{"role": 3, "content": "hi"}]))
-    tok.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-                         "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
-                         "{{ m['content'] }}{% endfor %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
     two_users = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     with pytest.raises(TemplateError):  # what HF's rendering raises
         tok.apply_chat_template(two_users, tokenize=False)
@@ -343,9 +372,14 @@ def test_developer_messages_are_system_messages_unless_the_template_knows_the_ro
         messages = [{"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
         return prep.prepare(P.Generate("r", messages=messages)).input_ids
 
-    system = tok.encode(tok.apply_chat_template([{"role": "system", "content": "Answer in French."},
-                                                 {"role": "user", "content": "Hi"}], tokenize=False,
-                                                add_generation_prompt=True), add_special_tokens=False)
+    system = tok.encode(
+        tok.apply_chat_template(
+            [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        ),
+        add_special_tokens=False,
+    )
     assert ids("developer") == ids("system") == system  # OpenAI: developer messages replace system messages
     tok.chat_template = THINKING_TEMPLATE.replace("m['role']", "m['role'] if m['role'] != 'developer' else 'dev'")
     assert tok.decode(ids("developer")).startswith("<|im_start|>dev\n")  # a template with the role renders it
@@ -377,12 +411,16 @@ def test_chat_template_kwargs_render_as_hf_renders_them(tokenizer_dir: Path) -> 
     on = prep.prepare(P.Generate("r", messages=messages, chat_template_kwargs={"enable_thinking": True})).input_ids
     assert plain == hf() == on and off == hf(enable_thinking=False) and off != plain
     # The tool-aware rendering gets them too.
-    with_tools = prep.prepare(P.Generate("r", messages=messages, tools=[WEATHER_TOOL],
-                                         chat_template_kwargs={"enable_thinking": False})).input_ids
+    with_tools = prep.prepare(
+        P.Generate("r", messages=messages, tools=[WEATHER_TOOL], chat_template_kwargs={"enable_thinking": False})
+    ).input_ids
     assert tok.decode(with_tools).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     cases = [
         (P.Generate("r", messages=messages, chat_template_kwargs={"tokenize": True}), "tokenize"),
-        (P.Generate("r", messages=messages, chat_template_kwargs={"add_generation_prompt": False}), "add_generation_prompt"),
+        (
+            P.Generate("r", messages=messages, chat_template_kwargs={"add_generation_prompt": False}),
+            "add_generation_prompt",
+        ),
         (P.Generate("r", messages=messages, chat_template_kwargs=["enable_thinking"]), "object"),  # type: ignore[arg-type]
         (P.Generate("r", messages=messages, chat_template_kwargs={1: True}), "object"),  # type: ignore[dict-item]
         (P.Generate("r", prompt="Hi", chat_template_kwargs={"enable_thinking": False}), "chat request"),
@@ -415,7 +453,9 @@ def test_tools_are_rendered_and_forced_calls_constrained(tokenizer: Any) -> None
     none = prep.prepare(P.Generate("r", messages=messages, tools=[WEATHER_TOOL], tool_choice="none"))
     assert "get_weather" not in tokenizer.decode(none.input_ids) and none.detok["tool_parser"] is None
     with pytest.raises(GrammarError):
-        prep.prepare(P.Generate("r", messages=messages, tools=[WEATHER_TOOL], tool_choice={"function": {"name": "nope"}}))
+        prep.prepare(
+            P.Generate("r", messages=messages, tools=[WEATHER_TOOL], tool_choice={"function": {"name": "nope"}})
+        )
     with pytest.raises(InvalidRequestError):
         prep.prepare(P.Generate("r", prompt="plain", tools=[WEATHER_TOOL]))
     with pytest.raises(InvalidRequestError):
@@ -435,7 +475,9 @@ def test_detokenizer_parses_tool_calls_out_of_the_text(tokenizer: Any) -> None:
     calls: list[dict[str, Any]] = []
     for c in chunks:
         merge_tool_calls(calls, c.tool_calls or [])
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
     assert chunks[-1].finish_reason == "tool_calls"
 
 
@@ -499,18 +541,25 @@ def test_a_reasoning_parser_separates_the_think_part_from_the_answer_and_its_too
     opened = prep.prepare(P.Generate("r", messages=messages)).detok
     assert opened["reasoning"] is True
     assert _reasoning_of(tok, opened, "Hmm, France.\n</think>\n\nParis.")[:2] == ("Hmm, France.", "Paris.")
-    assert _reasoning_of(tok, opened, "Hmm, France, cut short by max_to")[:2] == ("Hmm, France, cut short by max_to", "")
+    assert _reasoning_of(tok, opened, "Hmm, France, cut short by max_to")[:2] == (
+        "Hmm, France, cut short by max_to",
+        "",
+    )
     # Tool calls are parsed out of the answer only.
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    reasoning, answer, chunks = _reasoning_of(tok, {**meta, "tool_parser": "hermes"},
-                                              f"<think>I need the weather tool.</think>\n{call}")
+    reasoning, answer, chunks = _reasoning_of(
+        tok, {**meta, "tool_parser": "hermes"}, f"<think>I need the weather tool.</think>\n{call}"
+    )
     calls: list[dict[str, Any]] = []
     for c in chunks:
         merge_tool_calls(calls, c.tool_calls or [])
     assert reasoning == "I need the weather tool." and answer.strip() == ""
     assert [c["function"]["name"] for c in calls] == ["get_weather"] and chunks[-1].finish_reason == "tool_calls"
     # Without a reasoning parser, and for plain prompts, the text is left as it is.
-    assert RequestPreparer(tok, {**info, "config": {}}).prepare(P.Generate("r", messages=messages)).detok["reasoning"] is None
+    assert (
+        RequestPreparer(tok, {**info, "config": {}}).prepare(P.Generate("r", messages=messages)).detok["reasoning"]
+        is None
+    )
     assert prep.prepare(P.Generate("r", prompt="<think>")).detok["reasoning"] is None
     assert _reasoning_of(tok, {}, "<think>x</think>y")[:2] == ("", "<think>x</think>y")
 
@@ -532,8 +581,9 @@ def test_response_format_becomes_a_json_schema() -> None:
 def _outputs(rid: str, index: int, ids: list[int], reason: str, matched: Any = None) -> list[TokenOutput]:
     last = len(ids) - 1
     return [
-        TokenOutput(rid, index, [t], None, i == last, reason if i == last else None, matched if i == last else None,
-                    7, 3, i + 1)
+        TokenOutput(
+            rid, index, [t], None, i == last, reason if i == last else None, matched if i == last else None, 7, 3, i + 1
+        )
         for i, t in enumerate(ids)
     ]
 
@@ -587,15 +637,21 @@ def test_tool_call_deltas_merge_into_complete_calls() -> None:
     calls: list[dict[str, Any]] = []
     merge_tool_calls(calls, [{"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}])
     merge_tool_calls(calls, [{"index": 0, "function": {"arguments": '{"a": '}}])
-    merge_tool_calls(calls, [{"index": 0, "function": {"arguments": "1}"}},
-                             {"index": 1, "id": "c2", "type": "function", "function": {"name": "g"}}])
+    merge_tool_calls(
+        calls,
+        [
+            {"index": 0, "function": {"arguments": "1}"}},
+            {"index": 1, "id": "c2", "type": "function", "function": {"name": "g"}},
+        ],
+    )
     assert calls == [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
         {"id": "c2", "type": "function", "function": {"name": "g", "arguments": ""}},
     ]
 
 
-# ---------------------------------------------------------------------------- Client / AsyncClient over a scripted ROUTER
+# ---------------------------------------------------------------------------- Client / AsyncClient over a scripted
+# ROUTER
 
 
 class ScriptedRouter:
@@ -632,8 +688,12 @@ class ScriptedRouter:
                 word = words.pop(0)
                 last = not words
                 usage = P.Usage(1, 2, 0) if last else None
-                self._send(ident, P.Chunks([P.Chunk(rid, 0, word, [len(word)], None, "stop" if last else None,
-                                                    None, None, usage, last)]))
+                self._send(
+                    ident,
+                    P.Chunks(
+                        [P.Chunk(rid, 0, word, [len(word)], None, "stop" if last else None, None, None, usage, last)]
+                    ),
+                )
                 if last:
                     del streams[rid]
 
@@ -716,8 +776,9 @@ def test_a_second_request_with_an_id_in_flight_is_refused_and_the_first_goes_on(
 
     async def run() -> list[Any]:
         async with AsyncClient("fake", router.address, auto_start=False, timeout=5) as ac:
-            return await asyncio.gather(ac.generate("a b c d", rid="dup"), ac.generate("e f", rid="dup"),
-                                        return_exceptions=True)
+            return await asyncio.gather(
+                ac.generate("a b c d", rid="dup"), ac.generate("e f", rid="dup"), return_exceptions=True
+            )
 
     first_result, second = asyncio.run(run())
     assert isinstance(second, InvalidRequestError) and "already in flight" in str(second)

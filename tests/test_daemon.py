@@ -10,8 +10,8 @@ import asyncio
 import functools
 import json
 import os
-import shutil
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -96,8 +96,13 @@ def test_concurrent_auto_starts_share_one_daemon_and_log_each_stage(smollm2_daem
     assert a.address == b.address == smollm2_daemon.address
     log = smollm2_daemon.log_path.read_text()
     assert log.count("listening at") == 1
-    for stage in ("weights loaded", "KV pool: 4096 pages", "scheduler ready", "text worker ready",
-                  "ready: serving smollm2"):
+    for stage in (
+        "weights loaded",
+        "KV pool: 4096 pages",
+        "scheduler ready",
+        "text worker ready",
+        "ready: serving smollm2",
+    ):
         assert stage in log, stage
 
 
@@ -164,9 +169,13 @@ def test_concurrent_requests_from_asyncio_and_threads_equal_offline_generate(
         from_threads = list(threaded)
     for outs in (from_async, from_threads):
         assert [o.token_ids for o in outs] == offline_token_ids
-        assert all(o.finish_reason in ("length", "stop") and o.usage.completion_tokens == len(o.token_ids) for o in outs)
+        assert all(
+            o.finish_reason in ("length", "stop") and o.usage.completion_tokens == len(o.token_ids) for o in outs
+        )
     tokenizer = _tokenizer()
-    assert [o.text for o in from_async] == [tokenizer.decode(ids, skip_special_tokens=True) for ids in offline_token_ids]
+    assert [o.text for o in from_async] == [
+        tokenizer.decode(ids, skip_special_tokens=True) for ids in offline_token_ids
+    ]
 
 
 def test_stream_deltas_concatenate_and_usage_comes_last(client: Any) -> None:
@@ -213,7 +222,9 @@ def test_a_stop_token_ends_the_answer_without_its_text(client: Any) -> None:
     prompt = "The capital of France is"
     free = client.generate(prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     stop_id = free.outputs[0].token_ids[3]
-    out = client.generate(prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[stop_id]))
+    out = client.generate(
+        prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+    )
     ids = out.outputs[0].token_ids
     assert out.outputs[0].finish_reason == "stop" and ids[-1] == stop_id  # the id stays, its text does not
     assert out.text == _tokenizer().decode(ids[:-1], skip_special_tokens=True)
@@ -339,8 +350,16 @@ def _tokenizer() -> Any:
 
 
 class CurveDaemon:
-    def __init__(self, connect: str, keys: Path, client_secret: Path, stranger_secret: Path, proc: Any,
-                 model_dir: Path, log_path: Path) -> None:
+    def __init__(
+        self,
+        connect: str,
+        keys: Path,
+        client_secret: Path,
+        stranger_secret: Path,
+        proc: Any,
+        model_dir: Path,
+        log_path: Path,
+    ) -> None:
         self.connect = connect
         self.server_public = keys / "server.key"
         self.client_secret = client_secret
@@ -354,7 +373,9 @@ class CurveDaemon:
 
 
 @pytest.fixture(scope="module")
-def curve_daemon(daemon_runtime_dir: Path, tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CurveDaemon]:
+def curve_daemon(
+    daemon_runtime_dir: Path, tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[CurveDaemon]:
     import zmq.auth
 
     from minisgl.runtime.auth import ClientCurve, create_client_keys, ensure_server_keys
@@ -367,8 +388,20 @@ def curve_daemon(daemon_runtime_dir: Path, tiny_model_dir: Any, tmp_path_factory
     port = free_port()
     log = daemon_runtime_dir / "curve.log"
     proc = start_serve(
-        ["--model", str(tiny_model_dir("llama")), "--address", f"tcp://0.0.0.0:{port}", "--allow-remote",
-         "--curve-dir", str(keys), "--max-message-bytes", "65536", "--num-pages", "2048"], log,
+        [
+            "--model",
+            str(tiny_model_dir("llama")),
+            "--address",
+            f"tcp://0.0.0.0:{port}",
+            "--allow-remote",
+            "--curve-dir",
+            str(keys),
+            "--max-message-bytes",
+            "65536",
+            "--num-pages",
+            "2048",
+        ],
+        log,
     )
     connect = f"tcp://127.0.0.1:{port}"
     curve = ClientCurve(alice, keys / "server.key")
@@ -387,9 +420,14 @@ def test_curve_client_with_authorized_keys_is_served(curve_daemon: CurveDaemon) 
 
 @pytest.mark.parametrize("who", ["no keys", "unauthorized keys"])
 def test_curve_daemon_refuses_clients_without_authorized_keys(curve_daemon: CurveDaemon, who: str) -> None:
-    keys = {} if who == "no keys" else {
-        "curve_client_key": str(curve_daemon.stranger_secret), "curve_server_key": str(curve_daemon.server_public),
-    }
+    keys = (
+        {}
+        if who == "no keys"
+        else {
+            "curve_client_key": str(curve_daemon.stranger_secret),
+            "curve_server_key": str(curve_daemon.server_public),
+        }
+    )
     t0 = time.monotonic()
     with pytest.raises(DaemonError):
         Client("tiny", curve_daemon.connect, auto_start=False, timeout=5, **keys)
@@ -397,8 +435,13 @@ def test_curve_daemon_refuses_clients_without_authorized_keys(curve_daemon: Curv
 
 
 def _ps(*args: str, env: dict[str, str] | None = None) -> str:
-    out = subprocess.run([sys.executable, "-m", "minisgl", "ps", *args], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, "-m", "minisgl", "ps", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -423,7 +466,10 @@ def test_ps_lists_each_daemon_with_its_state_and_load(
     # The CURVE daemon does not answer a client without keys: ps says so instead of hanging or failing.
     curve = statuses[curve_daemon.proc.pid]
     assert curve["state"].startswith("refused") and "total_pages" not in curve
-    keyed = {"MINISGL_CURVE_CLIENT_KEY": str(curve_daemon.client_secret), "MINISGL_CURVE_SERVER_KEY": str(curve_daemon.server_public)}
+    keyed = {
+        "MINISGL_CURVE_CLIENT_KEY": str(curve_daemon.client_secret),
+        "MINISGL_CURVE_SERVER_KEY": str(curve_daemon.server_public),
+    }
     curve = {s["pid"]: s for s in map(json.loads, _ps("--json", env=keyed).splitlines())}[curve_daemon.proc.pid]
     assert curve["state"] == "ready" and curve["total_pages"] == 2048 and curve["running"] == 0
     lines = table.splitlines()
@@ -434,8 +480,10 @@ def test_ps_lists_each_daemon_with_its_state_and_load(
 
 def test_oversize_message_drops_only_that_connection(curve_daemon: CurveDaemon) -> None:
     keys = curve_daemon.client_keys()
-    with Client("tiny", curve_daemon.connect, auto_start=False, timeout=30, **keys) as big, \
-         Client("tiny", curve_daemon.connect, auto_start=False, timeout=30, **keys) as other:
+    with (
+        Client("tiny", curve_daemon.connect, auto_start=False, timeout=30, **keys) as big,
+        Client("tiny", curve_daemon.connect, auto_start=False, timeout=30, **keys) as other,
+    ):
         with pytest.raises(DaemonError):
             big.generate(list(range(1, 30_000)), SamplingParams(max_tokens=2))
         assert len(other.generate([1, 2], SamplingParams(max_tokens=2, ignore_eos=True)).token_ids) == 2
@@ -476,6 +524,7 @@ def test_64_concurrent_streaming_clients_finish_and_equal_offline(curve_daemon: 
 
     async def streams(batch: list[list[int]]) -> list[list[int]]:
         async with AsyncClient("tiny", curve_daemon.connect, auto_start=False, **keys) as ac:
+
             async def one(p: list[int]) -> list[int]:
                 return collect([c async for c in ac.stream(p, params)])
 
@@ -502,7 +551,8 @@ def test_a_killed_scheduler_fails_waiting_requests_and_stops_the_daemon(curve_da
     assert f"scheduler process (pid {scheduler}) exited unexpectedly" in curve_daemon.log_path.read_text()
 
 
-# ---------------------------------------------------------------------------- a forward that fails (tiny model, a test plugin)
+# ---------------------------------------------------------------------------- a forward that fails (tiny model, a test
+# plugin)
 
 
 def _with_test_plugin(
@@ -531,7 +581,6 @@ def test_a_failing_forward_fails_its_requests_with_a_typed_error_and_the_daemon_
     daemon_runtime_dir: Path, tiny_model_dir: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from failing_model_plugin import POISON
-
     from minisgl.errors import EngineError
     from minisgl.runtime.launcher import stop_daemon, wait_ready
 
@@ -588,7 +637,10 @@ def test_generate_with_a_forward_that_cannot_run_prints_a_clear_error(tiny_model
     model, env = _with_test_plugin(tmp_path, tiny_model_dir("llama"), "NoKernelLlamaForCausalLM")
     proc = subprocess.run(
         [sys.executable, "-m", "minisgl", "generate", "hello", "--model", str(model), "--dtype", "bfloat16"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
     )
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -603,14 +655,33 @@ def test_serve_and_generate_in_bfloat16_on_any_cpu(daemon_runtime_dir: Path, tin
     env = {**os.environ, "MINISGL_ONEDNN": "0"} if gemm == "F.linear forced" else dict(os.environ)
     model = str(tiny_model_dir("llama"))
     gen = subprocess.run(
-        [sys.executable, "-m", "minisgl", "generate", "hello", "--model", model, "--dtype", "bfloat16", "--max-tokens", "4"],
-        capture_output=True, text=True, timeout=300, env=env,
+        [
+            sys.executable,
+            "-m",
+            "minisgl",
+            "generate",
+            "hello",
+            "--model",
+            model,
+            "--dtype",
+            "bfloat16",
+            "--max-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert gen.returncode == 0 and "Traceback" not in gen.stderr, gen.stderr
     address = f"ipc://{daemon_runtime_dir}/bf16.sock"
     log = daemon_runtime_dir / "bf16.log"
-    proc = subprocess.Popen([sys.executable, "-m", "minisgl", "serve", "--model", model, "--address", address,
-                             "--dtype", "bfloat16"], stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minisgl", "serve", "--model", model, "--address", address, "--dtype", "bfloat16"],
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         wait_ready(address, 180, proc=proc, log_path=log)
         with Client(model, address, auto_start=False, timeout=60) as c:
@@ -657,8 +728,9 @@ THINKING_TEMPLATE = (
 def _scripted_thinker(
     tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch, template: str, pieces: list[str]
 ) -> tuple[Path, Any]:
-    """(model dir, tokenizer) of a tiny Llama that writes `pieces` (one token each, then EOS; tests/failing_model_plugin.py's script), with
-    <think> and </think> added to its tokenizer as Qwen3 has them (added, not special: decoded as text)."""
+    """(model dir, tokenizer) of a tiny Llama that writes `pieces` (one token each, then EOS;
+    tests/failing_model_plugin.py's script), with <think> and </think> added to its tokenizer as Qwen3 has them (added,
+    not special: decoded as text)."""
     from transformers import AutoTokenizer
 
     from conftest import _build_tiny
@@ -670,7 +742,10 @@ def _scripted_thinker(
     script = [tok.encode(piece, add_special_tokens=False) for piece in pieces]
     assert all(len(ids) == 1 for ids in script), script
     model, _ = _with_test_plugin(
-        tmp_path, _build_tiny("llama", tmp_path / "tok", tmp_path / "thinker"), "ScriptedLlamaForCausalLM", monkeypatch,
+        tmp_path,
+        _build_tiny("llama", tmp_path / "tok", tmp_path / "thinker"),
+        "ScriptedLlamaForCausalLM",
+        monkeypatch,
         MINISGL_TEST_SCRIPT=",".join(str(ids[0]) for ids in script),
     )
     return model, tok
@@ -682,21 +757,32 @@ def test_a_reasoning_parser_serves_the_think_part_apart_end_to_end(
     """`serve --reasoning-parser qwen3` with a model that writes "<think>France capital?</think>Paris!" (a script:
     see tests/failing_model_plugin.py): the Client and the OpenAI API get the reasoning and the answer apart."""
     import openai
+
     from minisgl.runtime.launcher import stop_daemon, wait_ready
 
-    model, tok = _scripted_thinker(tmp_path, tokenizer_dir, monkeypatch, THINKING_TEMPLATE,
-                              ["<think>", "France", " capital", "?", "</think>", "Paris", "!"])
+    model, tok = _scripted_thinker(
+        tmp_path,
+        tokenizer_dir,
+        monkeypatch,
+        THINKING_TEMPLATE,
+        ["<think>", "France", " capital", "?", "</think>", "Paris", "!"],
+    )
     address, port = f"ipc://{daemon_runtime_dir}/thinker.sock", free_port()
     log = daemon_runtime_dir / "thinker.log"
-    proc = start_serve(["--model", str(model), "--address", address, "--reasoning-parser", "qwen3",
-                        "--http-port", str(port)], log)
+    proc = start_serve(
+        ["--model", str(model), "--address", address, "--reasoning-parser", "qwen3", "--http-port", str(port)], log
+    )
     messages = [{"role": "user", "content": "Capital of France?"}]
     greedy = SamplingParams(temperature=0, max_tokens=32)
     try:
         wait_ready(address, 180, proc=proc, log_path=log)
         with Client(str(model), address, auto_start=False, timeout=60) as c:
             out = c.generate(messages, greedy)
-            assert (out.outputs[0].reasoning_content, out.text, out.finish_reason) == ("France capital?", "Paris!", "stop")
+            assert (out.outputs[0].reasoning_content, out.text, out.finish_reason) == (
+                "France capital?",
+                "Paris!",
+                "stop",
+            )
             chunks = list(c.stream(messages, greedy))
             assert "".join(ch.reasoning for ch in chunks) == "France capital?"
             assert "".join(ch.text for ch in chunks) == "Paris!"
@@ -704,15 +790,20 @@ def test_a_reasoning_parser_serves_the_think_part_apart_end_to_end(
             off = c.generate(messages, greedy, chat_template_kwargs={"enable_thinking": False})
             rendered = tok.apply_chat_template(messages, tokenize=False, enable_thinking=False)
             assert rendered.endswith("</think>\n\n")
-            assert off.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False)) > out.usage.prompt_tokens
+            assert (
+                off.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False)) > out.usage.prompt_tokens
+            )
             plain = c.generate("Tell me", greedy)  # not a chat: no reasoning parsing
             assert plain.outputs[0].reasoning_content is None and plain.text.startswith("<think>")
         wait_http(port, proc, log)  # the HTTP server starts after the daemon is ready
         oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         message = oai.chat.completions.create(model=str(model), messages=messages, temperature=0).choices[0].message
         assert (message.reasoning_content, message.content) == ("France capital?", "Paris!")
-        deltas = [ch.choices[0].delta for ch in oai.chat.completions.create(
-            model=str(model), messages=messages, temperature=0, stream=True) if ch.choices]
+        deltas = [
+            ch.choices[0].delta
+            for ch in oai.chat.completions.create(model=str(model), messages=messages, temperature=0, stream=True)
+            if ch.choices
+        ]
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "France capital?"
         assert "".join(d.content or "" for d in deltas) == "Paris!"
     finally:
@@ -731,18 +822,29 @@ def test_structured_answers_of_a_model_that_starts_inside_think_come_after_its_r
     back as reasoning_content, with an empty content and no tool call.)"""
     import jsonschema
     import openai
+
     from minisgl.runtime.launcher import stop_daemon, wait_ready
 
-    model, _ = _scripted_thinker(tmp_path, tokenizer_dir, monkeypatch,
-                                 THINKING_TEMPLATE.replace("{% if enable_thinking", "<think>\n{% if enable_thinking"),
-                                 ["France", " capital", "?", "</think>", "Paris", "!"])
+    model, _ = _scripted_thinker(
+        tmp_path,
+        tokenizer_dir,
+        monkeypatch,
+        THINKING_TEMPLATE.replace("{% if enable_thinking", "<think>\n{% if enable_thinking"),
+        ["France", " capital", "?", "</think>", "Paris", "!"],
+    )
     address, port = f"ipc://{daemon_runtime_dir}/r1.sock", free_port()
     log = daemon_runtime_dir / "r1.log"
-    proc = start_serve(["--model", str(model), "--address", address, "--reasoning-parser", "deepseek-r1",
-                        "--http-port", str(port)], log)
+    proc = start_serve(
+        ["--model", str(model), "--address", address, "--reasoning-parser", "deepseek-r1", "--http-port", str(port)],
+        log,
+    )
     messages = [{"role": "user", "content": "Capital of France?"}]
-    answer = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
-              "additionalProperties": False}
+    answer = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     tools = [{"type": "function", "function": {"name": "capital", "parameters": answer}}]
     try:
         wait_ready(address, 180, proc=proc, log_path=log)
@@ -760,8 +862,11 @@ def test_structured_answers_of_a_model_that_starts_inside_think_come_after_its_r
         whole = oai.chat.completions.create(**ask, response_format=fmt).choices[0]
         assert whole.message.reasoning_content == "France capital?" and whole.finish_reason == "stop"
         jsonschema.validate(json.loads(whole.message.content), answer)
-        deltas = [ch.choices[0].delta for ch in oai.chat.completions.create(**ask, response_format=fmt, stream=True)
-                  if ch.choices]
+        deltas = [
+            ch.choices[0].delta
+            for ch in oai.chat.completions.create(**ask, response_format=fmt, stream=True)
+            if ch.choices
+        ]
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "France capital?"
         assert "".join(d.content or "" for d in deltas) == whole.message.content
 
@@ -790,14 +895,29 @@ def test_serve_with_http_port_attaches_to_the_running_daemon(daemon_runtime_dir:
         wait_ready(address, 180, proc=proc, log_path=log)
         port = free_port()
         http = subprocess.Popen(
-            [sys.executable, "-m", "minisgl", "serve", "--model", model, "--address", address, "--http-port", str(port)],
-            stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "minisgl",
+                "serve",
+                "--model",
+                model,
+                "--address",
+                address,
+                "--http-port",
+                str(port),
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
         )
         body = None
         for _ in range(300):
             try:
-                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
-                               json={"model": model, "prompt": "hello", "max_tokens": 3, "ignore_eos": True})
+                r = httpx.post(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    timeout=30,
+                    json={"model": model, "prompt": "hello", "max_tokens": 3, "ignore_eos": True},
+                )
                 body = r.json()
                 break
             except httpx.TransportError:

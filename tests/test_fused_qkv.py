@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
 
 
@@ -29,9 +30,16 @@ def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     fused_qkv._kernel.cache_clear()  # the next user compiles it for its own device
 
 
-@pytest.mark.parametrize(("qk_norm", "dtype", "block_tokens"), [
-    (True, torch.bfloat16, 1), (True, torch.bfloat16, 16), (False, torch.float16, 1), (False, torch.bfloat16, 8),
-], ids=["qk-norm-bf16-1", "qk-norm-bf16-16", "no-norm-fp16-1", "no-norm-bf16-8"])
+@pytest.mark.parametrize(
+    ("qk_norm", "dtype", "block_tokens"),
+    [
+        (True, torch.bfloat16, 1),
+        (True, torch.bfloat16, 16),
+        (False, torch.float16, 1),
+        (False, torch.bfloat16, 8),
+    ],
+    ids=["qk-norm-bf16-1", "qk-norm-bf16-16", "no-norm-fp16-1", "no-norm-bf16-8"],
+)
 def test_fused_qkv_kernel_matches_float32_math(device, qk_norm, dtype, block_tokens):
     """layers.fused_qkv (norms + RoPE + KV store in one Triton kernel) against float32 PyTorch math."""
     from minisgl.layers import RMSNorm, RotaryEmbedding
@@ -51,8 +59,18 @@ def test_fused_qkv_kernel_matches_float32_math(device, qk_norm, dtype, block_tok
     k_cache = torch.zeros(slots, kv_heads, dim, device=device, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     q = fused_qkv(
-        qkv, positions, rotary.cos_sin(), *(n.weight if n else None for n in norms), 1e-6,
-        k_cache, v_cache, out_loc, heads, kv_heads, dim, block_tokens=block_tokens,
+        qkv,
+        positions,
+        rotary.cos_sin(),
+        *(n.weight if n else None for n in norms),
+        1e-6,
+        k_cache,
+        v_cache,
+        out_loc,
+        heads,
+        kv_heads,
+        dim,
+        block_tokens=block_tokens,
     )  # 37 tokens: blocks of 8 or 16 end in a partial one
 
     # Reference: float32 throughout.
@@ -96,8 +114,21 @@ def test_fused_qkv_kernel_saturates_and_rounds_into_an_fp8_pool(device, block_to
     fp8 = torch.float8_e4m3fn
     k_cache = torch.zeros(slots, kv_heads, dim, device=device, dtype=fp8)
     v_cache = torch.zeros_like(k_cache)
-    fused_qkv(qkv, positions, rotary.cos_sin(), None, None, 0.0, k_cache, v_cache, out_loc, heads, kv_heads, dim,
-              block_tokens=block_tokens)  # 19 tokens: blocks of 8 end in a partial one
+    fused_qkv(
+        qkv,
+        positions,
+        rotary.cos_sin(),
+        None,
+        None,
+        0.0,
+        k_cache,
+        v_cache,
+        out_loc,
+        heads,
+        kv_heads,
+        dim,
+        block_tokens=block_tokens,
+    )  # 19 tokens: blocks of 8 end in a partial one
 
     f = qkv.float()
     rk = f[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)

@@ -4,7 +4,8 @@ Run on the device by tools/device/gpu_check.sh (tools/README.md). Two checkpoint
 weights: a Qwen3-shaped one with HF's own random init (8 layers, hidden 1024, 16 q / 8 kv heads of
 128, tied embeddings), and a small Qwen3 trained here, on the GPU, to continue periodic sequences
 (`copier_dir`): its predictions are confident, as a real model's are, so the strict top-1 and
-greedy criteria apply to it (on random weights ~2% of positions are near-ties that bf16 flips). MINISGL_GPU_REPORT, when set, names a JSON
+greedy criteria apply to it (on random weights ~2% of positions are near-ties that bf16 flips). MINISGL_GPU_REPORT,
+when set, names a JSON
 file the tests add their measured figures to (the script prints them in its table).
 """
 
@@ -61,10 +62,20 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("qwen3-gpu")
     tok = AutoTokenizer.from_pretrained(tokenizer_dir())
     config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+        vocab_size=VOCAB,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
     )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).to(torch.bfloat16)
@@ -93,9 +104,19 @@ def copier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("copier")
     tok = AutoTokenizer.from_pretrained(tokenizer_dir())
     config = Qwen3Config(
-        vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=128, max_position_embeddings=4096, rope_theta=1e4, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        max_position_embeddings=4096,
+        rope_theta=1e4,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
         pad_token_id=tok.eos_token_id,
     )
     torch.manual_seed(0)
@@ -156,8 +177,10 @@ def generate(model_dir: Path, prompts: list[list[int]], params: Any, **kwargs: A
     engine = llm.scheduler.engine
     tokens = [o.token_ids for o in outs]
     info = dict(
-        backend=type(engine.attn_backend).__name__, graphs=engine.graph_runner is not None,
-        overlap=llm.scheduler.overlap, rerun=[o.token_ids for o in again],
+        backend=type(engine.attn_backend).__name__,
+        graphs=engine.graph_runner is not None,
+        overlap=llm.scheduler.overlap,
+        rerun=[o.token_ids for o in again],
         cached_rerun_equal=sum(o.token_ids == t for o, t in zip(again, tokens)),
     )
     del llm, engine, outs, again
@@ -169,7 +192,11 @@ def generate(model_dir: Path, prompts: list[list[int]], params: Any, **kwargs: A
 def hf_fp32(qwen3_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
+    return (
+        AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.float32, attn_implementation="sdpa")
+        .cuda()
+        .eval()
+    )
 
 
 def teacher_forced(hf: Any, prompts: list[list[int]], outs: list[list[int]]) -> list[torch.Tensor]:
@@ -212,17 +239,29 @@ def test_bf16_greedy_parity_with_hf_transformers(qwen3_dir, hf_fp32):
     ours, info = generate(qwen3_dir, prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     assert info["backend"] == "FlashInferBackend" and info["graphs"] and info["overlap"]
     rerun_parity(hf_fp32, prompts, info, "parity_cached_rerun_vs_hf_fp32")
-    hf = AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    hf = (
+        AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.bfloat16, attn_implementation="sdpa")
+        .cuda()
+        .eval()
+    )
     ref32 = teacher_forced(hf_fp32, prompts, ours)
     hf16 = teacher_forced(hf, prompts, ours)
-    ours_vs_hf16 = sum(int((l.argmax(-1) == torch.tensor(o)).sum()) for l, o in zip(hf16, ours)) / (MAX_NEW * len(ours))
+    ours_vs_hf16 = sum(int((lg.argmax(-1) == torch.tensor(o)).sum()) for lg, o in zip(hf16, ours)) / (
+        MAX_NEW * len(ours)
+    )
     hf16_vs_32 = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(hf16, ref32)) / (MAX_NEW * len(ours))
     same, near_tie_divergences = 0, 0
     with torch.inference_mode():
         for prompt, out, logits in zip(prompts, ours, ref32):
             ids = torch.tensor([prompt], device="cuda")
-            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
-                              min_new_tokens=MAX_NEW, pad_token_id=0)[0, len(prompt):].tolist()
+            gen = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_NEW,
+                min_new_tokens=MAX_NEW,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
             if gen == out:
                 same += 1
                 continue
@@ -257,20 +296,30 @@ def test_bf16_parity_with_hf_transformers_on_a_trained_model(copier_dir):
     ours, info = generate(copier_dir, prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     assert info["backend"] == "FlashInferBackend" and info["graphs"] and info["overlap"]
     report("trained_cached_rerun_equal", f"{info['cached_rerun_equal']}/16")
-    assert info["cached_rerun_equal"] >= 12, "extend over a cached prefix disagrees (a confident model: equality applies)"
+    assert info["cached_rerun_equal"] >= 12, (
+        "extend over a cached prefix disagrees (a confident model: equality applies)"
+    )
     expected = [periodic(b[None], n + MAX_NEW)[0, n:].tolist() for b, n in zip(bases, lengths)]
     rows = {}
     for dtype in (torch.bfloat16, torch.float32):
-        hf = AutoModelForCausalLM.from_pretrained(str(copier_dir), dtype=dtype, attn_implementation="sdpa").cuda().eval()
+        hf = (
+            AutoModelForCausalLM.from_pretrained(str(copier_dir), dtype=dtype, attn_implementation="sdpa").cuda().eval()
+        )
         logits = teacher_forced(hf, prompts, ours)
-        rows[dtype] = sum(int((l.argmax(-1) == torch.tensor(o)).sum()) for l, o in zip(logits, ours)) / (MAX_NEW * 16)
+        rows[dtype] = sum(int((lg.argmax(-1) == torch.tensor(o)).sum()) for lg, o in zip(logits, ours)) / (MAX_NEW * 16)
         if dtype == torch.bfloat16:
             with torch.inference_mode():
                 same = 0
                 for prompt, out in zip(prompts, ours):
                     ids = torch.tensor([prompt], device="cuda")
-                    gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
-                                      min_new_tokens=MAX_NEW, pad_token_id=0)[0, len(prompt):].tolist()
+                    gen = hf.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        do_sample=False,
+                        max_new_tokens=MAX_NEW,
+                        min_new_tokens=MAX_NEW,
+                        pad_token_id=0,
+                    )[0, len(prompt) :].tolist()
                     same += gen == out
         del hf
         release_gpu()
@@ -289,40 +338,62 @@ def test_fp8_kv_cache_on_a_trained_model(copier_dir, page_size):
     """A confident model keeps its predictions with an fp8 KV cache: FlashInfer's fp8 decode (pages of 1) and, on
     Hopper, XQA's fp8 kernel (pages of 16: queries and softmax weights rounded to fp8 too). Teacher-forced top-1
     against fp32 HF whose cache rounds K/V the same way >= 99%, and the outputs continue the cycle."""
-    from test_kv_fp8 import RoundingCache
     from transformers import AutoModelForCausalLM
 
     from minisgl import SamplingParams
+    from test_kv_fp8 import RoundingCache
 
     g = torch.Generator().manual_seed(5)
     lengths = torch.randint(20, 200, (16,), generator=g).tolist()
     bases = torch.randint(COPY_LO, COPY_HI, (16, LAG), generator=g)
     prompts = [periodic(b[None], n)[0].tolist() for b, n in zip(bases, lengths)]
-    ours, info = generate(copier_dir, prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
-                          kv_cache_dtype="fp8_e4m3", page_size=page_size)
+    ours, info = generate(
+        copier_dir,
+        prompts,
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+        kv_cache_dtype="fp8_e4m3",
+        page_size=page_size,
+    )
     xqa = page_size >= 16 and hopper()
     assert info["backend"] == ("HybridBackend" if xqa else "FlashInferBackend") and info["graphs"]
-    hf = AutoModelForCausalLM.from_pretrained(str(copier_dir), dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
+    hf = (
+        AutoModelForCausalLM.from_pretrained(str(copier_dir), dtype=torch.float32, attn_implementation="sdpa")
+        .cuda()
+        .eval()
+    )
     hits = 0
     with torch.inference_mode():
         for prompt, out in zip(prompts, ours):
             seq = torch.tensor([prompt + out], device="cuda")
-            logits = hf(seq, past_key_values=RoundingCache(torch.float8_e4m3fn, config=hf.config), use_cache=True).logits
+            logits = hf(
+                seq, past_key_values=RoundingCache(torch.float8_e4m3fn, config=hf.config), use_cache=True
+            ).logits
             hits += int((logits[0, len(prompt) - 1 : -1].argmax(-1).cpu() == torch.tensor(out)).sum())
     del hf
     release_gpu()
     expected = [periodic(b[None], n + MAX_NEW)[0, n:].tolist() for b, n in zip(bases, lengths)]
     task = sum(o == e for o, e in zip(ours, expected))
     top1 = hits / (MAX_NEW * len(prompts))
-    report(f"trained_fp8_kv_page{page_size}", {"decode": "xqa" if xqa else "flashinfer", "top1_vs_hf_fp32_fp8_cache":
-                                              round(top1, 4), "outputs_continuing_the_cycle": f"{task}/16",
-                                              "cached_rerun_equal": f"{info['cached_rerun_equal']}/16"})
+    report(
+        f"trained_fp8_kv_page{page_size}",
+        {
+            "decode": "xqa" if xqa else "flashinfer",
+            "top1_vs_hf_fp32_fp8_cache": round(top1, 4),
+            "outputs_continuing_the_cycle": f"{task}/16",
+            "cached_rerun_equal": f"{info['cached_rerun_equal']}/16",
+        },
+    )
     assert top1 >= 0.99 and task >= 12
 
 
 @pytest.mark.parametrize(
     "backend,page_size,n,mix",
-    [("auto", 1, 24, "seeded"), ("flashinfer,xqa", 16, 24, "seeded"), ("auto", 1, 136, "seeded"), ("auto", 1, 24, "greedy")],
+    [
+        ("auto", 1, 24, "seeded"),
+        ("flashinfer,xqa", 16, 24, "seeded"),
+        ("auto", 1, 136, "seeded"),
+        ("auto", 1, 24, "greedy"),
+    ],
 )
 def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, hf_fp32, backend, page_size, n, mix):
     """n prompts decoded together; 136 rows: a large batch's graph (and its first pass checked against fp32 HF).
@@ -332,25 +403,36 @@ def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, h
 
     if "xqa" in backend and not hopper():
         pytest.skip("xqa is measured on Hopper only")
-    kw = dict(attention_backend=backend, page_size=page_size, num_pages=ENGINE["num_pages"] // page_size,
-              cuda_graph_max_bs=max(ENGINE["cuda_graph_max_bs"], n))
+    kw = dict(
+        attention_backend=backend,
+        page_size=page_size,
+        num_pages=ENGINE["num_pages"] // page_size,
+        cuda_graph_max_bs=max(ENGINE["cuda_graph_max_bs"], n),
+    )
 
     prompts = make_prompts(n, seed=1)
     # Greedy and seeded sampling; equal lengths keep the decode batch at n, a captured size.
     params = [
-        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True) if i % 2 or mix == "greedy" else
-        SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=MAX_NEW, ignore_eos=True)
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+        if i % 2 or mix == "greedy"
+        else SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=MAX_NEW, ignore_eos=True)
         for i in range(len(prompts))
     ]
     results = {}
     for graphs in (True, False):
         for overlap in (True, False):
-            tokens, info = generate(qwen3_dir, prompts, params, disable_cuda_graph=not graphs, disable_overlap=not overlap,
-                                    **kw)
+            tokens, info = generate(
+                qwen3_dir, prompts, params, disable_cuda_graph=not graphs, disable_overlap=not overlap, **kw
+            )
             assert info["graphs"] == graphs and info["overlap"] == overlap
-            greedy = {**info, "rerun": info["rerun"][1::2],
-                      "cached_rerun_equal": sum(a == b for a, b in zip(info["rerun"][1::2], tokens[1::2]))}
-            rerun_parity(hf_fp32, prompts[1::2], greedy, f"cached_rerun_{backend}_{n}_{mix}_graphs={graphs},overlap={overlap}")
+            greedy = {
+                **info,
+                "rerun": info["rerun"][1::2],
+                "cached_rerun_equal": sum(a == b for a, b in zip(info["rerun"][1::2], tokens[1::2])),
+            }
+            rerun_parity(
+                hf_fp32, prompts[1::2], greedy, f"cached_rerun_{backend}_{n}_{mix}_graphs={graphs},overlap={overlap}"
+            )
             results[(graphs, overlap)] = tokens
     ref = results[(False, False)]
     if n > 24:  # the first pass of the greedy rows, graphs and overlap on, against fp32 HF
@@ -359,7 +441,9 @@ def test_outputs_identical_with_and_without_cuda_graphs_and_overlap(qwen3_dir, h
         report(f"parity_{backend}_{n}_rows", metrics)
         assert metrics["top1_clear_margin"] >= 0.99, metrics
     same = {f"graphs={g},overlap={o}": sum(a == b for a, b in zip(t, ref)) for (g, o), t in results.items()}
-    report(f"identical_prompts_vs_eager_no_overlap_{backend}_{n}_{mix}", {k: f"{v}/{len(ref)}" for k, v in same.items()})
+    report(
+        f"identical_prompts_vs_eager_no_overlap_{backend}_{n}_{mix}", {k: f"{v}/{len(ref)}" for k, v in same.items()}
+    )
     assert results[(True, True)] == results[(True, False)], "overlap changed the outputs (CUDA graphs on)"
     assert results[(False, True)] == ref, "overlap changed the outputs (eager)"
     assert results[(True, False)] == ref, "CUDA graphs changed the outputs"
@@ -399,7 +483,9 @@ def test_piecewise_prefill_graphs_agree_with_the_eager_prefill(qwen3_dir, hf_fp3
     scored = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     with torch.inference_mode():
-        ref = [torch.log_softmax(hf_fp32(torch.tensor([p], device="cuda")).logits[0].float(), -1).cpu() for p in prompts]
+        ref = [
+            torch.log_softmax(hf_fp32(torch.tensor([p], device="cuda")).logits[0].float(), -1).cpu() for p in prompts
+        ]
     errors, sizes = {}, {}
     for limit in (0, 4096):
         llm = LLM(str(qwen3_dir), **{**ENGINE, "max_prefill_tokens": 1024, "piecewise_cuda_graph_max_tokens": limit})
@@ -408,20 +494,38 @@ def test_piecewise_prefill_graphs_agree_with_the_eager_prefill(qwen3_dir, hf_fp3
         seen: list[int] = []
         if runner is not None:
             assert runner.sizes[-1] == 1024 and runner.fused_store
-            runner.run = lambda batch, r=runner, run=runner.run: seen.append(r.padded_size(batch.input_ids.shape[0])) or run(batch)
+            runner.run = lambda batch, r=runner, run=runner.run: (
+                seen.append(r.padded_size(batch.input_ids.shape[0])) or run(batch)
+            )
         outs = llm.generate(prompts, scored, use_tqdm=False)
-        errors[limit] = float(torch.cat([
-            (torch.tensor([e[0] for e in o.prompt_logprobs[1:]]) - r[torch.arange(len(p) - 1), torch.tensor(p[1:])]).abs()
-            for o, p, r in zip(outs, prompts, ref)
-        ]).mean())
+        errors[limit] = float(
+            torch.cat(
+                [
+                    (
+                        torch.tensor([e[0] for e in o.prompt_logprobs[1:]])
+                        - r[torch.arange(len(p) - 1), torch.tensor(p[1:])]
+                    ).abs()
+                    for o, p, r in zip(outs, prompts, ref)
+                ]
+            ).mean()
+        )
         first = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         again = llm.generate(prompts, greedy, use_tqdm=False)
         llm.check_integrity()
         sizes[limit] = sorted(set(seen))
-        info = {"rerun": [o.token_ids for o in again], "cached_rerun_equal": sum(o.token_ids == t for o, t in zip(again, first))}
+        info = {
+            "rerun": [o.token_ids for o in again],
+            "cached_rerun_equal": sum(o.token_ids == t for o, t in zip(again, first)),
+        }
         metrics = parity(teacher_forced(hf_fp32, prompts, first), first)
-        report(f"piecewise_{limit}", {**metrics, "prompt_logprob_mean_abs_err_vs_hf_fp32": round(errors[limit], 5),
-                                      "padded_sizes": sizes[limit]})
+        report(
+            f"piecewise_{limit}",
+            {
+                **metrics,
+                "prompt_logprob_mean_abs_err_vs_hf_fp32": round(errors[limit], 5),
+                "padded_sizes": sizes[limit],
+            },
+        )
         assert metrics["top1_clear_margin"] >= 0.99
         rerun_parity(hf_fp32, prompts, info, f"piecewise_{limit}_cached_rerun")
         del llm, runner, outs, again
@@ -431,7 +535,8 @@ def test_piecewise_prefill_graphs_agree_with_the_eager_prefill(qwen3_dir, hf_fp3
 
 
 @pytest.mark.parametrize(
-    "page_size,backend,gmma", [(1, "auto", "1"), (16, "flashinfer", "1"), (16, "flashinfer,xqa", "0"), (16, "auto", "1")]
+    "page_size,backend,gmma",
+    [(1, "auto", "1"), (16, "flashinfer", "1"), (16, "flashinfer,xqa", "0"), (16, "auto", "1")],
 )
 def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page_size, backend, gmma, monkeypatch):
     """kv_cache_dtype="fp8_e4m3" on FlashInfer (fused KV store, CUDA graphs, overlap) against fp32 HF whose cache
@@ -442,17 +547,23 @@ def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page
     The bar is HF's own bf16 model with the same rounding cache: bf16 moves some K/V elements across an fp8
     rounding boundary (one fp8 step is ~6%, a bf16 one ~0.4%), so a bf16 engine with an fp8 cache sits further
     from the fp32 reference than a bf16 one with a bf16 cache. Ours must be as close as HF's bf16 (within a point)."""
-    from test_kv_fp8 import RoundingCache
     from transformers import AutoModelForCausalLM
 
     from minisgl import SamplingParams
+    from test_kv_fp8 import RoundingCache
 
     if "xqa" in backend and not hopper():
         pytest.skip("xqa is measured on Hopper only")
     monkeypatch.setenv("MINISGL_XQA_FP8_GMMA", gmma)  # "0": XQA's generic kernel, bf16 queries
     prompts = make_prompts(seed=4)
-    got, info = generate(qwen3_dir, prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
-                         kv_cache_dtype="fp8_e4m3", page_size=page_size, attention_backend=backend)
+    got, info = generate(
+        qwen3_dir,
+        prompts,
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+        kv_cache_dtype="fp8_e4m3",
+        page_size=page_size,
+        attention_backend=backend,
+    )
     xqa = "xqa" in backend or (backend == "auto" and page_size >= 16 and hopper())
     expected = "HybridBackend" if xqa else "FlashInferBackend"
     assert info["backend"] == expected and info["graphs"] and info["overlap"]
@@ -463,7 +574,9 @@ def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page
             for prompt, out in zip(prompts, got):
                 cache = RoundingCache(torch.float8_e4m3fn, config=hf.config)
                 seq = torch.tensor([prompt + out], device="cuda")
-                rows.append(hf(seq, past_key_values=cache, use_cache=True).logits[0, len(prompt) - 1 : -1].float().cpu())
+                rows.append(
+                    hf(seq, past_key_values=cache, use_cache=True).logits[0, len(prompt) - 1 : -1].float().cpu()
+                )
         return rows
 
     rows = rounding_cache_logits(hf_fp32)
@@ -473,8 +586,10 @@ def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page
     floor = parity(rows, hf_bf16_top1)  # HF bf16 vs HF fp32, both with the fp8 rounding cache
     plain = parity(teacher_forced(hf_fp32, prompts, got), got)  # against HF's full-precision cache, for the record
     kernel = ("_xqa_fp8_gmma" if gmma == "1" else "_xqa_generic") if xqa else ""
-    report(f"fp8_kv_page{page_size}_{backend}{kernel}", {"vs_hf_fp32_fp8_cache": metrics, "hf_bf16_vs_hf_fp32_fp8_cache": floor,
-                                       "vs_hf_fp32_bf16_cache": plain})
+    report(
+        f"fp8_kv_page{page_size}_{backend}{kernel}",
+        {"vs_hf_fp32_fp8_cache": metrics, "hf_bf16_vs_hf_fp32_fp8_cache": floor, "vs_hf_fp32_bf16_cache": plain},
+    )
     assert metrics["top1_clear_margin"] >= min(0.99, floor["top1_clear_margin"] - 0.01), (metrics, floor)
 
 
@@ -545,7 +660,7 @@ def test_sampling_from_model_dtype_logits_follows_softmax_over_temperature():
     ids, logprobs = sampler.sample(row.repeat(rows, 1), reqs, info)
     assert logprobs is None and ids.dtype == torch.int64
     assert ids[greedy].tolist() == [3, 3, 3]
-    counts = torch.bincount(ids[len(greedy):].cpu(), minlength=vocab).double()
+    counts = torch.bincount(ids[len(greedy) :].cpu(), minlength=vocab).double()
 
     def chi2(t: float) -> float:
         expected = torch.softmax(row.float().cpu() / t, dim=-1).double() * counts.sum()

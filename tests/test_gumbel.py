@@ -13,7 +13,9 @@ import importlib.util
 
 import pytest
 import torch
+
 from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
+
 CHI2_LIMIT = {7: 29.9, 15: 42.0}  # chi-square quantiles at p = 1e-4 (degrees of freedom -> limit)
 ROWS = {"cuda": 4000, "cpu": 600}  # draws per distribution (the interpreter runs a program in milliseconds)
 LOGITS = [1.0, 0.2, -0.5, 2.0, 0.0, 1.5, -1.0, 0.7]
@@ -133,8 +135,19 @@ def sharded_sample(logits: torch.Tensor, temps: torch.Tensor, shards: int, seed:
 
     rows, vocab = logits.shape
     width = -(-vocab // shards)
-    ranks = [gumbel.Workspace(rows, width, logits.device, seed=seed, shards=shards, shard=r, col0=r * width,
-                              gather=lambda out, local: None) for r in range(shards)]
+    ranks = [
+        gumbel.Workspace(
+            rows,
+            width,
+            logits.device,
+            seed=seed,
+            shards=shards,
+            shard=r,
+            col0=r * width,
+            gather=lambda out, local: None,
+        )
+        for r in range(shards)
+    ]
     winners: list[torch.Tensor] = []
 
     def run(r: int, gather) -> torch.Tensor:

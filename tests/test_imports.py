@@ -144,9 +144,11 @@ def graph(request: pytest.FixtureRequest) -> Graph:
 
 def test_no_import_loops(graph: Graph) -> None:
     cycle = find_cycle(graph.edges)
-    assert cycle is None, "import loop: " + " -> ".join(
-        f"{a} (line {graph.edges[a][b]})" for a, b in zip(cycle, cycle[1:])
-    ) + f" -> {cycle[-1]}"
+    assert cycle is None, (
+        "import loop: "
+        + " -> ".join(f"{a} (line {graph.edges[a][b]})" for a, b in zip(cycle, cycle[1:]))
+        + f" -> {cycle[-1]}"
+    )
 
 
 def test_every_module_has_a_layer() -> None:

@@ -46,21 +46,30 @@ def test_prompt_logprobs_and_greedy_tokens_equal_hf_with_an_fp8_rounding_cache(t
     # extends the cached prefix; greedy decoding reads every earlier token from the fp8 pool.
     with LLM(str(model_dir), kv_cache_dtype=kv, max_prefill_tokens=16) as llm:
         for _ in range(2):
-            out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0),
-                               use_tqdm=False)[0]
+            out = llm.generate(
+                [PROMPT],
+                SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0),
+                use_tqdm=False,
+            )[0]
             got = torch.tensor([e[0] for e in out.prompt_logprobs[1:]])  # (logprob, top-k) per token, None first
             want = torch.stack([ref[i - 1, PROMPT[i]] for i in range(1, len(PROMPT))])
             torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
         # The same model with a full-precision cache scores differently: the fp8 path is what ran.
         assert max(abs(float(plain[i - 1, PROMPT[i]] - want[i - 1])) for i in range(1, len(PROMPT))) > 1e-3
-        cached = llm.generate([PROMPT + [42]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                              use_tqdm=False)[0]
+        cached = llm.generate(
+            [PROMPT + [42]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+        )[0]
     with torch.no_grad():
         hf_tokens = []
         for prompt in (PROMPT, PROMPT + [42]):
-            gen = hf.generate(torch.tensor([prompt]), past_key_values=RoundingCache(fp8, config=hf.config),
-                              max_new_tokens=12, min_new_tokens=12, do_sample=False)
-            hf_tokens.append(gen[0, len(prompt):].tolist())
+            gen = hf.generate(
+                torch.tensor([prompt]),
+                past_key_values=RoundingCache(fp8, config=hf.config),
+                max_new_tokens=12,
+                min_new_tokens=12,
+                do_sample=False,
+            )
+            hf_tokens.append(gen[0, len(prompt) :].tolist())
     assert [out.token_ids, cached.token_ids] == hf_tokens
 
 

@@ -42,13 +42,25 @@ def test_prompt_logprobs_of_a_prefill_rolled_back_under_kv_pressure_match_hf(tin
 # of 4-token pages and 4-token prefill chunks, two prompts are left partly prefilled, each waiting for pages
 # the other holds, while nothing runs (no decode step rolls either back).
 STALL_WORKLOAD = [
-    (1, 15, True, 2), (2, 26, False, 10), (2, 23, False, 1), (3, 27, False, 2), (3, 13, False, 1),
-    (7, 18, True, 18), (7, 30, False, 1), (12, 16, False, 2), (14, 12, False, 24), (15, 31, False, 2),
-    (15, 21, True, 15), (16, 16, False, 2), (17, 34, False, 2),
+    (1, 15, True, 2),
+    (2, 26, False, 10),
+    (2, 23, False, 1),
+    (3, 27, False, 2),
+    (3, 13, False, 1),
+    (7, 18, True, 18),
+    (7, 30, False, 1),
+    (12, 16, False, 2),
+    (14, 12, False, 24),
+    (15, 31, False, 2),
+    (15, 21, True, 15),
+    (16, 16, False, 2),
+    (17, 34, False, 2),
 ]
 
 
-def _drive(llm: LLM, arrivals: list[tuple[int, str, list[int], SamplingParams]], max_steps: int) -> dict[str, list[int]]:
+def _drive(
+    llm: LLM, arrivals: list[tuple[int, str, list[int], SamplingParams]], max_steps: int
+) -> dict[str, list[int]]:
     """Add each request at its step and step the scheduler until it is idle; {rid: output ids} of those finished."""
     sched = llm.scheduler
     tokens: dict[str, list[int]] = {}
@@ -116,11 +128,14 @@ def _audit_pages(sched) -> None:
     assert [n.ref_count for n in nodes] == [locks.get(id(n), 0) for n in nodes]
 
 
-@pytest.mark.parametrize("engine_kwargs", [
-    dict(page_size=1, num_pages=70, max_prefill_tokens=16, extra={"overlap_on_cpu": True}),
-    dict(page_size=4, num_pages=20, max_prefill_tokens=17, max_running_requests=3, disable_overlap=True),
-    dict(page_size=2, num_pages=40, max_prefill_tokens=8, cache="naive", extra={"overlap_on_cpu": True}),
-])
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        dict(page_size=1, num_pages=70, max_prefill_tokens=16, extra={"overlap_on_cpu": True}),
+        dict(page_size=4, num_pages=20, max_prefill_tokens=17, max_running_requests=3, disable_overlap=True),
+        dict(page_size=2, num_pages=40, max_prefill_tokens=8, cache="naive", extra={"overlap_on_cpu": True}),
+    ],
+)
 def test_random_traffic_with_aborts_and_flushes_keeps_every_page_accounted(tiny_model_dir, engine_kwargs):
     """Requests arrive, share prefixes, run n > 1 samples and are aborted at every phase (waiting, mid chunked
     prefill, decoding, retracted, in flight) while a small pool forces roll-backs, retraction and eviction and the
@@ -133,8 +148,12 @@ def test_random_traffic_with_aborts_and_flushes_keeps_every_page_accounted(tiny_
     stems = [[rng.randrange(10, 1000) for _ in range(rng.randrange(4, 30))] for _ in range(3)]
     arrivals, aborts = [], {}
     for i in range(16):
-        prompt = rng.choice(stems)[: rng.randrange(1, 30)] + [rng.randrange(10, 1000) for _ in range(rng.randrange(1, 20))]
-        params = SamplingParams(temperature=0, max_tokens=rng.choice([1, 4, 12, 20]), ignore_eos=True, n=rng.choice([1, 1, 2]))
+        prompt = rng.choice(stems)[: rng.randrange(1, 30)] + [
+            rng.randrange(10, 1000) for _ in range(rng.randrange(1, 20))
+        ]
+        params = SamplingParams(
+            temperature=0, max_tokens=rng.choice([1, 4, 12, 20]), ignore_eos=True, n=rng.choice([1, 1, 2])
+        )
         arrivals.append((rng.randrange(0, 30), f"r{i}", prompt, params))
         if rng.random() < 0.4:
             aborts[f"r{i}"] = arrivals[-1][0] + rng.randrange(0, 12)
@@ -162,7 +181,9 @@ def test_random_traffic_with_aborts_and_flushes_keeps_every_page_accounted(tiny_
         _audit_pages(sched)
     assert sorted(ended) == sorted((rid, i) for _, rid, _, p in arrivals for i in range(p.n))
     kept = [(rid, prompt, params) for _, rid, prompt, params in arrivals if rid not in aborts]
-    ref = LLM(model_dir, disable_overlap=True).generate([p for _, p, _ in kept], [sp for *_, sp in kept], use_tqdm=False)
+    ref = LLM(model_dir, disable_overlap=True).generate(
+        [p for _, p, _ in kept], [sp for *_, sp in kept], use_tqdm=False
+    )
     for (rid, _, params), want in zip(kept, ref):
         assert [tokens.get((rid, i), []) for i in range(params.n)] == [o.token_ids for o in want.outputs]
     assert sched.stats()["req_pages"] == 0

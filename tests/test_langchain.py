@@ -93,8 +93,12 @@ def llm(langchain_daemon: str) -> Iterator[ChatMiniSGL]:
 # ---------------------------------------------------------------------- a stand-in for minisgl.Client
 
 
-def _chunks(text_pieces: list[str], tool_deltas: list[list[dict[str, Any]]] | None = None,
-            finish: str = "stop", usage: Usage = Usage(7, 3, 4)) -> list[Chunk]:
+def _chunks(
+    text_pieces: list[str],
+    tool_deltas: list[list[dict[str, Any]]] | None = None,
+    finish: str = "stop",
+    usage: Usage = Usage(7, 3, 4),
+) -> list[Chunk]:
     pieces: list[tuple[str, Any]] = [(t, None) for t in text_pieces] + [("", d) for d in tool_deltas or []]
     out = [Chunk("r", 0, text, [], tool_calls=deltas) for text, deltas in pieces]
     return out + [Chunk("r", 0, "", [], finish_reason=finish, usage=usage, done=True)]
@@ -107,8 +111,14 @@ class StandInClient:
     script: list[Chunk] = _chunks(["Hi", " there"])
     fail_first: Exception | None = None
 
-    def __init__(self, model: str, address: str | None = None, auto_start: bool = True,
-                 timeout: float | None = None, **engine: Any) -> None:
+    def __init__(
+        self,
+        model: str,
+        address: str | None = None,
+        auto_start: bool = True,
+        timeout: float | None = None,
+        **engine: Any,
+    ) -> None:
         self.model, self.address = model, address
         self.requests: list[dict[str, Any]] = []
         self.closed = False
@@ -167,21 +177,27 @@ class Person(BaseModel):
 
 
 def test_messages_become_openai_chat_dicts_with_tool_calls_and_results(stand_in):
-    ChatMiniSGL().invoke([
-        SystemMessage("Be brief."),
-        HumanMessage("What is 1 + 2?", name="ann"),
-        AIMessage(
-            [{"type": "text", "text": "Let me add."}, {"type": "tool_use", "id": "c1", "name": "add", "input": {}}],
-            tool_calls=[{"name": "add", "args": {"a": 1, "b": 2}, "id": "c1", "type": "tool_call"}],
-        ),
-        ToolMessage("3", tool_call_id="c1", name="add"),
-    ])
+    ChatMiniSGL().invoke(
+        [
+            SystemMessage("Be brief."),
+            HumanMessage("What is 1 + 2?", name="ann"),
+            AIMessage(
+                [{"type": "text", "text": "Let me add."}, {"type": "tool_use", "id": "c1", "name": "add", "input": {}}],
+                tool_calls=[{"name": "add", "args": {"a": 1, "b": 2}, "id": "c1", "type": "tool_call"}],
+            ),
+            ToolMessage("3", tool_call_id="c1", name="add"),
+        ]
+    )
     assert stand_in.made[0].requests[0]["messages"] == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 1 + 2?", "name": "ann"},
-        {"role": "assistant", "content": "Let me add.", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}},
-        ]},
+        {
+            "role": "assistant",
+            "content": "Let me add.",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}},
+            ],
+        },
         {"role": "tool", "content": "3", "tool_call_id": "c1", "name": "add"},
     ]
 
@@ -240,8 +256,11 @@ def test_chat_template_kwargs_of_the_model_and_the_call_are_merged_and_sent(stan
 def test_reasoning_comes_back_in_additional_kwargs_whole_and_streamed(stand_in):
     """A daemon with --reasoning-parser sends the <think> part apart: additional_kwargs["reasoning_content"],
     where langchain-deepseek puts it; the content is the answer alone."""
-    stand_in.script = [Chunk("r", 0, "", [], reasoning="The user wants"), Chunk("r", 0, "", [], reasoning=" a capital."),
-                       *_chunks(["Paris", "."])]
+    stand_in.script = [
+        Chunk("r", 0, "", [], reasoning="The user wants"),
+        Chunk("r", 0, "", [], reasoning=" a capital."),
+        *_chunks(["Paris", "."]),
+    ]
     message = ChatMiniSGL().invoke("Capital of France?")
     assert message.additional_kwargs == {"reasoning_content": "The user wants a capital."}
     assert message.content == "Paris."
@@ -265,7 +284,8 @@ def test_one_client_per_model_and_address_reused_and_closed(stand_in):
     llm.invoke("b")
     llm.invoke("c", model="other-model")  # another model: located by name, not at smollm2's address
     assert [(c.model, c.address, len(c.requests)) for c in stand_in.made] == [
-        ("smollm2", "ipc:///tmp/x.sock", 2), ("other-model", None, 1),
+        ("smollm2", "ipc:///tmp/x.sock", 2),
+        ("other-model", None, 1),
     ]
     llm.close()
     assert all(c.closed for c in stand_in.made)
@@ -275,7 +295,10 @@ def test_usage_and_response_metadata_come_from_the_last_chunk(stand_in):
     out = ChatMiniSGL().invoke("Hi")
     assert out.content == "Hi there"
     assert out.usage_metadata == {
-        "input_tokens": 7, "output_tokens": 3, "total_tokens": 10, "input_token_details": {"cache_read": 4},
+        "input_tokens": 7,
+        "output_tokens": 3,
+        "total_tokens": 10,
+        "input_token_details": {"cache_read": 4},
     }
     assert out.response_metadata == {"model_provider": "minisgl", "model_name": "smollm2", "finish_reason": "stop"}
 
@@ -283,7 +306,10 @@ def test_usage_and_response_metadata_come_from_the_last_chunk(stand_in):
 def test_tool_choice_any_is_required_a_name_forces_that_tool_and_true_the_only_tool(stand_in):
     llm = ChatMiniSGL()
     for choice, sent in [
-        ("any", "required"), ("auto", "auto"), ("none", "none"), ("required", "required"),
+        ("any", "required"),
+        ("auto", "auto"),
+        ("none", "none"),
+        ("required", "required"),
         ("add", {"type": "function", "function": {"name": "add"}}),
         (True, {"type": "function", "function": {"name": "add"}}),
     ]:
@@ -304,8 +330,19 @@ def test_structured_output_methods_send_a_schema_json_mode_or_a_forced_tool(stan
     assert response_format["json_schema"]["schema"]["required"] == ["name", "age"]
     assert llm.with_structured_output(Person, method="json_mode").invoke("Ann, 3") == Person(name="Ann", age=3)
     assert stand_in.made[0].requests[-1]["response_format"] == {"type": "json_object"}
-    stand_in.script = _chunks([], [[{"index": 0, "id": "c1", "type": "function",
-                                     "function": {"name": "Person", "arguments": '{"name": "Ann", "age": 3}'}}]])
+    stand_in.script = _chunks(
+        [],
+        [
+            [
+                {
+                    "index": 0,
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "Person", "arguments": '{"name": "Ann", "age": 3}'},
+                }
+            ]
+        ],
+    )
     raw = llm.with_structured_output(Person, method="function_calling", include_raw=True).invoke("Ann, 3")
     assert stand_in.made[0].requests[-1]["tool_choice"] == {"type": "function", "function": {"name": "Person"}}
     assert raw["parsed"] == Person(name="Ann", age=3) and raw["parsing_error"] is None
@@ -313,11 +350,17 @@ def test_structured_output_methods_send_a_schema_json_mode_or_a_forced_tool(stan
 
 def test_tool_call_deltas_become_tool_call_chunks_and_one_parsed_call(stand_in):
     # The daemon may put a call's name and its first argument fragment into one chunk.
-    stand_in.script = _chunks([], [
-        [{"index": 0, "id": "c1", "type": "function", "function": {"name": "add", "arguments": ""}},
-         {"index": 0, "function": {"arguments": '{"a": 1,'}}],
-        [{"index": 0, "function": {"arguments": ' "b": 2}'}}],
-    ], finish="tool_calls")
+    stand_in.script = _chunks(
+        [],
+        [
+            [
+                {"index": 0, "id": "c1", "type": "function", "function": {"name": "add", "arguments": ""}},
+                {"index": 0, "function": {"arguments": '{"a": 1,'}},
+            ],
+            [{"index": 0, "function": {"arguments": ' "b": 2}'}}],
+        ],
+        finish="tool_calls",
+    )
     llm = ChatMiniSGL().bind_tools([add])
     out = llm.invoke("1 + 2?")
     assert out.tool_calls == [{"name": "add", "args": {"a": 1, "b": 2}, "id": "c1", "type": "tool_call"}]
@@ -362,9 +405,12 @@ def test_token_counts_are_the_models_own_and_match_a_calls_usage(llm, smollm2_di
     assert llm.get_token_ids(text) == hf.encode(text, add_special_tokens=False)
     assert llm.get_num_tokens(text) == len(hf.encode(text, add_special_tokens=False))
     messages = [SystemMessage("You are terse."), HumanMessage("What is 2 + 3?")]
-    rendered = hf.apply_chat_template([{"role": "system", "content": "You are terse."},
-                                       {"role": "user", "content": "What is 2 + 3?"}],
-                                      add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    rendered = hf.apply_chat_template(
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2 + 3?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
     count = llm.get_num_tokens_from_messages(messages)
     assert count == len(rendered)
     assert llm.invoke(messages, max_tokens=2).usage_metadata["input_tokens"] == count

@@ -58,10 +58,14 @@ class TestChatMiniSGLUnit(ChatModelUnitTests):
     def init_from_env_params(self) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
         return {"MINISGL_ADDRESS": "ipc:///tmp/minisgl-test.sock"}, {}, {"address": "ipc:///tmp/minisgl-test.sock"}
 
-    @pytest.mark.xfail(raises=ValueError, strict=True, reason=(
-        "langchain-core's load(allowed_objects='all') admits only the classes in its own allowlist "
-        "(in-tree partners); dumpd() must still match the snapshot (any other failure is a real one)"
-    ))
+    @pytest.mark.xfail(
+        raises=ValueError,
+        strict=True,
+        reason=(
+            "langchain-core's load(allowed_objects='all') admits only the classes in its own allowlist "
+            "(in-tree partners); dumpd() must still match the snapshot (any other failure is a real one)"
+        ),
+    )
     def test_serdes(self, model: ChatMiniSGL, snapshot: Any) -> None:
         super().test_serdes(model, snapshot)
 
@@ -72,8 +76,9 @@ class TestChatMiniSGLUnit(ChatModelUnitTests):
         with mock.patch.dict(os.environ, env_params):
             ser = dumpd(model)
             assert ser == snapshot(name="serialized")
-            revived = load(ser, valid_namespaces=["langchain_minisgl"], allowed_objects=[ChatMiniSGL],
-                           secrets_from_env=True)
+            revived = load(
+                ser, valid_namespaces=["langchain_minisgl"], allowed_objects=[ChatMiniSGL], secrets_from_env=True
+            )
             assert isinstance(revived, ChatMiniSGL)
             assert model.dict() == revived.dict()
 
@@ -82,8 +87,9 @@ class TestChatMiniSGLUnit(ChatModelUnitTests):
         ser = dumpd(model)
         assert "sk-secret" not in str(ser)
         with mock.patch.dict(os.environ, {"MINISGL_API_KEY": "sk-secret"}):
-            revived = load(ser, valid_namespaces=["langchain_minisgl"], allowed_objects=[ChatMiniSGL],
-                           secrets_from_env=True)
+            revived = load(
+                ser, valid_namespaces=["langchain_minisgl"], allowed_objects=[ChatMiniSGL], secrets_from_env=True
+            )
         assert revived.api_key.get_secret_value() == "sk-secret"
         assert (revived.temperature, revived.stop) == (0.5, ["END"])
 
@@ -151,17 +157,23 @@ class TestChatMiniSGLIntegration(ChatModelIntegrationTests):
     # Where SmolLM2-135M answers poorly. Both still run, and only the model's kind of failure is
     # expected (raises=): an error of the adapter fails them.
 
-    @pytest.mark.xfail(raises=OutputParserException, reason=(
-        "SmolLM2-135M answers poorly: in JSON mode (any JSON object, keys only asked for in the prompt) "
-        "it nests {'setup': {'setup': ...}} instead of giving 'setup' and 'punchline' strings"
-    ))
+    @pytest.mark.xfail(
+        raises=OutputParserException,
+        reason=(
+            "SmolLM2-135M answers poorly: in JSON mode (any JSON object, keys only asked for in the prompt) "
+            "it nests {'setup': {'setup': ...}} instead of giving 'setup' and 'punchline' strings"
+        ),
+    )
     def test_json_mode(self, model: ChatMiniSGL) -> None:
         super().test_json_mode(model)
 
-    @pytest.mark.xfail(raises=AssertionError, reason=(
-        "SmolLM2-135M answers poorly: with tool_choice='auto' it describes San Francisco's weather in prose "
-        "instead of calling get_weather (forced calls, tool_choice='any', are covered by the other tests)"
-    ))
+    @pytest.mark.xfail(
+        raises=AssertionError,
+        reason=(
+            "SmolLM2-135M answers poorly: with tool_choice='auto' it describes San Francisco's weather in prose "
+            "instead of calling get_weather (forced calls, tool_choice='any', are covered by the other tests)"
+        ),
+    )
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     def test_agent_loop(self, model: ChatMiniSGL) -> None:
         super().test_agent_loop(model)

@@ -21,16 +21,24 @@ litellm = pytest.importorskip("litellm")
 jsonschema = pytest.importorskip("jsonschema")
 
 import litellm_minisgl  # noqa: E402
+from daemon_fixtures import daemon_runtime_dir, free_port, smollm2_daemon  # noqa: E402,F401 - fixtures by name
 from litellm_minisgl.routing import CacheAwareRouting, PrefixIndex, block_hashes, prefix_text  # noqa: E402
 from minisgl import SamplingParams  # noqa: E402
-from daemon_fixtures import daemon_runtime_dir, free_port, smollm2_daemon  # noqa: E402,F401 - fixtures by name
 
 MODEL = "minisgl/smollm2"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-           "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                           "parameters": WEATHER}}]
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER},
+    }
+]
 DEAD_WITHIN_S = 10.0  # a daemon that is not there is reported within this (the provider pings for 3s)
 
 
@@ -47,8 +55,14 @@ def daemon(smollm2_daemon: Any) -> Any:  # noqa: F811
 
 
 def ask(daemon: Any, **kwargs: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": QUESTION, "api_base": daemon.address, "temperature": 0, "max_tokens": 12,
-            **kwargs}
+    return {
+        "model": MODEL,
+        "messages": QUESTION,
+        "api_base": daemon.address,
+        "temperature": 0,
+        "max_tokens": 12,
+        **kwargs,
+    }
 
 
 def text_of(chunks: list[Any]) -> str:
@@ -95,7 +109,8 @@ def test_streaming_joins_to_the_completion_and_reports_usage_last(daemon):
     chunks = list(litellm.completion(**ask(daemon), stream=True, stream_options={"include_usage": True}))
     assert text_of(chunks) == full.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
-        full.choices[0].finish_reason]
+        full.choices[0].finish_reason
+    ]
     usage = chunks[-1].usage
     assert usage.prompt_tokens == full.usage.prompt_tokens and usage.completion_tokens == full.usage.completion_tokens
     assert usage.prompt_tokens_details.cached_tokens > 0
@@ -115,8 +130,11 @@ async def test_acompletion_and_astreaming_match_the_sync_answer(daemon):
 def test_a_repeated_long_system_prompt_reports_cached_tokens(daemon):
     system = f"Session {uuid.uuid4().hex}. " + "You are a helpful, concise assistant who answers in one line. " * 20
     first, second = (
-        litellm.completion(**ask(daemon, messages=[{"role": "system", "content": system},
-                                                   {"role": "user", "content": q}], max_tokens=2))
+        litellm.completion(
+            **ask(
+                daemon, messages=[{"role": "system", "content": system}, {"role": "user", "content": q}], max_tokens=2
+            )
+        )
         for q in ("Name a color.", "Name a fruit.")
     )
     assert first.usage.prompt_tokens_details.cached_tokens < 10
@@ -167,11 +185,16 @@ def test_a_completions_timeout_bounds_the_whole_request_and_aborts_it(daemon):
 def test_chat_template_kwargs_reach_the_daemons_chat_template(daemon):
     plain = litellm.completion(**ask(daemon, max_tokens=2))
     # As vLLM/SGLang take them: a kwarg or extra_body; the template variable is unknown to SmolLM2's template.
-    for how in ({"chat_template_kwargs": {"enable_thinking": False}},
-                {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}):
+    for how in (
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
+    ):
         same = litellm.completion(**ask(daemon, max_tokens=2, **how))
         assert same.usage.prompt_tokens == plain.usage.prompt_tokens
-    for how in ({"chat_template_kwargs": {"tokenize": True}}, {"extra_body": {"chat_template_kwargs": {"tokenize": True}}}):
+    for how in (
+        {"chat_template_kwargs": {"tokenize": True}},
+        {"extra_body": {"chat_template_kwargs": {"tokenize": True}}},
+    ):
         with pytest.raises(litellm.BadRequestError, match="tokenize"):  # refused by the daemon: it got there
             litellm.completion(**ask(daemon, max_tokens=2, **how))
 
@@ -182,8 +205,11 @@ class ThinkingStandIn:
     def _chunks(self) -> list[Any]:
         from minisgl import Chunk, Usage
 
-        return [Chunk("r", 0, "", [1], reasoning="The user wants"), Chunk("r", 0, "", [2], reasoning=" a capital."),
-                Chunk("r", 0, "Paris.", [3], finish_reason="stop", usage=Usage(5, 3, 0), done=True)]
+        return [
+            Chunk("r", 0, "", [1], reasoning="The user wants"),
+            Chunk("r", 0, "", [2], reasoning=" a capital."),
+            Chunk("r", 0, "Paris.", [3], finish_reason="stop", usage=Usage(5, 3, 0), done=True),
+        ]
 
     def generate(self, messages: Any, params: Any, **kwargs: Any) -> Any:
         from minisgl import CompletionOutput, GenerateResult, Usage
@@ -203,8 +229,11 @@ def test_reasoning_comes_back_as_reasoning_content(monkeypatch):
     assert whole.choices[0].message.content == "Paris."
     chunks = list(litellm.completion(model=MODEL, messages=QUESTION, stream=True))
     assert text_of(chunks) == "Paris."
-    reasoning = "".join((getattr(c.choices[0].delta, "provider_specific_fields", None) or {}).get("reasoning_content", "")
-                        for c in chunks if c.choices)
+    reasoning = "".join(
+        (getattr(c.choices[0].delta, "provider_specific_fields", None) or {}).get("reasoning_content", "")
+        for c in chunks
+        if c.choices
+    )
     assert reasoning == "The user wants a capital."
 
 
@@ -223,7 +252,8 @@ def test_tool_calls_complete_and_stream_as_deltas_and_go_back_into_the_conversat
     assert deltas[0].id and deltas[0].function.name == "get_weather"
     assert "".join(d.function.arguments or "" for d in deltas if d.index == 0) == call.function.arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
-        choice.finish_reason]
+        choice.finish_reason
+    ]
 
     # An agent loop appends the response message object as it is, then the tool's result.
     followup = ask_weather + [choice.message, {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'}]
@@ -233,8 +263,12 @@ def test_tool_calls_complete_and_stream_as_deltas_and_go_back_into_the_conversat
 
 
 def test_response_format_constrains_the_output(daemon):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
-              "required": ["name", "age"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
     invent = [{"role": "user", "content": "Invent a person and describe them."}]
     r = litellm.completion(**ask(daemon, messages=invent, response_format=fmt, max_tokens=64))
@@ -284,8 +318,10 @@ async def test_an_unreachable_daemon_is_a_service_unavailable_error_within_secon
 
 def test_without_api_base_the_provider_finds_the_models_daemon(daemon):
     r = litellm.completion(model=MODEL, messages=QUESTION, temperature=0, max_tokens=12)
-    assert r.choices[0].message.content == daemon.client.generate(
-        QUESTION, SamplingParams(temperature=0, max_tokens=12)).text
+    assert (
+        r.choices[0].message.content
+        == daemon.client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=12)).text
+    )
 
 
 # ---------------------------------------------------------------------------- routing
@@ -332,8 +368,9 @@ def test_cache_aware_routing_prefers_the_longest_prefix_then_the_least_loaded():
 
 async def test_a_router_keeps_a_conversation_on_one_daemon_and_skips_a_dead_one(daemon):
     dead = f"tcp://127.0.0.1:{free_port()}"
-    router = litellm.Router(model_list=[deployment(0, daemon.address), deployment(1, daemon.address),
-                                        deployment(2, dead)], num_retries=0)
+    router = litellm.Router(
+        model_list=[deployment(0, daemon.address), deployment(1, daemon.address), deployment(2, dead)], num_retries=0
+    )
     routing = CacheAwareRouting()
     litellm.callbacks.append(routing)
     try:

@@ -77,12 +77,24 @@ def daemons(daemon_runtime_dir: Path) -> Iterator[list[Daemon]]:  # noqa: F811
 def proxy(daemons: list[Daemon], daemon_runtime_dir: Path) -> Iterator[Proxy]:  # noqa: F811
     port, key = free_port(), f"sk-{secrets.token_hex(16)}"
     env = {
-        **os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_MASTER_KEY": key,
-        "MINISGL_DAEMON_A": daemons[0].address, "MINISGL_DAEMON_B": daemons[1].address,
+        **os.environ,
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "LITELLM_MASTER_KEY": key,
+        "MINISGL_DAEMON_A": daemons[0].address,
+        "MINISGL_DAEMON_B": daemons[1].address,
     }
     log = daemon_runtime_dir / "proxy.log"
-    cmd = [sys.executable, "-m", "litellm.proxy.proxy_cli", "--config", str(CONFIG), "--host", "127.0.0.1",
-           "--port", str(port)]  # what the `litellm` command runs
+    cmd = [
+        sys.executable,
+        "-m",
+        "litellm.proxy.proxy_cli",
+        "--config",
+        str(CONFIG),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]  # what the `litellm` command runs
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -125,8 +137,9 @@ def test_the_openai_client_gets_completions_and_streams_through_the_proxy(oai):
     r = chat(oai, "What is the capital of France?", max_tokens=12)
     assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
-    chunks = list(chat(oai, "What is the capital of France?", max_tokens=12, stream=True,
-                       stream_options={"include_usage": True}))
+    chunks = list(
+        chat(oai, "What is the capital of France?", max_tokens=12, stream=True, stream_options={"include_usage": True})
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
@@ -149,8 +162,10 @@ def test_a_conversation_stays_on_the_daemon_that_caches_it(oai):
     for turn in range(3):
         r = oai.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=4)
         prompt_tokens.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
-        messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                     {"role": "user", "content": f"Another one, number {turn}."}]
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": f"Another one, number {turn}."},
+        ]
     for (prev_prompt, _), (_, cached) in zip(prompt_tokens, prompt_tokens[1:]):
         assert cached >= prev_prompt - 8, prompt_tokens  # (the chat template may re-render the last tokens)
 

@@ -7,8 +7,7 @@ import random
 import pytest
 import torch
 
-from minisgl import LLM, SamplingParams
-from minisgl import errors
+from minisgl import LLM, SamplingParams, errors
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 MAX_NEW = 12
@@ -33,10 +32,14 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new: int, **gen_kwargs) -
         for p in prompts:
             ids = torch.tensor([p])
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
-                pad_token_id=eos if isinstance(eos, int) else (eos or [0])[0], **gen_kwargs,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new,
+                pad_token_id=eos if isinstance(eos, int) else (eos or [0])[0],
+                **gen_kwargs,
             )
-            outs.append(out[0, len(p):].tolist())
+            outs.append(out[0, len(p) :].tolist())
     return outs
 
 
@@ -142,7 +145,9 @@ def smollm2(smollm2_dir):
 
 
 def test_smollm2_chat_answers_paris(smollm2):
-    out = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=32))
+    out = smollm2.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=32)
+    )
     assert "Paris" in out.text
     assert out.finish_reason in ("stop", "length")
     smollm2.check_integrity()
@@ -157,8 +162,10 @@ def test_chat_many_conversations_returns_a_list(smollm2):
 
 def test_chat_template_kwargs_reach_the_template(smollm2, monkeypatch):
     # A template with Qwen3's switch (SmolLM2's own has no variable); HF renders the reference.
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                "<|im_start|>assistant\n{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    )
     tok = smollm2.tokenizer
     monkeypatch.setattr(tok, "chat_template", template)
     messages = [{"role": "user", "content": "Hi"}]
@@ -184,9 +191,13 @@ def test_same_seed_same_output_different_seed_different_output(smollm2):
 
 
 def test_stop_strings_are_trimmed_and_stop_reason_reported(smollm2):
-    ref = smollm2.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    ref = smollm2.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[
+        0
+    ]
     word = ref.text.split()[1] if len(ref.text.split()) > 1 else ref.text.strip()[:3]
-    out = smollm2.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16, stop=[word]), use_tqdm=False)[0]
+    out = smollm2.generate(
+        ["The capital of France is"], SamplingParams(temperature=0, max_tokens=16, stop=[word]), use_tqdm=False
+    )[0]
     assert out.finish_reason == "stop" and out.outputs[0].matched_stop == word
     assert word not in out.text and ref.text.startswith(out.text)
     smollm2.check_integrity()
@@ -221,19 +232,28 @@ def test_stop_token_ids_and_max_tokens(smollm2):
     ref = smollm2.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert ref.finish_reason == "length" and len(ref.token_ids) == 8
     stop_tok = ref.token_ids[3]
-    out = smollm2.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    out = smollm2.generate(
+        ["Once upon a time"], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_tok]), use_tqdm=False
+    )[0]
     assert out.finish_reason == "stop" and out.token_ids == ref.token_ids[: ref.token_ids.index(stop_tok) + 1]
     # the stop token's id stays in token_ids, its text is left out (vLLM's and SGLang's default)
     assert out.text == smollm2.tokenizer.decode(out.token_ids[:-1], skip_special_tokens=True)
-    chat = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}],
-                        SamplingParams(temperature=0, max_tokens=40, skip_special_tokens=False), use_tqdm=False)
+    chat = smollm2.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=40, skip_special_tokens=False),
+        use_tqdm=False,
+    )
     if chat.finish_reason == "stop":  # ended by EOS: its text (<|im_end|>) is not in the answer either
         assert chat.text == smollm2.tokenizer.decode(chat.token_ids[:-1], skip_special_tokens=False)
         assert chat.token_ids[-1] in smollm2.eos_token_ids
 
 
 def test_n_samples_share_the_prompt_and_logprobs_are_reported(smollm2):
-    out = smollm2.generate(["Tell me about the moon."], SamplingParams(temperature=1.0, max_tokens=8, n=3, seed=3, logprobs=2), use_tqdm=False)[0]
+    out = smollm2.generate(
+        ["Tell me about the moon."],
+        SamplingParams(temperature=1.0, max_tokens=8, n=3, seed=3, logprobs=2),
+        use_tqdm=False,
+    )[0]
     assert len(out.outputs) == 3
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     for o in out.outputs:
@@ -257,9 +277,15 @@ def test_prompt_logprobs_match_hf_and_skip_the_prefix_cache(tiny_model_dir):
     prompts = [shared + [rng.randrange(10, vocab) for _ in range(n)] for n in (5, 30)] + [[rng.randrange(10, vocab)]]
     llm = LLM(str(model_dir), max_prefill_tokens=16)  # 45- and 70-token prompts: several chunks each
     llm.generate([shared + [1, 2]], SamplingParams(max_tokens=1), use_tqdm=False)  # the shared prefix is cached
-    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3),
-                                  SamplingParams(temperature=1.0, max_tokens=2, prompt_logprobs=0, n=2, seed=1),
-                                  SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)], use_tqdm=False)
+    outs = llm.generate(
+        prompts,
+        [
+            SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3),
+            SamplingParams(temperature=1.0, max_tokens=2, prompt_logprobs=0, n=2, seed=1),
+            SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+        ],
+        use_tqdm=False,
+    )
     for prompt, out, k in zip(prompts, outs, (3, 0, 2)):
         with torch.no_grad():
             ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
@@ -279,8 +305,9 @@ def test_prompt_logprobs_match_hf_and_skip_the_prefix_cache(tiny_model_dir):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_embed_is_hf_last_hidden_state_of_the_last_token_normalised(tiny_model_dir, family):
-    """LLM.embed against HF: the last layer's hidden state (after the final norm) at the last prompt token, L2-normalised;
-    across prefill chunks, with a cached prefix (the prefix cache serves embeddings too) and mixed with generation."""
+    """LLM.embed against HF: the last layer's hidden state (after the final norm) at the last prompt token,
+    L2-normalised; across prefill chunks, with a cached prefix (the prefix cache serves embeddings too) and mixed with
+    generation."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -324,7 +351,9 @@ def test_repetition_penalty_matches_hf(tiny_model_dir):
     prompts = make_prompts(AutoConfig.from_pretrained(str(model_dir)).vocab_size, seed=5)[:3]
     ref = hf_greedy(model_dir, prompts, MAX_NEW, repetition_penalty=1.5)
     llm = LLM(str(model_dir))
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, repetition_penalty=1.5), use_tqdm=False)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, repetition_penalty=1.5), use_tqdm=False
+    )
     eos = set(llm.model_config.eos_token_ids)
     assert [o.token_ids for o in outs] == [trim_after_eos(r, eos) for r in ref]
 
@@ -426,10 +455,25 @@ def test_abort_by_request_id_frees_pages(tiny_model_dir):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(max_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(n=0),
-     dict(temperature="hot"), dict(temperature=float("nan")), dict(repetition_penalty=float("nan")),
-     dict(top_p=float("inf")), dict(seed=2**70), dict(seed=1.5), dict(stop_token_ids=["a"]), dict(stop_token_ids="12"),
-     dict(n=True), dict(max_tokens=True), dict(min_tokens="3")],
+    [
+        dict(max_tokens=0),
+        dict(temperature=-0.5),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_k=-2),
+        dict(n=0),
+        dict(temperature="hot"),
+        dict(temperature=float("nan")),
+        dict(repetition_penalty=float("nan")),
+        dict(top_p=float("inf")),
+        dict(seed=2**70),
+        dict(seed=1.5),
+        dict(stop_token_ids=["a"]),
+        dict(stop_token_ids="12"),
+        dict(n=True),
+        dict(max_tokens=True),
+        dict(min_tokens="3"),
+    ],
 )
 def test_bad_sampling_params_raise_invalid_request(kwargs):
     with pytest.raises(errors.InvalidRequestError):
@@ -455,8 +499,13 @@ def test_bad_requests_raise_typed_errors_and_leak_nothing(tiny_model_dir):
 
 @pytest.mark.parametrize(
     "backend,match",
-    [("xqa,flashinfer", "decode kernel"), ("xqa", "needs a CUDA GPU"), ("flashinfer,xqa", "needs a CUDA GPU"),
-     ("flash", "unknown attention backend"), ("a,b,c", "NAME or PREFILL,DECODE")],
+    [
+        ("xqa,flashinfer", "decode kernel"),
+        ("xqa", "needs a CUDA GPU"),
+        ("flashinfer,xqa", "needs a CUDA GPU"),
+        ("flash", "unknown attention backend"),
+        ("a,b,c", "NAME or PREFILL,DECODE"),
+    ],
 )
 def test_attention_backend_names_are_checked_before_anything_loads(tiny_model_dir, backend, match):
     """XQA (attention/xqa.py) only decodes: as a prefill backend it is refused; alone it means 'flashinfer,xqa',
@@ -469,7 +518,8 @@ MARK = 7  # a prompt holding this token id makes the patched forward raise (the 
 
 
 def _failing_forward(engine, phases: set[str]):
-    """engine.forward that raises like a kernel this CPU lacks when its batch (of one of `phases`) holds a MARK prompt."""
+    """engine.forward that raises like a kernel this CPU lacks when its batch (of one of `phases`) holds a MARK
+    prompt."""
     forward = engine.forward
 
     def run(batch):
@@ -482,7 +532,9 @@ def _failing_forward(engine, phases: set[str]):
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
-def test_a_failing_forward_fails_its_batch_frees_its_pages_and_the_engine_goes_on(tiny_model_dir, monkeypatch, phase, overlap):
+def test_a_failing_forward_fails_its_batch_frees_its_pages_and_the_engine_goes_on(
+    tiny_model_dir, monkeypatch, phase, overlap
+):
     model_dir = tiny_model_dir("llama")
     extra = {"extra": {"overlap_on_cpu": True}} if overlap else {"disable_overlap": True}
     llm = LLM(str(model_dir), page_size=4, **extra)
@@ -508,7 +560,9 @@ def test_a_failing_forward_fails_its_batch_frees_its_pages_and_the_engine_goes_o
     assert sched.stats()["req_pages"] == 0 and not sched.has_work
     # The engine still serves, and correctly: greedy output equals HF transformers'.
     monkeypatch.undo()
-    got = llm.generate([early, late], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    got = llm.generate(
+        [early, late], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False
+    )
     ref = hf_greedy(model_dir, [early, late], MAX_NEW)
     assert [o.token_ids for o in got] == ref
     if phase == "prefill":  # "early" never shared a batch with the failing request: it finished normally
@@ -525,7 +579,10 @@ def test_generate_raises_engine_error_when_a_forward_fails_and_leaves_nothing_in
     assert not llm.scheduler.has_work
     llm.check_integrity()
     assert llm.stats()["req_pages"] == 0
-    assert len(llm.generate([[20, 21, 22]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0].token_ids) == 4
+    assert (
+        len(llm.generate([[20, 21, 22]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0].token_ids)
+        == 4
+    )
 
 
 def test_an_engine_that_cannot_run_a_forward_fails_at_start_with_a_clear_error(tiny_model_dir, monkeypatch):
@@ -536,14 +593,18 @@ def test_an_engine_that_cannot_run_a_forward_fails_at_start_with_a_clear_error(t
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
 
     monkeypatch.setattr(LlamaForCausalLM, "forward", no_kernel)
-    with pytest.raises(errors.EngineError, match=r"bfloat16 on cpu cannot run on this machine.*avx_ne_convert.*--dtype"):
+    with pytest.raises(
+        errors.EngineError, match=r"bfloat16 on cpu cannot run on this machine.*avx_ne_convert.*--dtype"
+    ):
         LLM(str(tiny_model_dir("llama")), dtype="bfloat16")
 
 
 def test_bfloat16_runs_on_every_cpu(tiny_model_dir):
     """bf16 works whether or not this CPU can pack bf16 for oneDNN (AVX2-only CPUs use F.linear)."""
     llm = LLM(str(tiny_model_dir("llama")), dtype="bfloat16")
-    out = llm.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [list(range(10, 30))], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )
     assert len(out[0].token_ids) == 6 and out[0].error is None
     llm.check_integrity()
 
@@ -574,8 +635,16 @@ def test_vllm_prompt_dicts_are_prompts_and_other_inputs_raise_typed_errors(tiny_
     assert [o.prompt_token_ids for o in outs] == [tokenizer.encode(text), ids]
     assert [o.token_ids for o in outs] == ref
     assert llm.generate({"prompt": text}, greedy, use_tqdm=False)[0].token_ids == ref[0]
-    for bad in ({"prompt": text, "multi_modal_data": {}}, {"promt": text}, {"prompt": ids}, {"prompt_token_ids": text},
-                [{"prompt": text}, 5], None, 7, [None]):
+    for bad in (
+        {"prompt": text, "multi_modal_data": {}},
+        {"promt": text},
+        {"prompt": ids},
+        {"prompt_token_ids": text},
+        [{"prompt": text}, 5],
+        None,
+        7,
+        [None],
+    ):
         with pytest.raises(errors.InvalidRequestError):
             llm.generate(bad, greedy, use_tqdm=False)
     for bad_params in ({"max_tokens": 3}, [{"max_tokens": 3}], "greedy"):

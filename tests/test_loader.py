@@ -105,7 +105,7 @@ def test_missing_shard_file_raises_weights_error_naming_the_file(tiny_sharded_mo
 def test_truncated_safetensors_raises_weights_error_naming_the_file(tiny_model_dir, tmp_path):
     model_dir = copy_model(tiny_model_dir("qwen3"), tmp_path / "m")
     path = model_dir / "model.safetensors"
-    path.write_bytes(path.read_bytes()[: 1000])
+    path.write_bytes(path.read_bytes()[:1000])
     with pytest.raises(WeightsError, match="model.safetensors"):
         load_model(model_dir, dtype=torch.float32)
 

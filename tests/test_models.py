@@ -127,7 +127,8 @@ def test_tp_shards_have_per_rank_shapes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_gemm_packs_exactly_the_dtypes_this_cpu_can_pack(dtype):
-    """CpuGemm's capability table agrees with oneDNN itself: packing raises exactly for the dtypes it marks unpackable."""
+    """CpuGemm's capability table agrees with oneDNN itself: packing raises exactly for the dtypes it marks
+    unpackable."""
     from minisgl.layers.linear import CpuGemm
 
     if not CpuGemm.enabled:
@@ -147,8 +148,8 @@ def test_cpu_gemm_packs_exactly_the_dtypes_this_cpu_can_pack(dtype):
 @pytest.mark.parametrize("path", ["packed", "fallback"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_gemm_follows_every_change_of_the_weight(dtype, path, monkeypatch):
-    """Both paths (a packed oneDNN copy of the weight, F.linear) equal an fp32 F.linear, also after loads and in-place edits.
-
+    """Both paths (a packed oneDNN copy of the weight, F.linear) equal an fp32 F.linear, also after loads and
+    in-place edits.
     The fallback is forced through the capability table, so it runs on every CPU; the packed path
     runs where this CPU can pack the dtype (bf16 needs AVX-512 or AVX-NE-CONVERT).
     """
@@ -186,7 +187,8 @@ def test_cpu_gemm_follows_every_change_of_the_weight(dtype, path, monkeypatch):
 
 
 def test_bf16_model_matches_hf_on_every_cpu(tiny_model_dir, paged_runner):
-    """A bf16 model runs whatever the CPU supports (packed or F.linear) and matches HF's fp32 logits to bf16 precision."""
+    """A bf16 model runs whatever the CPU supports (packed or F.linear) and matches HF's fp32 logits to bf16
+    precision."""
     from transformers import AutoModelForCausalLM
 
     model_dir = tiny_model_dir("llama")

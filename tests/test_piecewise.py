@@ -39,7 +39,7 @@ def test_piecewise_prefill_gives_hf_transformers_logprobs_and_tokens(tiny_model_
     with torch.no_grad():
         ref = {tuple(p): torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), dim=-1) for p in (LONG, SHORT)}
         want_tokens = [
-            hf.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+            hf.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(p) :].tolist()
             for p in (LONG, SHORT, LONG + [42])
         ]
     with LLM(str(model_dir), max_prefill_tokens=40) as llm:
@@ -65,8 +65,9 @@ def test_piecewise_prefill_gives_hf_transformers_logprobs_and_tokens(tiny_model_
             got = torch.tensor([e[0] for e in out.prompt_logprobs[1:]])
             want = torch.stack([ref[tuple(prompt)][i - 1, prompt[i]] for i in range(1, len(prompt))])
             torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
-        cached = llm.generate([LONG + [42]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                              use_tqdm=False)[0]
+        cached = llm.generate(
+            [LONG + [42]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )[0]
         assert [o.token_ids for o in outs] + [cached.token_ids] == want_tokens
         assert cached.cached_tokens > 0
         # 45 tokens in chunks of 40 and 5, 23 tokens, then the cached rerun's new token: padded to 40, 16, 32, 16

@@ -316,7 +316,12 @@ class RadixMachine(RuleBasedStateMachine):
             self.held.append((handle, keys))
 
     @precondition(lambda self: self.held)
-    @rule(index=st.integers(0, 1000), cut=st.integers(0, 1000), extra=st.lists(st.integers(0, 1), max_size=8), lock=st.booleans())
+    @rule(
+        index=st.integers(0, 1000),
+        cut=st.integers(0, 1000),
+        extra=st.lists(st.integers(0, 1), max_size=8),
+        lock=st.booleans(),
+    )
     def match_inside_locked(self, index: int, cut: int, extra: list[int], lock: bool) -> None:
         """Match a shorter or diverging version of a locked prefix: splits a locked node."""
         tokens = list(self.held[index % len(self.held)][1][-1])

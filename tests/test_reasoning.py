@@ -21,7 +21,7 @@ def reference(text: str, in_reasoning: bool) -> tuple[str | None, str]:
         opened = re.match(r"\s*<think>", text)
         if opened is None:
             return None, text
-        text = text[opened.end():]
+        text = text[opened.end() :]
     reasoning, closed, answer = text.partition("</think>")
     return reasoning.strip(), answer.lstrip() if closed else ""
 

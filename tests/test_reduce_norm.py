@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
 
 
@@ -53,8 +54,9 @@ class Ranks:
         from minisgl.distributed.reduce_norm import reduce_add_rmsnorm
 
         rows = self.partials[rank].shape[0]
-        return reduce_add_rmsnorm(self.bufs, self.flag_ptrs, rank, rows, self.residuals[rank], self.weight, 1e-6,
-                                  programs=programs)
+        return reduce_add_rmsnorm(
+            self.bufs, self.flag_ptrs, rank, rows, self.residuals[rank], self.weight, 1e-6, programs=programs
+        )
 
     def check(self, rank: int, out: torch.Tensor) -> None:
         norm, summed = self.expected
@@ -66,9 +68,15 @@ class Ranks:
             torch.testing.assert_close(out.float(), norm.float(), atol=6e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize(("world", "rows", "hidden", "dtype", "programs"), [
-    (1, 5, 64, torch.float16, 4), (2, 37, 96, torch.float16, 8), (2, 3, 128, torch.bfloat16, 8),
-], ids=["world1", "world2-fp16-37rows", "world2-bf16-3rows"])
+@pytest.mark.parametrize(
+    ("world", "rows", "hidden", "dtype", "programs"),
+    [
+        (1, 5, 64, torch.float16, 4),
+        (2, 37, 96, torch.float16, 8),
+        (2, 3, 128, torch.bfloat16, 8),
+    ],
+    ids=["world1", "world2-fp16-37rows", "world2-bf16-3rows"],
+)
 def test_ranks_one_after_the_other_match_float32_math(device, world, rows, hidden, dtype, programs):
     """37 rows over 8 programs: each program takes several rows; a hidden size of 96 masks its last columns."""
     ranks = Ranks(world, rows, hidden, dtype, device)
@@ -80,7 +88,9 @@ def test_ranks_one_after_the_other_match_float32_math(device, world, rows, hidde
         ranks.check(r, outs[r])
     if world == 2:
         assert not ranks.flags[1].any()  # rank 1 saw rank 0's arrival and cleared it
-        assert ranks.flags[0][:grid, 1].eq(1).all() and not ranks.flags[0][:, 0].any() and not ranks.flags[0][grid:].any()
+        assert (
+            ranks.flags[0][:grid, 1].eq(1).all() and not ranks.flags[0][:, 0].any() and not ranks.flags[0][grid:].any()
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -14,8 +14,13 @@ VOCAB = 50
 
 def _req(rng: random.Random, **params) -> Req:
     prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))]
-    req = Req(rid="r", input_ids=list(prompt), sampling_params=SamplingParams(**params), prompt_len=len(prompt),
-              eos_token_ids=frozenset({2, 7}))
+    req = Req(
+        rid="r",
+        input_ids=list(prompt),
+        sampling_params=SamplingParams(**params),
+        prompt_len=len(prompt),
+        eos_token_ids=frozenset({2, 7}),
+    )
     out = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 6))]
     req.output_ids, req.input_ids = out, prompt + out
     return req
@@ -76,7 +81,11 @@ def test_model_dtype_logits_give_the_float32_paths_tokens():
     vocab = 50
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(6, vocab, generator=g) * 3).to(torch.bfloat16)
-    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_p=0.9)):
+    for params in (
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=0.8, top_p=0.9),
+    ):
         reqs = [Req(f"r{i}", [1], params, 1) for i in range(6)]
         info = SamplingInfo.from_reqs(reqs, vocab, torch.device("cpu"))
         got, _ = Sampler(vocab, torch.device("cpu"), seed=3).sample(logits, reqs, info)

@@ -27,10 +27,21 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from daemon_fixtures import (  # noqa: F401 - fixtures are used by name
-    START_TIMEOUT_S, SMOLLM2_ENGINE, daemon_runtime_dir, free_port, start_serve, wait_http,
+    SMOLLM2_ENGINE,
+    START_TIMEOUT_S,
+    daemon_runtime_dir,
+    free_port,
+    start_serve,
+    wait_http,
 )
 from minisgl.core import SamplingParams
-from minisgl.errors import ConfigError, DaemonNotRunningError, InvalidRequestError, PromptTooLongError, RequestAbortedError
+from minisgl.errors import (
+    ConfigError,
+    DaemonNotRunningError,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestAbortedError,
+)
 from minisgl.server.app import create_app, run_http_server
 
 # ---------------------------------------------------------------------------- HTTP layer
@@ -39,8 +50,14 @@ from minisgl.server.app import create_app, run_http_server
 class StandInClient:
     """Answers every request with `reply`, split into one chunk per word (after `reasoning`'s words, as a
     daemon with a reasoning parser sends them); records what it was asked."""
-    def __init__(self, reply: str = "Paris is the capital of France.", error: Exception | None = None,
-                 chunk_delay: float = 0.0, reasoning: str | None = None) -> None:
+
+    def __init__(
+        self,
+        reply: str = "Paris is the capital of France.",
+        error: Exception | None = None,
+        chunk_delay: float = 0.0,
+        reasoning: str | None = None,
+    ) -> None:
         self.reply, self.error, self.chunk_delay, self.reasoning = reply, error, chunk_delay, reasoning
         self.calls: list[dict[str, Any]] = []
         self.aborted: list[str] = []
@@ -65,9 +82,12 @@ class StandInClient:
 
     def _usage(self, params: SamplingParams) -> Any:
         return SimpleNamespace(prompt_tokens=7, completion_tokens=len(self._pieces(params)) * params.n, cached_tokens=3)
+
     def _logprobs(self, pieces: list[str]) -> list[dict[str, Any]]:
-        return [{"token_id": i, "token": p, "logprob": -0.5, "top_logprobs": [{"token": p, "logprob": -0.5}]}
-                for i, p in enumerate(pieces)]
+        return [
+            {"token_id": i, "token": p, "logprob": -0.5, "top_logprobs": [{"token": p, "logprob": -0.5}]}
+            for i, p in enumerate(pieces)
+        ]
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, rid: str, **kw: Any) -> Any:
         self.calls.append({"prompt": prompt, "params": sampling_params, "rid": rid, **kw})
@@ -76,9 +96,15 @@ class StandInClient:
         pieces = self._pieces(sampling_params)
         finish = "length" if len(pieces) == sampling_params.max_tokens else "stop"
         outputs = [
-            SimpleNamespace(index=i, text="".join(pieces), token_ids=list(range(len(pieces))), finish_reason=finish,
-                            logprobs=self._logprobs(pieces) if sampling_params.logprobs is not None else None,
-                            tool_calls=None, reasoning_content=self.reasoning)
+            SimpleNamespace(
+                index=i,
+                text="".join(pieces),
+                token_ids=list(range(len(pieces))),
+                finish_reason=finish,
+                logprobs=self._logprobs(pieces) if sampling_params.logprobs is not None else None,
+                tool_calls=None,
+                reasoning_content=self.reasoning,
+            )
             for i in range(sampling_params.n)
         ]
         if self.chunk_delay:
@@ -88,8 +114,15 @@ class StandInClient:
                 self.aborted.append(rid)
                 raise
         self.finished.append(rid)
-        return SimpleNamespace(outputs=outputs, text=outputs[0].text, finish_reason=finish, tool_calls=None,
-                               usage=self._usage(sampling_params), prompt_logprobs=None)
+        return SimpleNamespace(
+            outputs=outputs,
+            text=outputs[0].text,
+            finish_reason=finish,
+            tool_calls=None,
+            usage=self._usage(sampling_params),
+            prompt_logprobs=None,
+        )
+
     async def stream(self, prompt: Any, sampling_params: SamplingParams, rid: str, **kw: Any) -> Any:
         self.calls.append({"prompt": prompt, "params": sampling_params, "rid": rid, **kw})
         if self.error is not None:
@@ -99,14 +132,27 @@ class StandInClient:
         try:
             for i in range(sampling_params.n):
                 for k, r in enumerate((self.reasoning or "").split(" ") if self.reasoning else []):
-                    yield SimpleNamespace(index=i, text="", reasoning=r if k == 0 else " " + r, token_ids=[k],
-                                          finish_reason=None, logprobs=None, tool_calls=None, usage=None)
+                    yield SimpleNamespace(
+                        index=i,
+                        text="",
+                        reasoning=r if k == 0 else " " + r,
+                        token_ids=[k],
+                        finish_reason=None,
+                        logprobs=None,
+                        tool_calls=None,
+                        usage=None,
+                    )
                 for k, p in enumerate(pieces):
                     await asyncio.sleep(self.chunk_delay)
                     last = k == len(pieces) - 1
                     yield SimpleNamespace(
-                        index=i, text=p, reasoning="", token_ids=[k], finish_reason="stop" if last else None,
-                        matched_stop=None, prompt_logprobs=None,
+                        index=i,
+                        text=p,
+                        reasoning="",
+                        token_ids=[k],
+                        finish_reason="stop" if last else None,
+                        matched_stop=None,
+                        prompt_logprobs=None,
                         logprobs=self._logprobs([p]) if sampling_params.logprobs is not None else None,
                         tool_calls=None,
                         usage=self._usage(sampling_params) if last and i == sampling_params.n - 1 else None,
@@ -126,18 +172,30 @@ def _sse_events(body: str) -> list[str]:
     assert body.endswith("\n\n")
     events = body.split("\n\n")[:-1]
     assert all(e.startswith("data: ") for e in events), events
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]
 
 
 def test_chat_completion_maps_openai_fields_to_sampling_params():
     stand_in = StandInClient()
     with _app_client(stand_in) as http:
-        r = http.post("/v1/chat/completions", json={
-            "model": "stand-in", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-            "temperature": 0.3, "top_p": 0.9, "max_completion_tokens": 50, "stop": "\n", "seed": 7,
-            "presence_penalty": 0.5, "frequency_penalty": 0.25, "n": 2, "some_future_field": True,
-            "chat_template_kwargs": {"enable_thinking": False}, "parallel_tool_calls": False,
-        })
+        r = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": "stand-in",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                "temperature": 0.3,
+                "top_p": 0.9,
+                "max_completion_tokens": 50,
+                "stop": "\n",
+                "seed": 7,
+                "presence_penalty": 0.5,
+                "frequency_penalty": 0.25,
+                "n": 2,
+                "some_future_field": True,
+                "chat_template_kwargs": {"enable_thinking": False},
+                "parallel_tool_calls": False,
+            },
+        )
     assert r.status_code == 200, r.text
     call = stand_in.calls[0]
     assert call["parallel_tool_calls"] is False
@@ -149,10 +207,17 @@ def test_chat_completion_maps_openai_fields_to_sampling_params():
     body = r.json()
     assert body["object"] == "chat.completion"
     assert [c["index"] for c in body["choices"]] == [0, 1]
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Paris is the capital of France.",
-                                             "tool_calls": None}
-    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19,
-                             "prompt_tokens_details": {"cached_tokens": 3}}
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "Paris is the capital of France.",
+        "tool_calls": None,
+    }
+    assert body["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 12,
+        "total_tokens": 19,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
 
 
 def test_chat_without_max_tokens_may_use_the_whole_context():
@@ -166,10 +231,15 @@ def test_chat_without_max_tokens_may_use_the_whole_context():
 
 def test_chat_stream_is_sse_with_role_first_then_deltas_usage_and_done():
     with _app_client(StandInClient()) as http:
-        r = http.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Hi"}], "stream": True,
-            "stream_options": {"include_usage": True}, "max_tokens": 100,
-        })
+        r = http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Hi"}],
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "max_tokens": 100,
+            },
+        )
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/event-stream")
     events = _sse_events(r.text)
@@ -192,11 +262,19 @@ def test_every_chunk_of_a_stream_has_the_id_and_created_time_of_its_first(monkey
     clock = iter(range(1_700_000_000, 1_800_000_000))
     monkeypatch.setattr(protocol, "time", SimpleNamespace(time=lambda: next(clock)))
     with _app_client(StandInClient()) as http:
-        chat = http.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Hi"}], "stream": True, "n": 2,
-            "stream_options": {"include_usage": True}})
-        text = http.post("/v1/completions", json={"prompt": ["Hi", "Ho"], "stream": True, "max_tokens": 5,
-                                                  "stream_options": {"include_usage": True}})
+        chat = http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Hi"}],
+                "stream": True,
+                "n": 2,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        text = http.post(
+            "/v1/completions",
+            json={"prompt": ["Hi", "Ho"], "stream": True, "max_tokens": 5, "stream_options": {"include_usage": True}},
+        )
     for r in (chat, text):
         chunks = [json.loads(e) for e in _sse_events(r.text)[:-1]]
         assert len(chunks) > 5
@@ -209,8 +287,12 @@ def test_responses_api_refuses_what_it_cannot_honour_instead_of_ignoring_it():
     with _app_client(StandInClient()) as http:
         for fine in ({"tool_choice": "auto"}, {"tool_choice": "none"}, {"top_logprobs": 0}):
             assert http.post("/v1/responses", json={"input": "Hi", **fine}).status_code == 200, fine
-        for bad in ({"tool_choice": "required"}, {"tool_choice": {"type": "function", "name": "f"}},
-                    {"top_logprobs": 2}, {"include": ["message.output_text.logprobs"]}):
+        for bad in (
+            {"tool_choice": "required"},
+            {"tool_choice": {"type": "function", "name": "f"}},
+            {"top_logprobs": 2},
+            {"include": ["message.output_text.logprobs"]},
+        ):
             r = http.post("/v1/responses", json={"input": "Hi", **bad})
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (bad, r.text)
 
@@ -219,8 +301,9 @@ def test_reasoning_comes_as_reasoning_content_whole_and_in_deltas():
     """A daemon with --reasoning-parser separates the <think> part; the API carries it as vLLM and SGLang do."""
     with _app_client(StandInClient(reasoning="The user asks for a capital.")) as http:
         whole = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
-        streamed = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                           "stream": True})
+        streamed = http.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "stream": True}
+        )
     message = whole.json()["choices"][0]["message"]
     assert message["reasoning_content"] == "The user asks for a capital."
     assert message["content"] == "Paris is the capital of France."
@@ -233,12 +316,22 @@ def test_reasoning_comes_as_reasoning_content_whole_and_in_deltas():
 
 def test_ollama_chat_carries_thinking_and_streams_ndjson():
     with _app_client(StandInClient(reasoning="The user asks for a capital.")) as http:
-        whole = http.post("/api/chat", json={"model": "stand-in", "messages": [{"role": "user", "content": "Hi"}],
-                                             "stream": False, "think": False})
+        whole = http.post(
+            "/api/chat",
+            json={
+                "model": "stand-in",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "stream": False,
+                "think": False,
+            },
+        )
         lines = http.post("/api/chat", json={"messages": [{"role": "user", "content": "Hi"}]})  # streams by default
     message = whole.json()["message"]
-    assert message == {"role": "assistant", "content": "Paris is the capital of France.",
-                       "thinking": "The user asks for a capital."}
+    assert message == {
+        "role": "assistant",
+        "content": "Paris is the capital of France.",
+        "thinking": "The user asks for a capital.",
+    }
     assert whole.json()["done"] is True and whole.json()["done_reason"] == "stop"
     assert lines.headers["content-type"].startswith("application/x-ndjson")
     parts = [json.loads(line) for line in lines.text.splitlines()]
@@ -253,8 +346,9 @@ def test_ollama_whole_answers_time_generation_apart_from_the_prompt():
     eval_duration of ~0 (an eval rate of ~10^5 tokens/s)."""
     delay = 0.05
     with _app_client(StandInClient(chunk_delay=delay)) as http:
-        r = http.post("/api/chat", json={"model": "stand-in", "messages": [{"role": "user", "content": "Hi"}],
-                                         "stream": False})
+        r = http.post(
+            "/api/chat", json={"model": "stand-in", "messages": [{"role": "user", "content": "Hi"}], "stream": False}
+        )
     body = r.json()
     assert body["message"]["content"] == "Paris is the capital of France." and body["eval_count"] == 6
     assert body["eval_duration"] >= 0.8 * 5 * delay * 1e9  # the five tokens after the first
@@ -290,16 +384,24 @@ class ToolCallingStandIn(StandInClient):
         for k, delta in enumerate(self.DELTAS):
             last = k == len(self.DELTAS) - 1
             usage = self._usage(sampling_params) if last else None
-            yield SimpleNamespace(index=0, text="", reasoning="", token_ids=[k],
-                                  finish_reason="tool_calls" if last else None, logprobs=None, tool_calls=[delta],
-                                  usage=usage)
+            yield SimpleNamespace(
+                index=0,
+                text="",
+                reasoning="",
+                token_ids=[k],
+                finish_reason="tool_calls" if last else None,
+                logprobs=None,
+                tool_calls=[delta],
+                usage=usage,
+            )
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, rid: str, **kw: Any) -> Any:
         self.calls.append({"prompt": prompt, "params": sampling_params, "rid": rid, **kw})
         function = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
         call = {"id": "call_1", "type": "function", "function": function}
-        out = SimpleNamespace(index=0, text="", finish_reason="tool_calls", logprobs=None, tool_calls=[call],
-                              reasoning_content=None)
+        out = SimpleNamespace(
+            index=0, text="", finish_reason="tool_calls", logprobs=None, tool_calls=[call], reasoning_content=None
+        )
         return SimpleNamespace(outputs=[out], usage=self._usage(sampling_params))
 
 
@@ -307,7 +409,11 @@ def test_ollama_tool_calls_come_back_with_object_arguments_and_go_back_in():
     stand_in = ToolCallingStandIn()
     history = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
         {"role": "tool", "content": "18 C"},
     ]
     with _app_client(stand_in) as http:
@@ -365,8 +471,11 @@ def test_completions_batch_of_prompts_gets_one_choice_per_prompt_and_sample():
 def test_a_message_whose_content_is_not_text_or_parts_is_a_400_naming_it():
     """OpenAI's and vLLM's schemas take a string or a list of parts as content (a number was a 500)."""
     with _app_client(StandInClient()) as http:
-        for message in ({"role": "user", "content": 5}, {"role": "user", "content": {"text": "hi"}},
-                        {"role": None, "content": "hi"}):
+        for message in (
+            {"role": "user", "content": 5},
+            {"role": "user", "content": {"text": "hi"}},
+            {"role": None, "content": "hi"},
+        ):
             r = http.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "s"}, message]})
             assert r.status_code == 400, r.text
             assert "messages[1]" in r.json()["error"]["message"]
@@ -379,8 +488,9 @@ def test_null_in_a_field_openai_declares_nullable_means_its_default():
     nulls = dict(n=None, presence_penalty=None, frequency_penalty=None, temperature=None, seed=None, stop=None)
     with _app_client(stand_in) as http:
         sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
-        chat = sdk.chat.completions.create(model="stand-in", messages=[{"role": "user", "content": "x"}],
-                                           max_tokens=3, logprobs=None, **nulls)
+        chat = sdk.chat.completions.create(
+            model="stand-in", messages=[{"role": "user", "content": "x"}], max_tokens=3, logprobs=None, **nulls
+        )
         text = sdk.completions.create(model="stand-in", prompt="x", max_tokens=None, echo=None, **nulls)
         answer = sdk.responses.create(model="stand-in", input="x", max_output_tokens=3, stream=None)
     assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
@@ -406,29 +516,33 @@ def test_stream_options_without_stream_is_a_400_as_openai_gives():
     ignored, so a client counting on include_usage's final chunk got no error and no such chunk."""
     with _app_client(StandInClient()) as http:
         sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
-        for create, kw in ((sdk.chat.completions.create, dict(messages=[{"role": "user", "content": "x"}])),
-                           (sdk.completions.create, dict(prompt="x"))):
+        for create, kw in (
+            (sdk.chat.completions.create, dict(messages=[{"role": "user", "content": "x"}])),
+            (sdk.completions.create, dict(prompt="x")),
+        ):
             with pytest.raises(openai.BadRequestError, match="stream_options"):
                 create(model="stand-in", max_tokens=3, stream_options={"include_usage": True}, **kw)
             with pytest.raises(openai.BadRequestError, match="stream_options"):
                 create(model="stand-in", max_tokens=3, stream=False, stream_options={"include_usage": True}, **kw)
-            streamed = list(create(model="stand-in", max_tokens=3, stream=True, stream_options={"include_usage": True}, **kw))
+            streamed = list(
+                create(model="stand-in", max_tokens=3, stream=True, stream_options={"include_usage": True}, **kw)
+            )
             assert streamed[-1].usage is not None
 
 
 def test_error_before_the_first_byte_of_a_stream_is_an_http_error_not_a_200():
     stand_in = StandInClient(error=PromptTooLongError("prompt has 9000 tokens but the context window is 8192"))
     with _app_client(stand_in) as http:
-        r = http.post("/v1/chat/completions",
-                      json={"messages": [{"role": "user", "content": "x"}], "stream": True})
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "stream": True})
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
 
 
 class FailingMidStream(StandInClient):
     async def stream(self, prompt: Any, sampling_params: SamplingParams, rid: str, **kw: Any) -> Any:
-        yield SimpleNamespace(index=0, text="Par", token_ids=[1], finish_reason=None, logprobs=None, tool_calls=None,
-                              usage=None)
+        yield SimpleNamespace(
+            index=0, text="Par", token_ids=[1], finish_reason=None, logprobs=None, tool_calls=None, usage=None
+        )
         raise RequestAbortedError("the daemon is shutting down")
 
 
@@ -450,10 +564,14 @@ def test_echo_cannot_stream_and_says_so():
 
 def test_json_schema_response_format_without_a_schema_is_a_400():
     with _app_client(StandInClient()) as http:
-        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                    "response_format": {"type": "json_schema"}})
-        r2 = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                     "response_format": {"type": "yaml"}})
+        r = http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+        )
+        r2 = http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}},
+        )
     assert r.status_code == 400 and "json_schema.schema" in r.json()["error"]["message"]
     assert r2.status_code == 400 and r2.json()["error"]["param"] == "response_format.type"
 
@@ -503,8 +621,9 @@ def test_openai_package_maps_errors_to_its_exception_types():
             bad.models.list()
         with pytest.raises(openai.BadRequestError):
             good.chat.completions.create(model="stand-in", messages=[{"role": "user", "content": "x"}], n=0)
-        stream = good.chat.completions.create(model="stand-in", messages=[{"role": "user", "content": "x"}],
-                                              stream=True, max_tokens=3)
+        stream = good.chat.completions.create(
+            model="stand-in", messages=[{"role": "user", "content": "x"}], stream=True, max_tokens=3
+        )
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "Paris is the"
 
 
@@ -537,7 +656,11 @@ def test_the_http_server_of_a_daemon_exits_when_the_daemon_process_is_killed(tmp
     from minisgl.runtime.registry import pid_alive
 
     port = free_port()
-    daemon_stand_in = subprocess.Popen([sys.executable, "-c", f"""
+    daemon_stand_in = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import multiprocessing, time
 from minisgl.server import HttpOptions
 if __name__ == "__main__":
@@ -546,7 +669,11 @@ if __name__ == "__main__":
     http.start()
     print(http.pid, flush=True)
     time.sleep(600)
-"""], stdout=subprocess.PIPE, text=True)
+""",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     http_pid = int(daemon_stand_in.stdout.readline())
     try:
         deadline = time.monotonic() + 60
@@ -630,7 +757,10 @@ async def test_an_ollama_client_that_goes_away_is_no_internal_error(caplog):
     stand_in = StandInClient(reply=" ".join(["word"] * 200), chunk_delay=0.02)
     app = create_app("ipc:///unused", "stand-in", None, client_factory=lambda: stand_in)
     async with _served(app) as http:
-        for path, body in (("/api/chat", {"messages": [{"role": "user", "content": "x"}]}), ("/api/generate", {"prompt": "x"})):
+        for path, body in (
+            ("/api/chat", {"messages": [{"role": "user", "content": "x"}]}),
+            ("/api/generate", {"prompt": "x"}),
+        ):
             with pytest.raises(httpx.ReadTimeout):
                 await http.post(path, json={**body, "stream": False, "options": {"num_predict": 200}}, timeout=0.2)
         await _until(lambda: len(stand_in.aborted) == 2)
@@ -668,15 +798,27 @@ async def test_client_disconnect_mid_stream_aborts_the_request():
 
 API_KEY = "sk-minisgl-test"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-           "additionalProperties": False}
-CLOCK = {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"],
-         "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+CLOCK = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string"}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                      "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
-                                      "parameters": CLOCK}},
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER},
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "Current time in a timezone", "parameters": CLOCK},
+    },
 ]
 
 
@@ -690,8 +832,9 @@ def daemon(daemon_runtime_dir: Any) -> Any:
     address, port = f"ipc://{daemon_runtime_dir}/http-test.sock", free_port()
     log_path = daemon_runtime_dir / "http-test.log"
     engine = [f"--{k.replace('_', '-')}={v}" for k, v in SMOLLM2_ENGINE.items()]
-    proc = start_serve(["--model", "smollm2", "--address", address, *engine,
-                        "--http-port", str(port), "--api-key", API_KEY], log_path)
+    proc = start_serve(
+        ["--model", "smollm2", "--address", address, *engine, "--http-port", str(port), "--api-key", API_KEY], log_path
+    )
     try:
         wait_ready(address, START_TIMEOUT_S, proc=proc, log_path=log_path)
         base = wait_http(port, proc, log_path, timeout=60)
@@ -731,26 +874,35 @@ def test_openai_chat_matches_the_daemon_and_its_stream_concatenates_to_the_same_
     assert full.usage.completion_tokens == ref.usage.completion_tokens
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
 
-    chunks = list(oai.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=24,
-                                              stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        oai.chat.completions.create(
+            model="smollm2",
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
-        full.choices[0].finish_reason]
+        full.choices[0].finish_reason
+    ]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
 def test_openai_chat_n2_seed_and_logprobs(oai):
-    r = oai.chat.completions.create(model="smollm2", messages=QUESTION, n=2, temperature=1.0, seed=3,
-                                    max_tokens=6, logprobs=True, top_logprobs=3)
+    r = oai.chat.completions.create(
+        model="smollm2", messages=QUESTION, n=2, temperature=1.0, seed=3, max_tokens=6, logprobs=True, top_logprobs=3
+    )
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
     for choice in r.choices:
         for t in choice.logprobs.content:
             assert len(t.top_logprobs) == 3 and t.logprob <= 0.0
             assert t.top_logprobs[0].logprob >= t.logprob - 1e-4  # the best alternative is at least as likely
-    again = oai.chat.completions.create(model="smollm2", messages=QUESTION, n=2, temperature=1.0, seed=3,
-                                        max_tokens=6)
+    again = oai.chat.completions.create(model="smollm2", messages=QUESTION, n=2, temperature=1.0, seed=3, max_tokens=6)
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
 
 
@@ -758,15 +910,26 @@ def test_logprobs_of_grammar_constrained_answers_are_finite_json_numbers(daemon,
     """A grammar leaves fewer than top_logprobs tokens possible at some steps (after '{' of a JSON object); their
     alternatives' logprob is -inf, which JSON cannot carry (it was a 500). As vLLM, such a logprob reads -9999.0;
     the body must parse as strict JSON and the answer must still match its constraint."""
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
 
     def strict(text: str) -> Any:
         return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON body"))
 
     auth = {"Authorization": f"Bearer {API_KEY}"}
-    body = {"model": "smollm2", "messages": QUESTION, "temperature": 0, "max_tokens": 16, "logprobs": True,
-            "top_logprobs": 5, "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}
+    body = {
+        "model": "smollm2",
+        "messages": QUESTION,
+        "temperature": 0,
+        "max_tokens": 16,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    }
     r = httpx.post(f"{daemon.base}/v1/chat/completions", json=body, headers=auth, timeout=300)
     assert r.status_code == 200, r.text
     choice = strict(r.text)["choices"][0]
@@ -775,12 +938,24 @@ def test_logprobs_of_grammar_constrained_answers_are_finite_json_numbers(daemon,
     assert "".join(e["token"] for e in entries).startswith(choice["message"]["content"])  # + the stop token, as vLLM
     alternatives = [t["logprob"] for e in entries for t in e["top_logprobs"]]
     assert -9999.0 in alternatives and all(-9999.0 <= v <= 0.0 for v in alternatives)
-    streamed = httpx.post(f"{daemon.base}/v1/chat/completions", json={**body, "stream": True}, headers=auth, timeout=300)
+    streamed = httpx.post(
+        f"{daemon.base}/v1/chat/completions", json={**body, "stream": True}, headers=auth, timeout=300
+    )
     events = [strict(e) for e in _sse_events(streamed.text) if e != "[DONE]"]
     assert all("error" not in e for e in events), events
-    text = httpx.post(f"{daemon.base}/v1/completions", headers=auth, timeout=300, json={
-        "model": "smollm2", "prompt": "A date:", "max_tokens": 12, "temperature": 0, "logprobs": 3,
-        "regex": r"\d{4}-\d{2}-\d{2}"})
+    text = httpx.post(
+        f"{daemon.base}/v1/completions",
+        headers=auth,
+        timeout=300,
+        json={
+            "model": "smollm2",
+            "prompt": "A date:",
+            "max_tokens": 12,
+            "temperature": 0,
+            "logprobs": 3,
+            "regex": r"\d{4}-\d{2}-\d{2}",
+        },
+    )
     assert text.status_code == 200, text.text
     completion = strict(text.text)["choices"][0]
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", completion["text"])
@@ -814,8 +989,9 @@ def test_tokenize_and_detokenize_agree_with_hf_and_with_what_generation_counts(d
         return httpx.post(f"{daemon.base}{path}", json=body, headers=auth, timeout=60)
 
     def hf_chat(add_generation_prompt: bool) -> list[int]:
-        rendered = hf.apply_chat_template(QUESTION, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                          return_dict=True)
+        rendered = hf.apply_chat_template(
+            QUESTION, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+        )
         return list(rendered["input_ids"])
 
     prompt = "The capital of France is"
@@ -825,7 +1001,8 @@ def test_tokenize_and_detokenize_agree_with_hf_and_with_what_generation_counts(d
     assert got["tokens"] == hf.encode(prompt) and got["count"] == len(got["tokens"])
     assert got["max_model_len"] == oai.models.list().data[0].max_model_len
     assert post("/tokenize", prompt=prompt, add_special_tokens=False).json()["tokens"] == hf.encode(
-        prompt, add_special_tokens=False)
+        prompt, add_special_tokens=False
+    )
     chat = post("/tokenize", model="smollm2", messages=QUESTION).json()["tokens"]
     assert chat == hf_chat(add_generation_prompt=True)
     assert post("/tokenize", messages=QUESTION, add_generation_prompt=False).json()["tokens"] == hf_chat(False)
@@ -863,8 +1040,9 @@ def test_logit_bias_reaches_the_sampler_and_bad_biases_are_400(oai, smollm2_dir)
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     paris = tok.encode(" Paris", add_special_tokens=False)[0]
-    r = oai.completions.create(model="smollm2", prompt="My favourite city is", max_tokens=3, temperature=0,
-                               logit_bias={str(paris): 100})
+    r = oai.completions.create(
+        model="smollm2", prompt="My favourite city is", max_tokens=3, temperature=0, logit_bias={str(paris): 100}
+    )
     assert r.choices[0].text == tok.decode([paris] * 3)
     for bias in ({str(paris): 250}, {"not-a-token": 1}, {str(10**7): 1}):
         with pytest.raises(openai.BadRequestError, match="logit_bias"):
@@ -874,8 +1052,12 @@ def test_logit_bias_reaches_the_sampler_and_bad_biases_are_400(oai, smollm2_dir)
 def test_sglang_and_vllm_structured_output_extras_constrain_the_answer(oai):
     """The grammar extras vLLM and SGLang users send in extra_body (they were ignored before): each constrains the
     greedy answer; two at once are a 400."""
-    ask = dict(model="smollm2", messages=[{"role": "user", "content": "Is Paris in France? Answer."}], temperature=0,
-               max_tokens=24)
+    ask = dict(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Is Paris in France? Answer."}],
+        temperature=0,
+        max_tokens=24,
+    )
 
     def answer(**extra: Any) -> str:
         return oai.chat.completions.create(**ask, extra_body=extra).choices[0].message.content
@@ -884,8 +1066,12 @@ def test_sglang_and_vllm_structured_output_extras_constrain_the_answer(oai):
     assert answer(structured_outputs={"choice": ["Oui", "Non"]}) in ("Oui", "Non")
     assert re.fullmatch(r"[0-9]{3}", answer(regex="[0-9]{3}"))
     assert re.fullmatch(r"[A-Z]{2}", answer(guided_regex="[A-Z]{2}"))
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     jsonschema.validate(json.loads(answer(guided_json=schema)), schema)
     jsonschema.validate(json.loads(answer(json_schema=json.dumps(schema))), schema)
     assert answer(ebnf='root ::= "A" | "B"') in ("A", "B")
@@ -895,8 +1081,12 @@ def test_sglang_and_vllm_structured_output_extras_constrain_the_answer(oai):
         answer(guided_choice=[])
     # vLLM's structured_outputs={"json_object": true}: any JSON object; a key it cannot honour is a 400, not ignored.
     as_object = oai.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "Give me info about Paris as JSON."}], temperature=0,
-        max_tokens=60, extra_body={"structured_outputs": {"json_object": True}})
+        model="smollm2",
+        messages=[{"role": "user", "content": "Give me info about Paris as JSON."}],
+        temperature=0,
+        max_tokens=60,
+        extra_body={"structured_outputs": {"json_object": True}},
+    )
     assert isinstance(json.loads(as_object.choices[0].message.content), dict), as_object
     for unknown in ({"jsn": schema}, {"json": schema, "disable_any_whitespace": True}, {"json_object": False}):
         with pytest.raises(openai.BadRequestError, match="structured_outputs"):
@@ -908,19 +1098,36 @@ def test_responses_api_whole_and_streamed_matches_the_chat_answer(oai, client):
     messages (instructions as the system message), streamed deltas join to it, usage and max_output_tokens hold;
     what it cannot do (tools, stored conversations, images) is a 400."""
     system = "You are a geography assistant."
-    ref = client.generate([{"role": "system", "content": system}, *QUESTION], SamplingParams(temperature=0, max_tokens=20))
-    r = oai.responses.create(model="smollm2", instructions=system, input=QUESTION[0]["content"], temperature=0,
-                             max_output_tokens=20)
+    ref = client.generate(
+        [{"role": "system", "content": system}, *QUESTION], SamplingParams(temperature=0, max_tokens=20)
+    )
+    r = oai.responses.create(
+        model="smollm2", instructions=system, input=QUESTION[0]["content"], temperature=0, max_output_tokens=20
+    )
     assert r.object == "response" and r.output_text == ref.text and r.output_text
     assert r.usage.input_tokens == ref.usage.prompt_tokens and r.usage.output_tokens == ref.usage.completion_tokens
     assert r.status == ("incomplete" if ref.finish_reason == "length" else "completed")
-    as_items = oai.responses.create(model="smollm2", temperature=0, max_output_tokens=20, input=[
-        {"role": "developer", "content": system},
-        {"role": "user", "content": [{"type": "input_text", "text": QUESTION[0]["content"]}]}])
+    as_items = oai.responses.create(
+        model="smollm2",
+        temperature=0,
+        max_output_tokens=20,
+        input=[
+            {"role": "developer", "content": system},
+            {"role": "user", "content": [{"type": "input_text", "text": QUESTION[0]["content"]}]},
+        ],
+    )
     assert as_items.output_text == ref.text
 
-    events = list(oai.responses.create(model="smollm2", instructions=system, input=QUESTION[0]["content"],
-                                       temperature=0, max_output_tokens=20, stream=True))
+    events = list(
+        oai.responses.create(
+            model="smollm2",
+            instructions=system,
+            input=QUESTION[0]["content"],
+            temperature=0,
+            max_output_tokens=20,
+            stream=True,
+        )
+    )
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ref.text
@@ -934,9 +1141,11 @@ def test_responses_api_whole_and_streamed_matches_the_chat_answer(oai, client):
     with oai.responses.stream(model="smollm2", input="Count: 1, 2, 3,", temperature=0, max_output_tokens=2) as s:
         final = s.get_final_response()  # the SDK's helper needs its response.completed event
     assert final.status == "incomplete" and final.output[0].status == "incomplete"
-    for bad in (dict(tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}]),
-                dict(previous_response_id="resp_123"),
-                dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}])):
+    for bad in (
+        dict(tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}]),
+        dict(previous_response_id="resp_123"),
+        dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]),
+    ):
         with pytest.raises(openai.BadRequestError):
             oai.responses.create(model="smollm2", **{"input": "Hi", **bad})
 
@@ -960,8 +1169,9 @@ def test_flush_cache_forgets_cached_prefixes_and_changes_no_answer(daemon, oai, 
     assert client.flush_cache()["cached_pages"] == 0 and client.stats()["cached_pages"] == 0
 
 
-def test_embeddings_through_openai_and_ollama_are_hf_last_hidden_states(daemon, oai, client, smollm2_dir,
-                                                                        smollm2_embeddings):
+def test_embeddings_through_openai_and_ollama_are_hf_last_hidden_states(
+    daemon, oai, client, smollm2_dir, smollm2_embeddings
+):
     """/v1/embeddings (the openai package, float and its default base64), Ollama's /api/embed (the ollama package)
     and Client.embed against HF: SmolLM2's last hidden state after the final norm at the last token, L2-normalised."""
     import ollama
@@ -1063,20 +1273,26 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_transformers_does(oai, smoll
     plain = oai.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0, echo=True)
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
     # vLLM's extra field: the prompt's logprobs in the choice, without echo.
-    extra = oai.completions.create(model="smollm2", prompt=ids, max_tokens=1, temperature=0,
-                                   extra_body={"prompt_logprobs": 2})
+    extra = oai.completions.create(
+        model="smollm2", prompt=ids, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
     entries = extra.choices[0].model_extra["prompt_logprobs"]
     assert [e["token_id"] for e in entries] == ids and entries[0]["logprob"] is None
-    assert entries[5]["logprob"] == pytest.approx(float(ref[4, ids[5]]), abs=2e-3) and len(entries[5]["top_logprobs"]) == 2
+    assert (
+        entries[5]["logprob"] == pytest.approx(float(ref[4, ids[5]]), abs=2e-3) and len(entries[5]["top_logprobs"]) == 2
+    )
     assert not extra.choices[0].text.startswith(prompt)
-    chat = oai.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=1, temperature=0,
-                                       extra_body={"prompt_logprobs": 0})
+    chat = oai.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
     scored = chat.model_extra["prompt_logprobs"]
     rendered = tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
     assert [e["token_id"] for e in scored] == tok.encode(rendered, add_special_tokens=False)
     assert scored[0]["logprob"] is None and all(e["logprob"] <= 0 for e in scored[1:])
-    assert "prompt_logprobs" not in oai.chat.completions.create(
-        model="smollm2", messages=QUESTION, max_tokens=1).model_extra  # only when asked for
+    assert (
+        "prompt_logprobs"
+        not in oai.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=1).model_extra
+    )  # only when asked for
 
 
 def test_openai_models_lists_the_served_model(oai):
@@ -1086,8 +1302,10 @@ def test_openai_models_lists_the_served_model(oai):
 def test_repeated_long_system_prompt_reports_cached_tokens(oai):
 
     system = f"Session {uuid.uuid4().hex}. " + "You are a helpful, concise assistant who answers in one line. " * 20
-    asks = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
-            for q in ("Name a color.", "Name a fruit.")]
+    asks = [
+        [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        for q in ("Name a color.", "Name a fruit.")
+    ]
     first = oai.chat.completions.create(model="smollm2", messages=asks[0], max_tokens=2, temperature=0)
     second = oai.chat.completions.create(model="smollm2", messages=asks[1], max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens < 10
@@ -1097,25 +1315,35 @@ def test_repeated_long_system_prompt_reports_cached_tokens(oai):
 
 def test_response_format_json_schema_output_validates(oai):
 
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
-              "required": ["name", "age"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
     for seed in range(3):
         r = oai.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "Invent a person and describe them."}],
-            response_format=fmt, temperature=1.0, seed=seed, max_tokens=64,
+            model="smollm2",
+            messages=[{"role": "user", "content": "Invent a person and describe them."}],
+            response_format=fmt,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=64,
         )
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     ask = [{"role": "user", "content": "Give a JSON object with one key city whose value is Paris."}]
-    r = oai.chat.completions.create(model="smollm2", messages=ask, response_format={"type": "json_object"},
-                                    temperature=0, max_tokens=40)
+    r = oai.chat.completions.create(
+        model="smollm2", messages=ask, response_format={"type": "json_object"}, temperature=0, max_tokens=40
+    )
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_tool_choice_required_returns_a_valid_call_and_streams_it_as_deltas(oai):
     ask = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
-    r = oai.chat.completions.create(model="smollm2", messages=ask, tools=TOOLS, tool_choice="required",
-                                    temperature=0, max_tokens=40)
+    r = oai.chat.completions.create(
+        model="smollm2", messages=ask, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=40
+    )
     choice = r.choices[0]
     # SmolLM2 may go on calling until max_tokens ("length"); every call it completes must be valid.
     assert choice.finish_reason in ("tool_calls", "length") and choice.message.tool_calls
@@ -1124,17 +1352,29 @@ def test_tool_choice_required_returns_a_valid_call_and_streams_it_as_deltas(oai)
         assert call.type == "function" and call.id and call.function.name in schemas
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     call = choice.message.tool_calls[0]
-    chunks = list(oai.chat.completions.create(model="smollm2", messages=ask, tools=TOOLS, tool_choice="required",
-                                              temperature=0, max_tokens=40, stream=True))
+    chunks = list(
+        oai.chat.completions.create(
+            model="smollm2",
+            messages=ask,
+            tools=TOOLS,
+            tool_choice="required",
+            temperature=0,
+            max_tokens=40,
+            stream=True,
+        )
+    )
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert deltas and deltas[0].id and deltas[0].function.name == call.function.name
     assert "".join(d.function.arguments or "" for d in deltas if d.index == 0) == call.function.arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
-        choice.finish_reason]
+        choice.finish_reason
+    ]
 
     # The call and its result go back into the conversation, as an agent loop sends them.
-    followup = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                      {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21}'}]
+    followup = ask + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21}'},
+    ]
     r = oai.chat.completions.create(model="smollm2", messages=followup, tools=TOOLS, temperature=0, max_tokens=16)
     assert r.choices[0].message.content or r.choices[0].message.tool_calls
 
@@ -1144,8 +1384,15 @@ def test_a_call_forced_by_a_named_tool_choice_finishes_with_stop_as_openai(oai):
     one made under "auto"/"required" with "tool_calls" (vLLM aligned with it); minisgl said "tool_calls" for both."""
     ask = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
-    kw = dict(model="smollm2", messages=ask, tools=TOOLS, tool_choice=named, temperature=0, max_tokens=40,
-              parallel_tool_calls=False)
+    kw = dict(
+        model="smollm2",
+        messages=ask,
+        tools=TOOLS,
+        tool_choice=named,
+        temperature=0,
+        max_tokens=40,
+        parallel_tool_calls=False,
+    )
     r = oai.chat.completions.create(**kw)
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
     assert r.choices[0].finish_reason == "stop"
@@ -1162,10 +1409,16 @@ def test_bad_requests_are_openai_bad_request_errors(oai):
             oai.completions.create(model="smollm2", prompt=too_long, max_tokens=1, stream=stream)
         assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
-        oai.chat.completions.create(model="smollm2", messages=QUESTION, tools=TOOLS,
-                                    tool_choice={"type": "function", "function": {"name": "not_a_tool"}})
+        oai.chat.completions.create(
+            model="smollm2",
+            messages=QUESTION,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "not_a_tool"}},
+        )
     with pytest.raises(openai.BadRequestError, match="tokenize"):  # reached the daemon's chat template, refused there
-        oai.chat.completions.create(model="smollm2", messages=QUESTION, extra_body={"chat_template_kwargs": {"tokenize": True}})
+        oai.chat.completions.create(
+            model="smollm2", messages=QUESTION, extra_body={"chat_template_kwargs": {"tokenize": True}}
+        )
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="gpt-4o", messages=QUESTION)
 
@@ -1181,14 +1434,19 @@ def test_missing_or_wrong_api_key_is_an_authentication_error(daemon):
 def test_raw_sse_response_format(daemon, oai):
 
     body = {"model": "smollm2", "messages": QUESTION, "max_tokens": 5, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{daemon.base}/v1/chat/completions", json=body, timeout=120,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+    with httpx.stream(
+        "POST",
+        f"{daemon.base}/v1/chat/completions",
+        json=body,
+        timeout=120,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
     assert raw.endswith("data: [DONE]\n\n")
     events = raw.split("\n\n")[:-1]
     assert all(e.startswith("data: ") and "\n" not in e for e in events)
-    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    payloads = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert len({p["id"] for p in payloads}) == 1
     assert all(p["object"] == "chat.completion.chunk" and "usage" not in p for p in payloads)
     assert payloads[-1]["choices"][0]["finish_reason"] in ("stop", "length")
@@ -1196,10 +1454,14 @@ def test_raw_sse_response_format(daemon, oai):
 
 def test_client_disconnect_mid_stream_frees_the_request_in_the_daemon(daemon, oai, client):
 
-
     body = {"model": "smollm2", "messages": QUESTION, "max_tokens": 4000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{daemon.base}/v1/chat/completions", json=body, timeout=120,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+    with httpx.stream(
+        "POST",
+        f"{daemon.base}/v1/chat/completions",
+        json=body,
+        timeout=120,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ) as r:
         lines = r.iter_lines()
         next(lines), next(lines), next(lines)
         assert client.stats()["running"] == 1
@@ -1217,9 +1479,16 @@ def test_metrics_report_requests_tokens_and_daemon_state(daemon, oai):
     text = httpx.get(f"{daemon.base}/metrics").text
     assert 'minisgl_requests_total{endpoint="completions",model_name="smollm2",status="200"}' in text
     assert 'minisgl_time_to_first_token_seconds_count{model_name="smollm2"}' in text
-    for name in ("minisgl_prompt_tokens_total", "minisgl_generation_tokens_total", "minisgl_cached_prompt_tokens_total",
-                 "minisgl_num_requests_running", "minisgl_num_requests_waiting", "minisgl_kv_cache_usage_ratio",
-                 "minisgl_prefix_cache_hit_rate", "minisgl_time_per_output_token_seconds_bucket"):
+    for name in (
+        "minisgl_prompt_tokens_total",
+        "minisgl_generation_tokens_total",
+        "minisgl_cached_prompt_tokens_total",
+        "minisgl_num_requests_running",
+        "minisgl_num_requests_waiting",
+        "minisgl_kv_cache_usage_ratio",
+        "minisgl_prefix_cache_hit_rate",
+        "minisgl_time_per_output_token_seconds_bucket",
+    ):
         assert name in text
 
 
@@ -1233,7 +1502,12 @@ def test_the_ollama_client_chats_generates_and_streams_as_the_daemon_answers(dae
     options = {"temperature": 0, "num_predict": 12}
     ref = client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=12))
     r = o.chat(model="smollm2", messages=QUESTION, options=options)
-    assert (r.message.role, r.message.content, r.done, r.done_reason) == ("assistant", ref.text, True, ref.finish_reason)
+    assert (r.message.role, r.message.content, r.done, r.done_reason) == (
+        "assistant",
+        ref.text,
+        True,
+        ref.finish_reason,
+    )
     assert (r.prompt_eval_count, r.eval_count) == (ref.usage.prompt_tokens, ref.usage.completion_tokens)
     assert r.total_duration >= r.eval_duration > 0
     streamed = list(o.chat(model="smollm2", messages=QUESTION, options=options, stream=True))
@@ -1244,11 +1518,17 @@ def test_the_ollama_client_chats_generates_and_streams_as_the_daemon_answers(dae
     g = o.generate(model="smollm2", prompt=QUESTION[0]["content"], options=options)
     assert g.response == ref.text and g.done
     raw_ref = client.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
-    raw = o.generate(model="smollm2", prompt="The capital of France is", raw=True, options={"temperature": 0, "num_predict": 8})
+    raw = o.generate(
+        model="smollm2", prompt="The capital of France is", raw=True, options={"temperature": 0, "num_predict": 8}
+    )
     assert raw.response == raw_ref.text
     # format: a JSON schema constrains the answer.
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     ask = [{"role": "user", "content": "Give a JSON object with one key city whose value is Paris."}]
     j = o.chat(model="smollm2", messages=ask, format=schema, options={"temperature": 0, "num_predict": 40})
     assert j.done_reason == "stop" and isinstance(json.loads(j.message.content)["city"], str)
@@ -1305,12 +1585,17 @@ def test_sglang_generate_is_hf_greedy_with_its_logprobs_and_streams_cumulative_t
     ids = tok(prompt).input_ids
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
     with torch.no_grad():
-        gen = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        gen = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
         logits = hf(torch.tensor([ids + gen])).logits[0].float()
     ref_lp = torch.log_softmax(logits, dim=-1)
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
-            "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}
+    body = {
+        "text": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "logprob_start_len": 0,
+    }
     r = httpx.post(f"{daemon.base}/generate", json=body, headers=headers, timeout=300)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -1326,13 +1611,23 @@ def test_sglang_generate_is_hf_greedy_with_its_logprobs_and_streams_cumulative_t
     assert meta["input_token_logprobs"][3][0] == pytest.approx(float(ref_lp[2, ids[3]]), abs=2e-3)
 
     # The same request streamed: each event's text and ids are everything so far (SGLang's default), then [DONE].
-    r = httpx.post(f"{daemon.base}/generate", json={"input_ids": ids, "stream": True,
-                   "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}},
-                   headers=headers, timeout=300)
+    r = httpx.post(
+        f"{daemon.base}/generate",
+        json={
+            "input_ids": ids,
+            "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+        },
+        headers=headers,
+        timeout=300,
+    )
     events = _sglang_events(r)
     assert len(events) > 1 and events[-1]["output_ids"] == gen and events[-1]["text"] == out["text"]
     for before, after in zip(events, events[1:]):
-        assert after["text"].startswith(before["text"]) and after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+        assert (
+            after["text"].startswith(before["text"])
+            and after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+        )
     assert [e["meta_info"]["finish_reason"] for e in events][-1] == {"type": "length", "length": 12}
     assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
 
@@ -1342,24 +1637,47 @@ def test_sglang_generate_batches_n_stops_and_typed_errors(daemon, client):
     url = f"{daemon.base}/generate"
     prompts = ["The capital of France is", "1, 2, 3, 4,"]
     refs = [client.generate(p, SamplingParams(temperature=0, max_tokens=8)) for p in prompts]
-    r = httpx.post(url, json={"text": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
-                   headers=headers, timeout=300).json()
-    assert [a["text"] for a in r] == [ref.text for ref in refs] and [a["output_ids"] for a in r] == [ref.token_ids for ref in refs]
+    r = httpx.post(
+        url,
+        json={"text": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
+        headers=headers,
+        timeout=300,
+    ).json()
+    assert [a["text"] for a in r] == [ref.text for ref in refs] and [a["output_ids"] for a in r] == [
+        ref.token_ids for ref in refs
+    ]
     # One sampling_params per prompt, and n samples each: prompt-major, n entries per prompt.
-    r = httpx.post(url, json={"text": prompts, "sampling_params": [
-        {"temperature": 0, "max_new_tokens": 3, "n": 2}, {"temperature": 0, "max_new_tokens": 5, "n": 2}]},
-        headers=headers, timeout=300).json()
+    r = httpx.post(
+        url,
+        json={
+            "text": prompts,
+            "sampling_params": [
+                {"temperature": 0, "max_new_tokens": 3, "n": 2},
+                {"temperature": 0, "max_new_tokens": 5, "n": 2},
+            ],
+        },
+        headers=headers,
+        timeout=300,
+    ).json()
     assert [a["meta_info"]["completion_tokens"] for a in r] == [3, 3, 5, 5]
     assert r[0]["output_ids"] == refs[0].token_ids[:3] == r[1]["output_ids"]
     # A stop string: trimmed, and reported as the match; no_stop_trim keeps it.
     stop = refs[1].text[2:4]
-    trimmed = httpx.post(url, json={"text": prompts[1], "sampling_params": {"temperature": 0, "max_new_tokens": 8,
-                                                                             "stop": stop}}, headers=headers).json()
+    trimmed = httpx.post(
+        url,
+        json={"text": prompts[1], "sampling_params": {"temperature": 0, "max_new_tokens": 8, "stop": stop}},
+        headers=headers,
+    ).json()
     assert trimmed["text"] == refs[1].text[: refs[1].text.index(stop)]
     assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    kept = httpx.post(url, json={"text": prompts[1], "sampling_params": {"temperature": 0, "max_new_tokens": 8,
-                                                                          "stop": stop, "no_stop_trim": True}},
-                      headers=headers).json()
+    kept = httpx.post(
+        url,
+        json={
+            "text": prompts[1],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 8, "stop": stop, "no_stop_trim": True},
+        },
+        headers=headers,
+    ).json()
     assert kept["text"] == trimmed["text"] + stop
     # A stop token: its text left out (SGLang's trim_matched_stop), kept with no_stop_trim, its id in output_ids.
     stop_id = refs[1].token_ids[2]
@@ -1368,19 +1686,35 @@ def test_sglang_generate_batches_n_stops_and_typed_errors(daemon, client):
     assert cut["output_ids"] == refs[1].token_ids[:3] and cut["meta_info"]["finish_reason"]["matched"] == stop_id
     body["sampling_params"]["no_stop_trim"] = True
     whole = httpx.post(url, json=body, headers=headers).json()
-    token_text = refs[1].text[len(cut["text"]):][: len(whole["text"]) - len(cut["text"])]
+    token_text = refs[1].text[len(cut["text"]) :][: len(whole["text"]) - len(cut["text"])]
     assert whole["text"] == cut["text"] + token_text and len(token_text) > 0
     # SGLang's structured output: json_schema as a JSON string (or regex / ebnf) in sampling_params.
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
-              "additionalProperties": False}
-    r = httpx.post(url, json={"text": "The capital of France as JSON:", "sampling_params": {
-        "temperature": 0, "max_new_tokens": 40, "json_schema": json.dumps(schema)}}, headers=headers, timeout=300).json()
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    r = httpx.post(
+        url,
+        json={
+            "text": "The capital of France as JSON:",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 40, "json_schema": json.dumps(schema)},
+        },
+        headers=headers,
+        timeout=300,
+    ).json()
     jsonschema.validate(json.loads(r["text"]), schema)
     assert r["meta_info"]["finish_reason"]["type"] == "stop"
     # Typed errors, as the rest of the server answers them; nothing is left running.
-    for bad in ({"text": "hi", "input_ids": [1, 2]}, {"text": "hi", "sampling_params": {"best_of": 2}},
-                {"text": "hi", "sampling_params": {"temperature": -1}}, {"text": ["a", "b"], "sampling_params": [{}]},
-                {"text": "hi", "image_data": "x.png"}, {"text": "hi", "return_logprob": True, "top_logprobs_num": "2"}):
+    for bad in (
+        {"text": "hi", "input_ids": [1, 2]},
+        {"text": "hi", "sampling_params": {"best_of": 2}},
+        {"text": "hi", "sampling_params": {"temperature": -1}},
+        {"text": ["a", "b"], "sampling_params": [{}]},
+        {"text": "hi", "image_data": "x.png"},
+        {"text": "hi", "return_logprob": True, "top_logprobs_num": "2"},
+    ):
         r = httpx.post(url, json=bad, headers=headers)
         assert r.status_code == 400 and r.json()["error"]["message"], (bad, r.text)
     assert httpx.post(url, json={"text": "hi"}).status_code == 401

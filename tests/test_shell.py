@@ -84,14 +84,25 @@ def test_help_unknown_command_and_errors_do_not_end_the_session():
 
 
 def _shell_cmd(address: str) -> list[str]:
-    return [sys.executable, "-m", "minisgl", "shell", "--model", "smollm2", "--address", address,
-            "--temperature", "0", "--max-tokens", "24"]
+    return [
+        sys.executable,
+        "-m",
+        "minisgl",
+        "shell",
+        "--model",
+        "smollm2",
+        "--address",
+        address,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "24",
+    ]
 
 
 def test_piped_shell_answers_a_question_and_exits_cleanly(smollm2_daemon):
     script = "What is the capital of France?\n/reset\n/exit\n"
-    done = subprocess.run(_shell_cmd(smollm2_daemon.address), input=script, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(_shell_cmd(smollm2_daemon.address), input=script, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "Paris" in lines[0] and lines[1] == "(history cleared)" and len(lines) == 2
@@ -100,8 +111,13 @@ def test_piped_shell_answers_a_question_and_exits_cleanly(smollm2_daemon):
 def test_shell_on_a_pty_streams_answers_and_reset_forgets_the_conversation(smollm2_daemon):
     import pexpect
 
-    shell = pexpect.spawn(_shell_cmd(smollm2_daemon.address)[0], _shell_cmd(smollm2_daemon.address)[1:],
-                          env={**os.environ, "TERM": "dumb"}, encoding="utf-8", timeout=300)
+    shell = pexpect.spawn(
+        _shell_cmd(smollm2_daemon.address)[0],
+        _shell_cmd(smollm2_daemon.address)[1:],
+        env={**os.environ, "TERM": "dumb"},
+        encoding="utf-8",
+        timeout=300,
+    )
     try:
         shell.expect_exact(">>> ")
         answers = []

@@ -86,12 +86,21 @@ def random_walk(backend: GrammarBackend, state: GrammarState, gen: torch.Generat
         SamplingParams(json_schema=["not", "an", "object"]),
         SamplingParams(regex="a(b"),
         SamplingParams(regex="[z-a]"),
-        SamplingParams(ebnf='root ::= undefined_rule'),
+        SamplingParams(ebnf="root ::= undefined_rule"),
         SamplingParams(ebnf='start ::= "a"'),  # no root rule
         SamplingParams(ebnf='root ::= "unterminated'),
     ],
-    ids=["json-text", "json-type", "json-keyword", "json-list", "regex-paren", "regex-range", "ebnf-undefined",
-         "ebnf-no-root", "ebnf-string"],
+    ids=[
+        "json-text",
+        "json-type",
+        "json-keyword",
+        "json-list",
+        "regex-paren",
+        "regex-range",
+        "ebnf-undefined",
+        "ebnf-no-root",
+        "ebnf-string",
+    ],
 )
 def test_invalid_constraint_raises_grammar_error(backend: GrammarBackend, params: SamplingParams) -> None:
     with pytest.raises(GrammarError) as exc:
@@ -210,8 +219,12 @@ def test_rollback_restores_the_previous_position(backend: GrammarBackend, tokeni
 
 def test_bitmask_leaves_unconstrained_rows_untouched(backend: GrammarBackend, tokenizer: Any) -> None:
     vocab = backend.vocab_size
-    states = [None, backend.new_state(SamplingParams(regex=DATE_REGEX)), None,
-              backend.new_state(SamplingParams(json_schema=PERSON_SCHEMA))]
+    states = [
+        None,
+        backend.new_state(SamplingParams(regex=DATE_REGEX)),
+        None,
+        backend.new_state(SamplingParams(json_schema=PERSON_SCHEMA)),
+    ]
     bitmask = backend.allocate_bitmask(6)  # larger than the batch, as with CUDA-graph padding
     bitmask.zero_()  # stale content from a previous step must not leak into free rows
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
@@ -225,7 +238,7 @@ def test_bitmask_leaves_unconstrained_rows_untouched(backend: GrammarBackend, to
         kept = torch.isfinite(logits[row])
         assert 0 < int(kept.sum()) < vocab
         assert torch.equal(logits[row][kept], before[row][kept])
-        assert not kept[len(tokenizer):].any()  # padded ids are never allowed
+        assert not kept[len(tokenizer) :].any()  # padded ids are never allowed
     # Applying the whole bitmask (no indices) is equivalent, since free rows were reset.
     full = before.clone()
     apply_bitmask(full, bitmask)
@@ -259,13 +272,19 @@ def test_fill_matches_one_matcher_at_a_time(backend: GrammarBackend) -> None:
 
 
 def test_tool_call_history_is_rendered_when_the_turn_offers_no_tools(tokenizer):
-    """An assistant tool call and its result stay in the prompt after the tools are dropped (e.g. tool_choice='none')."""
+    """An assistant tool call and its result stay in the prompt after the tools are dropped (e.g.
+    tool_choice='none')."""
     from minisgl.tokenizer import apply_chat_template
 
     messages = [
         {"role": "user", "content": "What is 2+3?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "5"},
     ]
     text = tokenizer.decode(apply_chat_template(tokenizer, messages))

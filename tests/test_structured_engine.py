@@ -19,7 +19,10 @@ PERSON = {
 # Bounded strings and numbers: the grammar alone guarantees a short, complete object.
 BOUNDED = {
     "type": "object",
-    "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -32,9 +35,28 @@ def smollm2(smollm2_dir):
 
 
 def test_smollm2_json_schema_output_validates_for_20_prompts_at_temperature_1(smollm2):
-    topics = ["a pirate", "a chef", "an astronaut", "a child", "a teacher", "a painter", "a doctor", "a farmer",
-              "a king", "a robot", "a cat owner", "a poet", "a pilot", "a nurse", "a wizard", "a sailor",
-              "a student", "a judge", "a baker", "a runner"]
+    topics = [
+        "a pirate",
+        "a chef",
+        "an astronaut",
+        "a child",
+        "a teacher",
+        "a painter",
+        "a doctor",
+        "a farmer",
+        "a king",
+        "a robot",
+        "a cat owner",
+        "a poet",
+        "a pilot",
+        "a nurse",
+        "a wizard",
+        "a sailor",
+        "a student",
+        "a judge",
+        "a baker",
+        "a runner",
+    ]
     convs = [[{"role": "user", "content": f"Describe {t} as JSON with a name and an age."}] for t in topics]
     params = [SamplingParams(temperature=1.0, max_tokens=200, json_schema=PERSON, seed=i) for i in range(20)]
     outs = smollm2.chat(convs, params, use_tqdm=False)

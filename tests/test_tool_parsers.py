@@ -96,7 +96,7 @@ def stream(parser_cls: type[StreamingToolParser], text: str, rng: random.Random)
     i = 0
     while i < len(text):
         k = rng.randint(1, 7)
-        deltas += parser.feed(text[i:i + k])
+        deltas += parser.feed(text[i : i + k])
         i += k
     return deltas + parser.finish()
 
@@ -222,7 +222,7 @@ HERMES_SAMPLES = [
     '<tool_call>{"name": "get_time", "arguments": {"tz": "a}\\"b</tool_call>"}}</tool_call> done',
     '<tool_call>{"name":"get_time","arguments":{"tz":"UTC"}}</tool_call>\n<tool_call>{"name":"get_weather",'
     '"arguments":{"city":"Paris","days":[1,{"x":null}]}}</tool_call>\nBoth done.',
-    "<tool_call>not json</tool_call> then <tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>",
+    '<tool_call>not json</tool_call> then <tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
     '<tool_call>{"arguments": {"tz": "UTC"}, "name": "get_time"}</tool_call>',
     '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}',
     '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}</tool_call>after a missing brace',
@@ -240,8 +240,10 @@ LLAMA_SAMPLES = [
 ]
 
 
-@pytest.mark.parametrize("parser_cls,text", [(HermesToolParser, s) for s in HERMES_SAMPLES]
-                         + [(Llama3JsonToolParser, s) for s in LLAMA_SAMPLES])
+@pytest.mark.parametrize(
+    "parser_cls,text",
+    [(HermesToolParser, s) for s in HERMES_SAMPLES] + [(Llama3JsonToolParser, s) for s in LLAMA_SAMPLES],
+)
 def test_streamed_deltas_add_up_to_the_whole_text_parse(parser_cls: type[StreamingToolParser], text: str) -> None:
     whole = parser_cls.parse(text)
     expected = (whole.content, [(c.name, c.arguments) for c in whole.tool_calls])
@@ -277,8 +279,10 @@ def test_stream_chunks_rebuild_the_calls_in_the_openai_sdks_accumulator() -> Non
     # the openai package's own stream accumulator (what `client.chat.completions.stream` uses) is the reference:
     # a chunk with two entries of one index would come out as two calls
     deltas_lib = pytest.importorskip("openai.lib.streaming._deltas")
-    text = ('<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>\n'
-            '<tool_call>{"name": "get_weather", "arguments": {"city": "Lima", "days": 2}}</tool_call>')
+    text = (
+        '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>\n'
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Lima", "days": 2}}</tool_call>'
+    )
     for piece_len in (7, 64, len(text)):  # small chunks, and the whole answer in one chunk
         parser = HermesToolParser()
         pieces = [text[i : i + piece_len] for i in range(0, len(text), piece_len)]
@@ -296,8 +300,16 @@ def test_stream_chunks_rebuild_the_calls_in_the_openai_sdks_accumulator() -> Non
 def test_streamed_call_id_matches_the_delta_openai_shape() -> None:
     deltas = stream(HermesToolParser, HERMES_SAMPLES[1], random.Random(0))
     first = next(d for d in deltas if d.tool_call is not None).to_openai()
-    assert first == {"tool_calls": [{"index": 0, "id": first["tool_calls"][0]["id"], "type": "function",
-                                     "function": {"name": "get_weather", "arguments": ""}}]}
+    assert first == {
+        "tool_calls": [
+            {
+                "index": 0,
+                "id": first["tool_calls"][0]["id"],
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": ""},
+            }
+        ]
+    }
 
 
 # ---------------------------------------------------------------------------- tools and tool_choice
@@ -419,9 +431,17 @@ def test_single_call_constraint_without_parallel_calls(backend: GrammarBackend, 
 
 CHAT = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
     {"role": "tool", "tool_call_id": "call_2", "content": "sunny"},
 ]
@@ -429,14 +449,16 @@ CHAT = [
 
 def test_fallback_prompt_lists_tools_and_replays_calls_and_results(tokenizer: Any) -> None:
     prompt = render_tools_prompt(tokenizer, CHAT, TOOLS)
-    tools_block = prompt[prompt.index("<tools>\n") + len("<tools>\n"):prompt.index("\n</tools>")]
+    tools_block = prompt[prompt.index("<tools>\n") + len("<tools>\n") : prompt.index("\n</tools>")]
     assert [json.loads(line)["function"]["name"] for line in tools_block.strip().splitlines()] == [
-        "get_weather", "get_time"]
+        "get_weather",
+        "get_time",
+    ]
     assert "<tool_call>" in prompt and "<|im_start|>system\n" in prompt
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}\n</tool_call>' in prompt
     # SmolLM2's template has no tool role: both results share one user turn.
     assert prompt.count("<|im_start|>user") == 2
-    assert "<tool_response>\n{\"temp_c\": 21}\n</tool_response>\n<tool_response>\nsunny\n</tool_response>" in prompt
+    assert '<tool_response>\n{"temp_c": 21}\n</tool_response>\n<tool_response>\nsunny\n</tool_response>' in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
 
 

@@ -51,7 +51,9 @@ def test_a_prefix_cache_reset_reaches_every_rank(tiny_model_dir):
         assert got == pytest.approx(want, abs=1e-4)
     for got, want in zip(scored, single):
         assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(want.prompt_logprobs)
-        assert [e[0] for e in got.prompt_logprobs[1:]] == pytest.approx([e[0] for e in want.prompt_logprobs[1:]], abs=1e-4)
+        assert [e[0] for e in got.prompt_logprobs[1:]] == pytest.approx(
+            [e[0] for e in want.prompt_logprobs[1:]], abs=1e-4
+        )
 
 
 def test_an_idle_engine_outlives_the_dist_timeout(tiny_model_dir):
@@ -89,8 +91,14 @@ def test_a_killed_rank_stops_the_daemon_with_a_typed_error(tiny_model_dir, tmp_p
     from minisgl.bench.tp import kill_rank_check
 
     log = tmp_path / "daemon.log"
-    r = kill_rank_check(tiny_model_dir("llama"), ["--device", "cpu", "--dist-timeout", "20"], log, start_timeout=180,
-                        exit_timeout=60, idle=idle)
+    r = kill_rank_check(
+        tiny_model_dir("llama"),
+        ["--device", "cpu", "--dist-timeout", "20"],
+        log,
+        start_timeout=180,
+        exit_timeout=60,
+        idle=idle,
+    )
     assert r["served_before_kill"] and r["rank_processes"] == 1, (r, log.read_text()[-3000:])
     if not idle:
         assert r["stream_error"] is not None and "rank" in r["stream_error"], r
@@ -123,8 +131,9 @@ def test_a_step_stuck_after_a_rank_died_ends_the_process_loudly(tiny_model_dir):
     """A kernel that waits for a dead peer forever (no abort reaches it) must not hang rank 0's process: the
     failure watch ends it with the reason, so the daemon above it reports the failure."""
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", STUCK_SCRIPT, str(tiny_model_dir("llama"))], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", STUCK_SCRIPT, str(tiny_model_dir("llama"))], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 1, (proc.stdout, proc.stderr[-3000:])
     assert "has not come back" in proc.stderr and "rank(s) [1] exited" in proc.stderr, proc.stderr[-3000:]
     assert "came back" not in proc.stdout
@@ -136,12 +145,32 @@ def test_two_nodes_on_one_machine_match_single_node(tiny_model_dir):
     ref = tp1_tokens(model_dir)
     addr = f"127.0.0.1:{free_port()}"
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "minisgl", "serve", "--model", str(model_dir), "--tp", "2", "--nnodes", "2",
-         "--node-rank", "1", "--dist-init-addr", addr, "--device", "cpu", "--dist-timeout", "60"],
+        [
+            sys.executable,
+            "-m",
+            "minisgl",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--tp",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--dist-init-addr",
+            addr,
+            "--device",
+            "cpu",
+            "--dist-timeout",
+            "60",
+        ],
         env={**os.environ},
     )
     try:
-        with LLM(str(model_dir), tp=2, nnodes=2, node_rank=0, dist_init_addr=addr, device="cpu", dist_timeout=60) as llm:
+        with LLM(
+            str(model_dir), tp=2, nnodes=2, node_rank=0, dist_init_addr=addr, device="cpu", dist_timeout=60
+        ) as llm:
             got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         assert got == ref
         assert node1.wait(timeout=30) == 0

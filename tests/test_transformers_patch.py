@@ -150,8 +150,15 @@ def test_smollm2_matches_transformers_with_every_option_at_once(smollm2_dir):
         free = assert_same(model, **inputs, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
         eos = early_stop_tokens(free, prompt_len, 2)
         ref = assert_same(
-            model, **inputs, max_length=prompt_len + 10, eos_token_id=eos, do_sample=True, top_k=1,
-            num_return_sequences=2, stop_strings=[stop_word(tokenizer, free, prompt_len)], tokenizer=tokenizer,
+            model,
+            **inputs,
+            max_length=prompt_len + 10,
+            eos_token_id=eos,
+            do_sample=True,
+            top_k=1,
+            num_return_sequences=2,
+            stop_strings=[stop_word(tokenizer, free, prompt_len)],
+            tokenizer=tokenizer,
         )
     assert ref.shape[0] == 2 * len(TEXTS)
     assert any(set(row) & set(eos) for row in ref[:, prompt_len:].tolist()), "no row finished early"
@@ -267,8 +274,14 @@ def test_a_custom_eos_criteria_replaces_eos_token_id_as_in_transformers(tiny_mod
     free = hf_generate(model, **inputs, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
     ignored, stop = early_stop_tokens(free, prompt_len, 2)
     with minisgl_generate(model, fallback=False, **ENGINE):
-        ref = assert_same(model, **inputs, max_new_tokens=NEW, eos_token_id=ignored, pad_token_id=1,
-                          stopping_criteria=StoppingCriteriaList([EosTokenCriteria(eos_token_id=stop)]))
+        ref = assert_same(
+            model,
+            **inputs,
+            max_new_tokens=NEW,
+            eos_token_id=ignored,
+            pad_token_id=1,
+            stopping_criteria=StoppingCriteriaList([EosTokenCriteria(eos_token_id=stop)]),
+        )
     assert (ref[:, prompt_len:] == ignored).any() and (ref[:, -1] == 1).any()
 
 
@@ -360,7 +373,7 @@ def test_set_seed_reproduces_a_sampled_call_as_in_transformers(tiny_model_dir):
     assert torch.equal(first, again)  # transformers' contract: set_seed(s) then generate() gives the same sample
     assert not torch.equal(first, other)
     assert not torch.equal(draws[0], draws[1])  # consecutive calls draw afresh, as transformers' do
-    new = first[:, inputs["input_ids"].shape[1]:].tolist()
+    new = first[:, inputs["input_ids"].shape[1] :].tolist()
     assert len({tuple(row) for row in new[:6]}) > 1  # identical prompts and their n samples are not one stream
 
 
@@ -372,9 +385,17 @@ def test_custom_logits_processors_compose_with_the_configs_like_transformers(tin
     model, tokenizer = load(tiny_model_dir("llama"))
     inputs = batch(tokenizer, TEXTS[:3])
     with minisgl_generate(model, fallback=False, **ENGINE):
-        assert_same(model, **inputs, max_new_tokens=6, logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.5)]))
+        assert_same(
+            model, **inputs, max_new_tokens=6, logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.5)])
+        )
         # do_sample with transformers' default top_k=50 and a custom top-k of 1: greedy in transformers.
-        assert_same(model, **inputs, max_new_tokens=6, do_sample=True, logits_processor=LogitsProcessorList([TopKLogitsWarper(1)]))
+        assert_same(
+            model,
+            **inputs,
+            max_new_tokens=6,
+            do_sample=True,
+            logits_processor=LogitsProcessorList([TopKLogitsWarper(1)]),
+        )
 
 
 def minisgl_distribution(logits: torch.Tensor, params) -> torch.Tensor:
@@ -418,9 +439,17 @@ def test_sampling_draws_from_transformers_distribution_or_falls_back(tiny_model_
             prepare(model, None, None, processors, None, kwargs, 512, frozenset())
         return
     params = prepare(model, None, None, processors, None, kwargs, 512, frozenset()).params
-    ref = hf_generate(model, **kwargs, logits_processor=processors, return_dict_in_generate=True,
-                      output_scores=True, output_logits=True)
+    ref = hf_generate(
+        model,
+        **kwargs,
+        logits_processor=processors,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+    )
     want = torch.softmax(ref.scores[0].float(), dim=-1)
     got = minisgl_distribution(ref.logits[0], params)
-    assert torch.equal(got > 0, want > 0), f"kept {(got > 0).sum(-1).tolist()} tokens, transformers {(want > 0).sum(-1).tolist()}"
+    assert torch.equal(got > 0, want > 0), (
+        f"kept {(got > 0).sum(-1).tolist()} tokens, transformers {(want > 0).sum(-1).tolist()}"
+    )
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

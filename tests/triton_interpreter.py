@@ -24,8 +24,11 @@ def run_interpreter_cases(test_file: str, passed: int, timeout: float = 900) -> 
         pytest.skip("this process is the interpreter run itself")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", "cpu-interpreter"],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(test_file).parent.parent, capture_output=True,
-        text=True, timeout=timeout,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        cwd=Path(test_file).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert result.returncode == 0 and f"{passed} passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]
 

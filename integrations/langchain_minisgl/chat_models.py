@@ -65,8 +65,15 @@ PROVIDER = "minisgl"
 _CALL_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"stop", "n", "logprobs"}
 # The ones that are also constructor fields.
 _MODEL_PARAMS = (
-    "temperature", "max_tokens", "top_p", "top_k", "min_p", "seed",
-    "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "temperature",
+    "max_tokens",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 )
 # Content blocks that only repeat what tool_calls already say, or the model's own reasoning:
 # dropped when an assistant turn is sent back.
@@ -90,8 +97,13 @@ class _Request(NamedTuple):
 
     def chat(self) -> dict[str, Any]:
         """The Client's chat keywords of this call."""
-        return dict(tools=self.tools, tool_choice=self.tool_choice, response_format=self.response_format,
-                    chat_template_kwargs=self.chat_template_kwargs, parallel_tool_calls=self.parallel_tool_calls)
+        return dict(
+            tools=self.tools,
+            tool_choice=self.tool_choice,
+            response_format=self.response_format,
+            chat_template_kwargs=self.chat_template_kwargs,
+            parallel_tool_calls=self.parallel_tool_calls,
+        )
 
 
 class ChatMiniSGL(BaseChatModel):
@@ -352,9 +364,13 @@ class ChatMiniSGL(BaseChatModel):
         """The prompt tokens of these messages as this model reads them: rendered with its chat template (with the
         tools and chat_template_kwargs), the count a call reports as usage_metadata["input_tokens"]."""
         openai_tools = [convert_to_openai_tool(t) for t in tools] if tools else None
-        return len(self._client(self.model).tokenize(
-            _to_chat_messages(messages), tools=openai_tools, chat_template_kwargs=self.chat_template_kwargs,
-        ))
+        return len(
+            self._client(self.model).tokenize(
+                _to_chat_messages(messages),
+                tools=openai_tools,
+                chat_template_kwargs=self.chat_template_kwargs,
+            )
+        )
 
     # ------------------------------------------------------------------ clients
 
@@ -464,7 +480,13 @@ class ChatMiniSGL(BaseChatModel):
         params.update(kwargs)
         params["stop"] = _merge_stops(self.stop, stop)
         return _Request(
-            model, _to_chat_messages(messages), params, tools, tool_choice, response_format, template_kwargs or None,
+            model,
+            _to_chat_messages(messages),
+            params,
+            tools,
+            tool_choice,
+            response_format,
+            template_kwargs or None,
             parallel_tool_calls,
         )
 
@@ -516,9 +538,7 @@ def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
         if error is None:
             tool_calls.append(create_tool_call(name=call["name"] or "", args=args, id=call["id"]))
         else:
-            invalid.append(
-                create_invalid_tool_call(name=call["name"], args=call["args"], id=call["id"], error=error)
-            )
+            invalid.append(create_invalid_tool_call(name=call["name"], args=call["args"], id=call["id"], error=error))
     message = AIMessage(
         content=merged.content,
         additional_kwargs=merged.additional_kwargs,  # reasoning_content, when the daemon separates it
@@ -579,8 +599,11 @@ def _to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
         elif isinstance(m, AIMessage):
             d = {"role": "assistant", "content": _text(m.content, i, skip=_AI_ONLY_BLOCKS)}
             calls = [
-                {"id": c["id"], "type": "function",
-                 "function": {"name": c["name"], "arguments": json.dumps(c["args"], ensure_ascii=False)}}
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": json.dumps(c["args"], ensure_ascii=False)},
+                }
                 for c in m.tool_calls
             ] + [
                 {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["args"] or ""}}
@@ -643,8 +666,10 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> str | dict[str, An
 
 def _json_schema(schema: dict[str, Any] | type, strict: bool | None) -> tuple[str, dict[str, Any]]:
     """(name, JSON schema) of a structured-output schema; a plain JSON schema dict is used as is."""
-    if isinstance(schema, dict) and "function" not in schema and (
-        "properties" in schema or schema.get("type") == "object"
+    if (
+        isinstance(schema, dict)
+        and "function" not in schema
+        and ("properties" in schema or schema.get("type") == "object")
     ):
         return str(schema.get("title") or "response"), schema
     function = convert_to_openai_tool(schema, strict=strict)["function"]

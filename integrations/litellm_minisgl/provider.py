@@ -24,9 +24,16 @@ import openai
 from litellm import CustomLLM
 from litellm.types.utils import EmbeddingResponse, GenericStreamingChunk, ModelResponse, Usage
 
-from minisgl import PING_TIMEOUT_S, AsyncClient, Client, DaemonNotRunningError, InvalidRequestError, SamplingParams, ping
-
 from litellm_minisgl.translate import Request, build_request, litellm_error, stream_chunks, to_model_response
+from minisgl import (
+    PING_TIMEOUT_S,
+    AsyncClient,
+    Client,
+    DaemonNotRunningError,
+    InvalidRequestError,
+    SamplingParams,
+    ping,
+)
 
 START_TIMEOUT_S = 600.0  # finding or starting a daemon (an auto-started one loads its model first)
 
@@ -92,8 +99,9 @@ class Daemons:
                 del clients[key]
             if address is not None:
                 raise _unreachable(address)
-        c = clients[key] = AsyncClient(model=model, address=address, auto_start=address is None,
-                                       timeout=START_TIMEOUT_S)
+        c = clients[key] = AsyncClient(
+            model=model, address=address, auto_start=address is None, timeout=START_TIMEOUT_S
+        )
         try:
             await c.connect()  # finds (pinging it) or starts the daemon
         except BaseException as e:
@@ -145,36 +153,71 @@ class MiniSGLLLM(CustomLLM):
         super().__init__()
         self.daemons = Daemons()
 
-    def _prepare(self, model: str, messages: list, api_base: str | None, optional_params: dict, timeout: Any,
-                 stream: bool) -> tuple[Client, Request, SamplingParams]:
+    def _prepare(
+        self, model: str, messages: list, api_base: str | None, optional_params: dict, timeout: Any, stream: bool
+    ) -> tuple[Client, Request, SamplingParams]:
         request = build_request(messages, optional_params, stream=stream)
         client = self.daemons.client(model, api_base or None, _seconds(timeout))
         return client, request, request.sampling_params()
 
-    async def _aprepare(self, model: str, messages: list, api_base: str | None, optional_params: dict,
-                        timeout: Any, stream: bool) -> tuple[AsyncClient, Request, SamplingParams]:
+    async def _aprepare(
+        self, model: str, messages: list, api_base: str | None, optional_params: dict, timeout: Any, stream: bool
+    ) -> tuple[AsyncClient, Request, SamplingParams]:
         request = build_request(messages, optional_params, stream=stream)
         client = await self.daemons.aclient(model, api_base or None, _seconds(timeout))
         return client, request, request.sampling_params()
 
     # ------------------------------------------------------------------ sync
 
-    def completion(self, model: str, messages: list, api_base: str | None, custom_prompt_dict: dict,
-                   model_response: ModelResponse, print_verbose: Callable, encoding: Any, api_key: Any,
-                   logging_obj: Any, optional_params: dict, acompletion: Any = None, litellm_params: Any = None,
-                   logger_fn: Any = None, headers: dict | None = None, timeout: Any = None, client: Any = None,
-                   ) -> ModelResponse:
+    def completion(
+        self,
+        model: str,
+        messages: list,
+        api_base: str | None,
+        custom_prompt_dict: dict,
+        model_response: ModelResponse,
+        print_verbose: Callable,
+        encoding: Any,
+        api_key: Any,
+        logging_obj: Any,
+        optional_params: dict,
+        acompletion: Any = None,
+        litellm_params: Any = None,
+        logger_fn: Any = None,
+        headers: dict | None = None,
+        timeout: Any = None,
+        client: Any = None,
+    ) -> ModelResponse:
         with _litellm_errors(model):
             c, request, params = self._prepare(model, messages, api_base, optional_params, timeout, stream=False)
-            result = c.generate(request.messages, params, timeout=_seconds(timeout), total_timeout=_seconds(timeout),
-                                **request.generate_kwargs())
+            result = c.generate(
+                request.messages,
+                params,
+                timeout=_seconds(timeout),
+                total_timeout=_seconds(timeout),
+                **request.generate_kwargs(),
+            )
         return to_model_response(result, model_response, model)
 
-    def streaming(self, model: str, messages: list, api_base: str | None, custom_prompt_dict: dict,
-                  model_response: ModelResponse, print_verbose: Callable, encoding: Any, api_key: Any,
-                  logging_obj: Any, optional_params: dict, acompletion: Any = None, litellm_params: Any = None,
-                  logger_fn: Any = None, headers: dict | None = None, timeout: Any = None, client: Any = None,
-                  ) -> Iterator[GenericStreamingChunk]:
+    def streaming(
+        self,
+        model: str,
+        messages: list,
+        api_base: str | None,
+        custom_prompt_dict: dict,
+        model_response: ModelResponse,
+        print_verbose: Callable,
+        encoding: Any,
+        api_key: Any,
+        logging_obj: Any,
+        optional_params: dict,
+        acompletion: Any = None,
+        litellm_params: Any = None,
+        logger_fn: Any = None,
+        headers: dict | None = None,
+        timeout: Any = None,
+        client: Any = None,
+    ) -> Iterator[GenericStreamingChunk]:
         # Not a generator itself: the request is validated, sent and its first chunk awaited here.
         with _litellm_errors(model):
             c, request, params = self._prepare(model, messages, api_base, optional_params, timeout, stream=True)
@@ -191,33 +234,78 @@ class MiniSGLLLM(CustomLLM):
             finally:
                 stream.close()  # aborts the request in the daemon if the caller stopped early
 
-    def embedding(self, model: str, input: list, model_response: EmbeddingResponse, print_verbose: Callable,
-                  logging_obj: Any, optional_params: dict, api_key: Any = None, api_base: str | None = None,
-                  timeout: Any = None, litellm_params: Any = None) -> EmbeddingResponse:
+    def embedding(
+        self,
+        model: str,
+        input: list,
+        model_response: EmbeddingResponse,
+        print_verbose: Callable,
+        logging_obj: Any,
+        optional_params: dict,
+        api_key: Any = None,
+        api_base: str | None = None,
+        timeout: Any = None,
+        litellm_params: Any = None,
+    ) -> EmbeddingResponse:
         """litellm.embedding(model="minisgl/<model>", input=[...]): Client.embed (last-token pooled, normalised)."""
         with _litellm_errors(model):
             inputs = _embedding_inputs(input, optional_params)
-            out = self.daemons.client(model, api_base or None, _seconds(timeout)).embed(inputs, timeout=_seconds(timeout))
+            out = self.daemons.client(model, api_base or None, _seconds(timeout)).embed(
+                inputs, timeout=_seconds(timeout)
+            )
         return _embedding_response(out, model_response, model)
 
     # ------------------------------------------------------------------ async
 
-    async def acompletion(self, model: str, messages: list, api_base: str | None, custom_prompt_dict: dict,
-                          model_response: ModelResponse, print_verbose: Callable, encoding: Any, api_key: Any,
-                          logging_obj: Any, optional_params: dict, acompletion: Any = None,
-                          litellm_params: Any = None, logger_fn: Any = None, headers: dict | None = None,
-                          timeout: Any = None, client: Any = None) -> ModelResponse:
+    async def acompletion(
+        self,
+        model: str,
+        messages: list,
+        api_base: str | None,
+        custom_prompt_dict: dict,
+        model_response: ModelResponse,
+        print_verbose: Callable,
+        encoding: Any,
+        api_key: Any,
+        logging_obj: Any,
+        optional_params: dict,
+        acompletion: Any = None,
+        litellm_params: Any = None,
+        logger_fn: Any = None,
+        headers: dict | None = None,
+        timeout: Any = None,
+        client: Any = None,
+    ) -> ModelResponse:
         with _litellm_errors(model):
             c, request, params = await self._aprepare(model, messages, api_base, optional_params, timeout, False)
-            result = await c.generate(request.messages, params, timeout=_seconds(timeout),
-                                      total_timeout=_seconds(timeout), **request.generate_kwargs())
+            result = await c.generate(
+                request.messages,
+                params,
+                timeout=_seconds(timeout),
+                total_timeout=_seconds(timeout),
+                **request.generate_kwargs(),
+            )
         return to_model_response(result, model_response, model)
 
-    async def astreaming(self, model: str, messages: list, api_base: str | None, custom_prompt_dict: dict,
-                         model_response: ModelResponse, print_verbose: Callable, encoding: Any, api_key: Any,
-                         logging_obj: Any, optional_params: dict, acompletion: Any = None,
-                         litellm_params: Any = None, logger_fn: Any = None, headers: dict | None = None,
-                         timeout: Any = None, client: Any = None) -> AsyncIterator[GenericStreamingChunk]:
+    async def astreaming(
+        self,
+        model: str,
+        messages: list,
+        api_base: str | None,
+        custom_prompt_dict: dict,
+        model_response: ModelResponse,
+        print_verbose: Callable,
+        encoding: Any,
+        api_key: Any,
+        logging_obj: Any,
+        optional_params: dict,
+        acompletion: Any = None,
+        litellm_params: Any = None,
+        logger_fn: Any = None,
+        headers: dict | None = None,
+        timeout: Any = None,
+        client: Any = None,
+    ) -> AsyncIterator[GenericStreamingChunk]:
         # Everything that can fail on the request's account happens before the first yield.
         with _litellm_errors(model):
             c, request, params = await self._aprepare(model, messages, api_base, optional_params, timeout, True)
@@ -232,9 +320,19 @@ class MiniSGLLLM(CustomLLM):
             finally:
                 await stream.aclose()  # aborts the request in the daemon if the caller stopped early
 
-    async def aembedding(self, model: str, input: list, model_response: EmbeddingResponse, print_verbose: Callable,
-                         logging_obj: Any, optional_params: dict, api_key: Any = None, api_base: str | None = None,
-                         timeout: Any = None, litellm_params: Any = None) -> EmbeddingResponse:
+    async def aembedding(
+        self,
+        model: str,
+        input: list,
+        model_response: EmbeddingResponse,
+        print_verbose: Callable,
+        logging_obj: Any,
+        optional_params: dict,
+        api_key: Any = None,
+        api_base: str | None = None,
+        timeout: Any = None,
+        litellm_params: Any = None,
+    ) -> EmbeddingResponse:
         with _litellm_errors(model):
             inputs = _embedding_inputs(input, optional_params)
             client = await self.daemons.aclient(model, api_base or None, _seconds(timeout))

@@ -34,9 +34,8 @@ from typing import Any, Sequence
 
 from litellm.integrations.custom_logger import CustomLogger
 
-from minisgl import ping
-
 from litellm_minisgl.translate import PROVIDER, plain_data
+from minisgl import ping
 
 BLOCK_BYTES = 64
 MAX_BLOCKS = 1 << 16  # per deployment: ~4 MB of prompt text, ~1M tokens

@@ -30,16 +30,32 @@ PROVIDER = "minisgl"
 
 # The OpenAI sampling parameters this provider takes, and the engine extras a caller may pass as
 # kwargs or in extra_body (as vLLM/SGLang accept them); SamplingParams.from_openai maps them.
-_OPENAI = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "n", "max_tokens",
-           "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias")
+_OPENAI = (
+    "temperature",
+    "top_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+)
 _EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens")
 
 
 class Request:
     """One chat completion as the minisgl client takes it: messages plus generate() keyword arguments."""
 
-    def __init__(self, messages: list[dict[str, Any]], params: dict[str, Any], optional_params: Mapping[str, Any],
-                 sampling: SamplingParams | None = None):
+    def __init__(
+        self,
+        messages: list[dict[str, Any]],
+        params: dict[str, Any],
+        optional_params: Mapping[str, Any],
+        sampling: SamplingParams | None = None,
+    ):
         self.messages = messages
         self._sampling = sampling if sampling is not None else SamplingParams.from_openai(params)
         self.params = params  # the OpenAI sampling parameters given (for SamplingParams.from_openai)
@@ -56,9 +72,13 @@ class Request:
         return self._sampling  # validated once, in build_request; max_tokens unset: the daemon fills the context
 
     def generate_kwargs(self) -> dict[str, Any]:
-        return {"tools": self.tools, "tool_choice": self.tool_choice, "response_format": self.response_format,
-                "chat_template_kwargs": dict(self.chat_template_kwargs) if self.chat_template_kwargs else None,
-                "parallel_tool_calls": self.parallel_tool_calls}
+        return {
+            "tools": self.tools,
+            "tool_choice": self.tool_choice,
+            "response_format": self.response_format,
+            "chat_template_kwargs": dict(self.chat_template_kwargs) if self.chat_template_kwargs else None,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
 
 
 def build_request(messages: Any, optional_params: Mapping[str, Any], stream: bool = False) -> Request:
@@ -69,8 +89,9 @@ def build_request(messages: Any, optional_params: Mapping[str, Any], stream: boo
         raise InvalidRequestError("extra_body must be an object")
     given = {**extra_body, **{k: v for k, v in given.items() if k != "extra_body"}}
     if given.get("functions") is not None or given.get("function_call") is not None:
-        raise InvalidRequestError("functions / function_call (OpenAI's deprecated form) are not supported: "
-                                  "pass tools and tool_choice")
+        raise InvalidRequestError(
+            "functions / function_call (OpenAI's deprecated form) are not supported: pass tools and tool_choice"
+        )
     params: dict[str, Any] = {k: given[k] for k in (*_OPENAI, *_EXTRAS) if given.get(k) is not None}
     if "logprobs" in params:
         params["logprobs"] = bool(params["logprobs"])  # a chat API: logprobs is a switch, top_logprobs the count
@@ -147,8 +168,9 @@ def _logprobs(entries: list[dict[str, Any]] | None) -> ChoiceLogprobs | None:
     """The daemon's per-token logprobs ({token, logprob, top_logprobs}) in OpenAI's chat form."""
     if not entries:
         return None
-    content = [{**_token_logprob(e), "top_logprobs": [_token_logprob(t) for t in e.get("top_logprobs") or []]}
-               for e in entries]
+    content = [
+        {**_token_logprob(e), "top_logprobs": [_token_logprob(t) for t in e.get("top_logprobs") or []]} for e in entries
+    ]
     return ChoiceLogprobs(content=content)
 
 
@@ -157,8 +179,12 @@ def to_model_response(result: Any, model_response: ModelResponse, model: str) ->
     choices = []
     for out in result.outputs:
         calls = out.tool_calls or None
-        message = Message(role="assistant", content=out.text if (out.text or not calls) else None, tool_calls=calls,
-                          reasoning_content=out.reasoning_content)
+        message = Message(
+            role="assistant",
+            content=out.text if (out.text or not calls) else None,
+            tool_calls=calls,
+            reasoning_content=out.reasoning_content,
+        )
         choice = Choices(index=out.index, message=message, finish_reason=out.finish_reason or "stop")
         logprobs = _logprobs(out.logprobs)
         if logprobs is not None:
@@ -178,25 +204,41 @@ def stream_chunks(chunk: Any) -> Iterator[GenericStreamingChunk]:
     index = int(chunk.index)
     text = chunk.text
     if chunk.reasoning:  # LiteLLM's streaming interface has no reasoning field: delta.provider_specific_fields
-        yield GenericStreamingChunk(text="", tool_use=None, is_finished=False, finish_reason="", usage=None,
-                                    index=index, provider_specific_fields={"reasoning_content": chunk.reasoning})
+        yield GenericStreamingChunk(
+            text="",
+            tool_use=None,
+            is_finished=False,
+            finish_reason="",
+            usage=None,
+            index=index,
+            provider_specific_fields={"reasoning_content": chunk.reasoning},
+        )
     for delta in chunk.tool_calls or []:
         fn = delta.get("function") or {}
         tool_use = {
-            "id": delta.get("id"), "type": "function", "index": int(delta.get("index", 0)),
+            "id": delta.get("id"),
+            "type": "function",
+            "index": int(delta.get("index", 0)),
             "function": {"name": fn.get("name"), "arguments": fn.get("arguments") or ""},
         }
-        yield GenericStreamingChunk(text=text, tool_use=tool_use, is_finished=False, finish_reason="", usage=None,
-                                    index=index)
+        yield GenericStreamingChunk(
+            text=text, tool_use=tool_use, is_finished=False, finish_reason="", usage=None, index=index
+        )
         text = ""
     if chunk.finish_reason is not None or chunk.usage is not None:
         usage = usage_dict(chunk.usage) if chunk.usage is not None else None
-        yield GenericStreamingChunk(text=text, tool_use=None, is_finished=True,
-                                    finish_reason=chunk.finish_reason or "stop", usage=usage,
-                                    index=index)
+        yield GenericStreamingChunk(
+            text=text,
+            tool_use=None,
+            is_finished=True,
+            finish_reason=chunk.finish_reason or "stop",
+            usage=usage,
+            index=index,
+        )
     elif text:
-        yield GenericStreamingChunk(text=text, tool_use=None, is_finished=False, finish_reason="", usage=None,
-                                    index=index)
+        yield GenericStreamingChunk(
+            text=text, tool_use=None, is_finished=False, finish_reason="", usage=None, index=index
+        )
 
 
 # ---------------------------------------------------------------------------- errors

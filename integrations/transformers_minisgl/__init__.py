@@ -68,7 +68,8 @@ class PatchedGenerate:
         self.warned: set[str] = set()
 
     def follow(self, model: Any) -> None:
-        """Rebuild the engine where the model went since (model.to(...), .cuda(), .half()), as its generate would run."""
+        """Rebuild the engine where the model went since (model.to(...), .cuda(), .half()), as its generate would
+        run."""
         placement = _placement(model, self.engine_kwargs)
         if placement == self.placement:
             return
@@ -199,10 +200,15 @@ def _generate(
     explicit = {
         name: value
         for name, value in dict(
-            generation_config=generation_config, logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
-            synced_gpus=synced_gpus, assistant_model=assistant_model, streamer=streamer,
-            negative_prompt_ids=negative_prompt_ids, negative_prompt_attention_mask=negative_prompt_attention_mask,
+            generation_config=generation_config,
+            logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria,
+            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+            synced_gpus=synced_gpus,
+            assistant_model=assistant_model,
+            streamer=streamer,
+            negative_prompt_ids=negative_prompt_ids,
+            negative_prompt_attention_mask=negative_prompt_attention_mask,
             custom_generate=custom_generate,
         ).items()
         if value is not None
@@ -214,8 +220,14 @@ def _generate(
             llm = state.llm
             try:
                 request = prepare(
-                    model, inputs, generation_config, logits_processor, stopping_criteria, kwargs,
-                    llm.max_seq_len, llm.eos_token_ids,
+                    model,
+                    inputs,
+                    generation_config,
+                    logits_processor,
+                    stopping_criteria,
+                    kwargs,
+                    llm.max_seq_len,
+                    llm.eos_token_ids,
                 )
             except UnsupportedGenerationError as e:
                 reason = str(e)

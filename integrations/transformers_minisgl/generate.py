@@ -122,15 +122,21 @@ def prepare(
     mask = (mask != 0).repeat_interleave(n, dim=0).cpu()
     prompt_len = input_ids.shape[1]
     config = model._prepare_generated_length(
-        generation_config=config, has_default_max_length=has_default_max_length,
-        has_default_min_length=has_default_min_length, model_input_name=input_name,
-        input_ids_length=prompt_len, inputs_tensor=inputs_tensor,
+        generation_config=config,
+        has_default_max_length=has_default_max_length,
+        has_default_min_length=has_default_min_length,
+        model_input_name=input_name,
+        input_ids_length=prompt_len,
+        inputs_tensor=inputs_tensor,
     )
     model._validate_generated_length(config, prompt_len, has_default_max_length)
     # As transformers does, an all-ones mask is dropped before the processors see it.
     processors = model._get_logits_processor(
-        generation_config=config, input_ids_seq_length=prompt_len, encoder_input_ids=inputs_tensor,
-        logits_processor=logits_processor, device=device,
+        generation_config=config,
+        input_ids_seq_length=prompt_len,
+        encoder_input_ids=inputs_tensor,
+        logits_processor=logits_processor,
+        device=device,
         model_kwargs={"attention_mask": None if bool(mask.all()) else mask.long()},
     )
     criteria = model._get_stopping_criteria(
@@ -154,9 +160,15 @@ def prepare(
     if pads_finished_rows and pad is None:
         raise UnsupportedGenerationError("a stopping criterion with eos_token_id but no pad_token_id or eos_token_id")
     return GenerateRequest(
-        input_ids=input_ids, prompts=prompts, n=n, params=params, criteria=criteria,
-        pad_token_id=None if pad is None else int(pad), pads_finished_rows=pads_finished_rows,
-        return_dict=bool(config.return_dict_in_generate), device=device,
+        input_ids=input_ids,
+        prompts=prompts,
+        n=n,
+        params=params,
+        criteria=criteria,
+        pad_token_id=None if pad is None else int(pad),
+        pads_finished_rows=pads_finished_rows,
+        return_dict=bool(config.return_dict_in_generate),
+        device=device,
     )
 
 
@@ -181,8 +193,14 @@ def _token_set(ids: Any) -> set[int]:
 
 
 def sampling_params(
-    processors: Any, config: Any, prompt_len: int, max_new: int, pad_lengths: torch.Tensor, model_eos: frozenset[int],
-    eos: set[int], n: int = 1,
+    processors: Any,
+    config: Any,
+    prompt_len: int,
+    max_new: int,
+    pad_lengths: torch.Tensor,
+    model_eos: frozenset[int],
+    eos: set[int],
+    n: int = 1,
 ) -> SamplingParams:
     """Read transformers' logits processors back into SamplingParams; raise for those with no exact equivalent.
 
@@ -256,8 +274,12 @@ def sampling_params(
         )
     try:
         return SamplingParams(
-            **fields, n=n, max_tokens=max_new, min_tokens=min(max(min_tokens, 0), max_new),
-            stop_token_ids=sorted(eos), ignore_eos=not use_model_eos,
+            **fields,
+            n=n,
+            max_tokens=max_new,
+            min_tokens=min(max(min_tokens, 0), max_new),
+            stop_token_ids=sorted(eos),
+            ignore_eos=not use_model_eos,
         )
     except InvalidRequestError as e:
         raise UnsupportedGenerationError(str(e)) from None
@@ -274,7 +296,8 @@ def _check_penalty_window(ignore: Any, pad_lengths: torch.Tensor) -> None:
 
 
 def run(llm: Any, request: GenerateRequest, streamer: Any = None) -> torch.Tensor:
-    """Generate on the engine, step by step (minisgl.LLM's add_request/step/abort); returns HF's sequences [batch * n, prompt_len + new] on the CPU."""
+    """Generate on the engine, step by step (minisgl.LLM's add_request/step/abort); returns HF's sequences [batch * n,
+    prompt_len + new] on the CPU."""
     n, params = request.n, request.params
     rows, prompt_len = request.input_ids.shape
     max_new = params.max_tokens

@@ -20,7 +20,9 @@ _TYPES = {"int": int, "float": float, "str": str}
 def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """--model plus every EngineConfig field as --kebab-case (unset flags keep the config's defaults)."""
     group = parser.add_argument_group("engine options (EngineConfig)")
-    group.add_argument("--model", default="smollm2", help="model name, directory, hub id or GGUF file (default: smollm2)")
+    group.add_argument(
+        "--model", default="smollm2", help="model name, directory, hub id or GGUF file (default: smollm2)"
+    )
     for f in fields(EngineConfig):
         if f.name in ("model", "extra", *skip):
             continue
@@ -30,7 +32,11 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
             group.add_argument(flag, dest=f.name, action="store_true", default=argparse.SUPPRESS)
         elif kind in _TYPES:
             group.add_argument(
-                flag, dest=f.name, type=_TYPES[kind], default=argparse.SUPPRESS, metavar=f.name.upper(),
+                flag,
+                dest=f.name,
+                type=_TYPES[kind],
+                default=argparse.SUPPRESS,
+                metavar=f.name.upper(),
                 help=f"default: {f.default}",
             )
 
@@ -57,16 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the daemon for a model in the foreground (Ctrl-C stops it)")
-    serve.add_argument("--address", help="ipc:///path or tcp://HOST:PORT (default: an ipc socket per model in the runtime dir)")
+    serve.add_argument(
+        "--address", help="ipc:///path or tcp://HOST:PORT (default: an ipc socket per model in the runtime dir)"
+    )
     serve.add_argument("--allow-remote", action="store_true", help="allow a non-loopback tcp address (turns on CURVE)")
     serve.add_argument("--curve", action="store_true", help="require CURVE authentication even on a loopback address")
-    serve.add_argument("--curve-dir", help="CURVE key directory (default: $MINISGL_CURVE_DIR or ~/.config/minisgl/curve)")
+    serve.add_argument(
+        "--curve-dir", help="CURVE key directory (default: $MINISGL_CURVE_DIR or ~/.config/minisgl/curve)"
+    )
     serve.add_argument("--max-message-bytes", type=int, default=None, help="drop client connections that send more")
     serve.add_argument("--http-port", type=_port, help="also serve the OpenAI-compatible HTTP API on this port")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP server host (default: 127.0.0.1)")
     serve.add_argument("--api-key", help="HTTP server API key (required for a non-loopback --host)")
     serve.add_argument(
-        "--idle-timeout", type=float, default=float(os.environ.get("MINISGL_IDLE_TIMEOUT") or 0), metavar="SECONDS",
+        "--idle-timeout",
+        type=float,
+        default=float(os.environ.get("MINISGL_IDLE_TIMEOUT") or 0),
+        metavar="SECONDS",
         help="stop after this many seconds with no request (default: $MINISGL_IDLE_TIMEOUT, else never; "
         "auto-started daemons inherit the variable from the program that starts them)",
     )
@@ -124,9 +137,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if http is not None and (running := _running_daemon(config, args.address)) is not None:
         return _serve_http_only(running, http, args.model)
     return serve(
-        config, args.address, allow_remote=args.allow_remote, curve=args.curve, curve_keys=args.curve_dir,
-        http=http, max_message_bytes=args.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES,
-        log_level=logger.level, idle_timeout=args.idle_timeout or None,
+        config,
+        args.address,
+        allow_remote=args.allow_remote,
+        curve=args.curve,
+        curve_keys=args.curve_dir,
+        http=http,
+        max_message_bytes=args.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES,
+        log_level=logger.level,
+        idle_timeout=args.idle_timeout or None,
     )
 
 
@@ -148,7 +167,8 @@ def _serve_http_only(address: str, http: Any, model: str) -> int:
         f"minisgl: a daemon already serves {model} at {address}; serving the HTTP API for it on "
         f"http://{http.host}:{http.port} (Ctrl-C stops the HTTP server only; `minisgl stop --address {address}` "
         "stops the daemon)",
-        file=sys.stderr, flush=True,
+        file=sys.stderr,
+        flush=True,
     )
     http.run(address, model, logger.level)
     return 0
@@ -200,8 +220,12 @@ def cmd_ps(args: argparse.Namespace) -> int:
         load = ("-",) * 4
         if "total_pages" in s:
             total = max(s["total_pages"], 1)
-            load = (str(s["running"]), str(s["waiting"]), f"{100 * s['req_pages'] / total:.1f}%",
-                    f"{100 * s['cached_pages'] / total:.1f}%")
+            load = (
+                str(s["running"]),
+                str(s["waiting"]),
+                f"{100 * s['req_pages'] / total:.1f}%",
+                f"{100 * s['cached_pages'] / total:.1f}%",
+            )
         rows.append((s["model"], s["address"], str(s["pid"]), s["state"], _duration(s["uptime_s"]), *load))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
@@ -227,7 +251,10 @@ def cmd_shell(args: argparse.Namespace) -> int:
     from minisgl.server.shell import run_shell
 
     with Client(
-        args.model, args.address, curve_client_key=args.curve_client_key, curve_server_key=args.curve_server_key,
+        args.model,
+        args.address,
+        curve_client_key=args.curve_client_key,
+        curve_server_key=args.curve_server_key,
         **engine_kwargs(args),
     ) as client:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -240,7 +267,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sample_seed,
         stop=args.stop,
     )
     if args.chat:
@@ -266,7 +297,14 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"serve": cmd_serve, "stop": cmd_stop, "ps": cmd_ps, "shell": cmd_shell, "generate": cmd_generate, "keys": cmd_keys}
+COMMANDS = {
+    "serve": cmd_serve,
+    "stop": cmd_stop,
+    "ps": cmd_ps,
+    "shell": cmd_shell,
+    "generate": cmd_generate,
+    "keys": cmd_keys,
+}
 
 
 def _port(text: str) -> int:

@@ -64,8 +64,18 @@ _UNSET: Any = object()
 _R = TypeVar("_R")
 
 __all__ = [
-    "AsyncClient", "AsyncStream", "Chunk", "Client", "CompletionOutput", "DEFAULT_TIMEOUT_S", "Embedding", "GenerateResult",
-    "PING_TIMEOUT_S", "Stream", "Usage", "ping",
+    "AsyncClient",
+    "AsyncStream",
+    "Chunk",
+    "Client",
+    "CompletionOutput",
+    "DEFAULT_TIMEOUT_S",
+    "Embedding",
+    "GenerateResult",
+    "PING_TIMEOUT_S",
+    "Stream",
+    "Usage",
+    "ping",
 ]
 
 
@@ -178,7 +188,9 @@ class _ResultBuilder:
             self.prompt_logprobs = chunk.prompt_logprobs
 
     def result(self) -> GenerateResult:
-        return GenerateResult(self.rid, [self.outputs[i] for i in sorted(self.outputs)], self.usage, self.prompt_logprobs)
+        return GenerateResult(
+            self.rid, [self.outputs[i] for i in sorted(self.outputs)], self.usage, self.prompt_logprobs
+        )
 
 
 def _total_timeout(total: Any) -> None:
@@ -211,11 +223,21 @@ def _tokenize_message(
     prompt: Any, add_special_tokens: bool, add_generation_prompt: bool, tools: Any, chat_template_kwargs: Any
 ) -> Tokenize:
     if isinstance(prompt, str):
-        return Tokenize(uuid.uuid4().hex, prompt=prompt, add_special_tokens=add_special_tokens, tools=tools,
-                        chat_template_kwargs=chat_template_kwargs)
+        return Tokenize(
+            uuid.uuid4().hex,
+            prompt=prompt,
+            add_special_tokens=add_special_tokens,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
     if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-        return Tokenize(uuid.uuid4().hex, messages=prompt, add_generation_prompt=add_generation_prompt, tools=tools,
-                        chat_template_kwargs=chat_template_kwargs)
+        return Tokenize(
+            uuid.uuid4().hex,
+            messages=prompt,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
     raise InvalidRequestError("tokenize takes a str prompt or a list of chat messages (dicts)")
 
 
@@ -236,8 +258,14 @@ class _ClientCore:
     """What Client and AsyncClient share: where the daemon is, how to reach it, what a request sends."""
 
     def __init__(
-        self, model: str, address: str | None, auto_start: bool, timeout: float | None,
-        curve_client_key: Any, curve_server_key: Any, engine_kwargs: dict[str, Any],
+        self,
+        model: str,
+        address: str | None,
+        auto_start: bool,
+        timeout: float | None,
+        curve_client_key: Any,
+        curve_server_key: Any,
+        engine_kwargs: dict[str, Any],
     ) -> None:
         self.model = model
         self.requested_address = address
@@ -252,12 +280,21 @@ class _ClientCore:
 
         start_timeout = self.timeout if self.timeout is not None else 3600.0
         return locate_daemon(
-            self.model, self.requested_address, auto_start=self.auto_start, timeout=start_timeout,
-            engine_kwargs=self.engine_kwargs, curve=self.curve,
+            self.model,
+            self.requested_address,
+            auto_start=self.auto_start,
+            timeout=start_timeout,
+            engine_kwargs=self.engine_kwargs,
+            curve=self.curve,
         )
 
     def _request(
-        self, prompt: Prompt, sampling_params: SamplingParams | None, rid: str | None, timeout: float | None, **chat: Any
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None,
+        rid: str | None,
+        timeout: float | None,
+        **chat: Any,
     ) -> tuple[Generate, float | None]:
         """The Generate message of a request and the timeout its replies get."""
         msg = _generate_message(prompt, sampling_params, rid, **chat)
@@ -301,7 +338,9 @@ class _StreamCore(ABC):
             yield
         except DaemonTimeoutError:
             if by_deadline:
-                raise DaemonTimeoutError(f"the request did not finish within its total_timeout of {self._total:g}s") from None
+                raise DaemonTimeoutError(
+                    f"the request did not finish within its total_timeout of {self._total:g}s"
+                ) from None
             raise
 
     @abstractmethod
@@ -319,9 +358,7 @@ class _StreamCore(ABC):
             yield
         except DaemonTimeoutError as e:
             self._abort()
-            raise DaemonTimeoutError(
-                f"{e}; the request was aborted (raise the timeout for slower requests)"
-            ) from None
+            raise DaemonTimeoutError(f"{e}; the request was aborted (raise the timeout for slower requests)") from None
         except BaseException:
             self._abort()
             raise
@@ -474,8 +511,15 @@ class Client(_ClientCore):
     ) -> Stream:
         """Send the request now; iterate the returned Stream (in this thread) for its Chunks."""
         msg, timeout = self._request(
-            prompt, sampling_params, rid, timeout, tools=tools, tool_choice=tool_choice, response_format=response_format,
-            chat_template_kwargs=chat_template_kwargs, parallel_tool_calls=parallel_tool_calls,
+            prompt,
+            sampling_params,
+            rid,
+            timeout,
+            tools=tools,
+            tool_choice=tool_choice,
+            response_format=response_format,
+            chat_template_kwargs=chat_template_kwargs,
+            parallel_tool_calls=parallel_tool_calls,
         )
         held = self._thread_connection()
         held.conn.open(msg.rid)
@@ -506,8 +550,15 @@ class Client(_ClientCore):
         """
         _total_timeout(total_timeout)
         stream = self.stream(
-            prompt, sampling_params, tools=tools, tool_choice=tool_choice, response_format=response_format,
-            chat_template_kwargs=chat_template_kwargs, parallel_tool_calls=parallel_tool_calls, rid=rid, timeout=timeout,
+            prompt,
+            sampling_params,
+            tools=tools,
+            tool_choice=tool_choice,
+            response_format=response_format,
+            chat_template_kwargs=chat_template_kwargs,
+            parallel_tool_calls=parallel_tool_calls,
+            rid=rid,
+            timeout=timeout,
         )
         stream._limit(total_timeout)
         builder = _ResultBuilder(stream.rid)
@@ -717,10 +768,20 @@ class AsyncClient(_ClientCore):
         timeout: float | None = _UNSET,
     ) -> AsyncStream:
         """`async for chunk in client.stream(...)`; arguments as Client.stream."""
-        return AsyncStream(self, *self._request(
-            prompt, sampling_params, rid, timeout, tools=tools, tool_choice=tool_choice, response_format=response_format,
-            chat_template_kwargs=chat_template_kwargs, parallel_tool_calls=parallel_tool_calls,
-        ))
+        return AsyncStream(
+            self,
+            *self._request(
+                prompt,
+                sampling_params,
+                rid,
+                timeout,
+                tools=tools,
+                tool_choice=tool_choice,
+                response_format=response_format,
+                chat_template_kwargs=chat_template_kwargs,
+                parallel_tool_calls=parallel_tool_calls,
+            ),
+        )
 
     async def generate(
         self,
@@ -739,8 +800,15 @@ class AsyncClient(_ClientCore):
         """As Client.generate."""
         _total_timeout(total_timeout)
         stream = self.stream(
-            prompt, sampling_params, tools=tools, tool_choice=tool_choice, response_format=response_format,
-            chat_template_kwargs=chat_template_kwargs, parallel_tool_calls=parallel_tool_calls, rid=rid, timeout=timeout,
+            prompt,
+            sampling_params,
+            tools=tools,
+            tool_choice=tool_choice,
+            response_format=response_format,
+            chat_template_kwargs=chat_template_kwargs,
+            parallel_tool_calls=parallel_tool_calls,
+            rid=rid,
+            timeout=timeout,
         )
         stream._limit(total_timeout)
         builder = _ResultBuilder(stream.rid)
@@ -813,4 +881,3 @@ class AsyncClient(_ClientCore):
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
-

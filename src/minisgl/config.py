@@ -54,7 +54,8 @@ class EngineConfig:
             raise ConfigError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens!r}")
         if self.piecewise_cuda_graph_max_tokens < 0:
             raise ConfigError(
-                f"piecewise_cuda_graph_max_tokens must be >= 0 (0: eager prefill), got {self.piecewise_cuda_graph_max_tokens!r}"
+                f"piecewise_cuda_graph_max_tokens must be >= 0 (0: eager prefill), got "
+                f"{self.piecewise_cuda_graph_max_tokens!r}"
             )
         if self.max_running_requests < 1:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests!r}")
@@ -81,7 +82,9 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.dtype not in (None, "float32", "bfloat16", "float16", "auto"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 

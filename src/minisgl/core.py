@@ -144,7 +144,8 @@ class SamplingParams:
 
     @classmethod
     def from_validated(cls, d: dict[str, Any]) -> "SamplingParams":
-        """Params that to_dict() wrote after validation, inside the daemon (tokenizer -> scheduler): not checked again."""
+        """Params that to_dict() wrote after validation, inside the daemon (tokenizer -> scheduler): not checked
+        again."""
         params = cls.__new__(cls)
         params.__dict__.update(d)
         return params
@@ -190,7 +191,7 @@ class SamplingParams:
         """A copy constrained by one grammar field (json_schema, regex or ebnf); these params have none."""
         if self.has_grammar:
             raise GrammarError("give at most one of json_schema, regex and ebnf")
-        (name, value), = grammar.items()
+        ((name, value),) = grammar.items()
         assert name in ("json_schema", "regex", "ebnf"), name
         params = copy.copy(self)
         setattr(params, name, value)
@@ -229,7 +230,9 @@ def _guided_grammar(given: Mapping[str, Any]) -> dict[str, Any]:
                 continue
             if kind == "choice":
                 if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-                    raise InvalidRequestError(f"{prefix or 'structured_outputs.'}choice must be a list of non-empty strings")
+                    raise InvalidRequestError(
+                        f"{prefix or 'structured_outputs.'}choice must be a list of non-empty strings"
+                    )
                 value = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
             found.append((field_name, value))
     if len(found) > 1 or (found and any(given.get(f) is not None for f in ("json_schema", "regex", "ebnf"))):
@@ -248,7 +251,9 @@ def _token_biases(bias: Any) -> dict[int, float] | None:
         except (TypeError, ValueError):
             raise InvalidRequestError(f"invalid SamplingParams: logit_bias key {key!r} is not a token id") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
-            raise InvalidRequestError(f"invalid SamplingParams: logit_bias values must be in [-100, 100], got {value!r}")
+            raise InvalidRequestError(
+                f"invalid SamplingParams: logit_bias values must be in [-100, 100], got {value!r}"
+            )
         if token < 0:
             raise InvalidRequestError(f"invalid SamplingParams: logit_bias key {key!r} is not a token id")
         out[token] = float(value)

@@ -88,10 +88,18 @@ class LLM:
         **engine_kwargs: Any,
     ) -> None:
         model_source = None if isinstance(model, str) else model
-        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "name_or_path", "") or "model"
+        name = (
+            model if isinstance(model, str) else getattr(getattr(model, "config", None), "name_or_path", "") or "model"
+        )
         self.config = EngineConfig.from_kwargs(
-            str(name), dtype=dtype, cache=cache, page_size=page_size, max_prefill_tokens=max_prefill_tokens,
-            max_running_requests=max_running_requests, tp=tp, **engine_kwargs,
+            str(name),
+            dtype=dtype,
+            cache=cache,
+            page_size=page_size,
+            max_prefill_tokens=max_prefill_tokens,
+            max_running_requests=max_running_requests,
+            tp=tp,
+            **engine_kwargs,
         )
         if tp > 1:
             from minisgl.scheduler.tp import TPScheduler
@@ -192,7 +200,8 @@ class LLM:
                     raise InvalidRequestError('a {"prompt_token_ids": ...} prompt must hold a list of token ids')
             else:
                 raise InvalidRequestError(
-                    f"a prompt dict takes exactly one of the keys 'prompt' (text) or 'prompt_token_ids', got {sorted(keys)}"
+                    f"a prompt dict takes exactly one of the keys 'prompt' (text) or 'prompt_token_ids', got "
+                    f"{sorted(keys)}"
                 )
         if not isinstance(prompt, (str, list, tuple)):
             raise InvalidRequestError(
@@ -200,17 +209,17 @@ class LLM:
             )
         return encode_prompt(self.tokenizer, prompt)
 
-    def _generate_ids(
-        self, token_lists: list[list[int]], sampling_params: Any, use_tqdm: bool
-    ) -> list[RequestOutput]:
+    def _generate_ids(self, token_lists: list[list[int]], sampling_params: Any, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
             params_list = [SamplingParams()] * len(token_lists)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(token_lists)
         else:
-            wrong = [sampling_params] if isinstance(sampling_params, (str, dict)) or not isinstance(
-                sampling_params, Sequence
-            ) else [p for p in sampling_params if not isinstance(p, SamplingParams)]
+            wrong = (
+                [sampling_params]
+                if isinstance(sampling_params, (str, dict)) or not isinstance(sampling_params, Sequence)
+                else [p for p in sampling_params if not isinstance(p, SamplingParams)]
+            )
             if wrong:
                 raise InvalidRequestError(
                     "sampling_params must be a SamplingParams or a list of them (one per prompt), got a "
@@ -257,8 +266,7 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [
-            self._assemble(rid, ids, params, collected[rid])
-            for rid, ids, params in zip(rids, token_lists, params_list)
+            self._assemble(rid, ids, params, collected[rid]) for rid, ids, params in zip(rids, token_lists, params_list)
         ]
 
     def _assemble(
@@ -274,16 +282,26 @@ class LLM:
                 )
                 shown = shown_ids(seq.token_ids, seq.last.finish_reason, seq.last.matched_stop)
                 text = detok.add(shown) + detok.finish()
-            outputs.append(CompletionOutput(
-                index, text, seq.token_ids, seq.last.finish_reason, seq.last.matched_stop,
-                logprobs=seq.logprobs if params.logprobs is not None else None,
-            ))
+            outputs.append(
+                CompletionOutput(
+                    index,
+                    text,
+                    seq.token_ids,
+                    seq.last.finish_reason,
+                    seq.last.matched_stop,
+                    logprobs=seq.logprobs if params.logprobs is not None else None,
+                )
+            )
         last = per_index[params.n - 1].last
         return RequestOutput(
-            request_id=rid, prompt_token_ids=prompt_ids, outputs=outputs, prompt_tokens=last.prompt_tokens,
+            request_id=rid,
+            prompt_token_ids=prompt_ids,
+            outputs=outputs,
+            prompt_tokens=last.prompt_tokens,
             cached_tokens=per_index[0].last.cached_tokens,
             completion_tokens=sum(per_index[i].last.completion_tokens for i in range(params.n)),
-            error=last.error, prompt_logprobs=per_index[0].prompt_logprobs,
+            error=last.error,
+            prompt_logprobs=per_index[0].prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ step by step (as vLLM's LLMEngine)

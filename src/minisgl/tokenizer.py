@@ -51,11 +51,25 @@ def flatten_message(message: Any, i: int) -> dict[str, Any]:
 
 # apply_chat_template's own arguments: a chat_template_kwargs key with one of these names would
 # change how the prompt is built rather than give the template a variable.
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 def check_chat_template_kwargs(kwargs: Any) -> dict[str, Any]:
@@ -64,8 +78,9 @@ def check_chat_template_kwargs(kwargs: Any) -> dict[str, Any]:
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise InvalidRequestError("chat_template_kwargs must be an object of template variables, e.g. "
-                                  '{"enable_thinking": false}')
+        raise InvalidRequestError(
+            'chat_template_kwargs must be an object of template variables, e.g. {"enable_thinking": false}'
+        )
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if reserved:
         raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(reserved)} (not template variables)")
@@ -103,7 +118,11 @@ def apply_chat_template(
             from minisgl.structured.tools import render_tools_prompt
 
             text = render_tools_prompt(
-                tokenizer, messages, tools, add_generation_prompt=add_generation_prompt, tool_choice=tool_choice,
+                tokenizer,
+                messages,
+                tools,
+                add_generation_prompt=add_generation_prompt,
+                tool_choice=tool_choice,
                 **template_kwargs,
             )
         else:

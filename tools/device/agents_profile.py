@@ -30,10 +30,21 @@ from minisgl.config import EngineConfig
 from minisgl.scheduler import collector
 from minisgl.scheduler.tp import make_scheduler
 
-
 CURRENT: dict[str, float] = defaultdict(float)
-SCHEDULE_CALLS = ("gc", "extends", "add", "schedule", "_lock_waiting_prefixes", "_ordered_waiting", "admit", "reserve", "make_batch", "cache_prefix",
-                  "prepare", "forward")  # the step being launched: host seconds per wrapped call
+SCHEDULE_CALLS = (
+    "gc",
+    "extends",
+    "add",
+    "schedule",
+    "_lock_waiting_prefixes",
+    "_ordered_waiting",
+    "admit",
+    "reserve",
+    "make_batch",
+    "cache_prefix",
+    "prepare",
+    "forward",
+)  # the step being launched: host seconds per wrapped call
 
 
 def wrap(obj: Any, name: str, totals: dict[str, float]) -> None:
@@ -66,26 +77,56 @@ def main() -> None:
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
     p.add_argument("--out", default=None)
     p.add_argument("--sync-debug", action="store_true", help="warn at every CUDA operation that waits for the device")
-    p.add_argument("--cprofile", action="store_true", help="cProfile the run (slows the host: timings are not comparable)")
-    p.add_argument("--cprofile-prefill", action="store_true", help="cProfile only the prefill forwards (launch + sampling)")
-    p.add_argument("--cprofile-burst", action="store_true",
-                   help="cProfile only the host between turns: the step() that finishes requests, the submits, "
-                        "up to the end of the next prefill launch")
-    p.add_argument("--cprofile-schedule", action="store_true",
-                   help="cProfile the prefill admissions that rank 32 or more waiting requests (a burst's first chunks)")
-    p.add_argument("--sleep-probe", action="store_true",
-                   help="queue a 30 ms GPU sleep before each prefill: a call whose host time includes it waits for the GPU")
-    p.add_argument("--kernels", action="store_true",
-                   help="torch.profiler over each prefill forward (synchronized after it): GPU kernels by total time")
-    p.add_argument("--auto-gc", action="store_true",
-                   help="leave Python's collector automatic (the bench and the daemon run it at the scheduler's safe point)")
-    p.add_argument("--timeline", type=int, nargs="*", default=None,
-                   help="print every step from the first submit of these turns (default 2) to their last first token")
+    p.add_argument(
+        "--cprofile", action="store_true", help="cProfile the run (slows the host: timings are not comparable)"
+    )
+    p.add_argument(
+        "--cprofile-prefill", action="store_true", help="cProfile only the prefill forwards (launch + sampling)"
+    )
+    p.add_argument(
+        "--cprofile-burst",
+        action="store_true",
+        help="cProfile only the host between turns: the step() that finishes requests, the submits, "
+        "up to the end of the next prefill launch",
+    )
+    p.add_argument(
+        "--cprofile-schedule",
+        action="store_true",
+        help="cProfile the prefill admissions that rank 32 or more waiting requests (a burst's first chunks)",
+    )
+    p.add_argument(
+        "--sleep-probe",
+        action="store_true",
+        help="queue a 30 ms GPU sleep before each prefill: a call whose host time includes it waits for the GPU",
+    )
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="torch.profiler over each prefill forward (synchronized after it): GPU kernels by total time",
+    )
+    p.add_argument(
+        "--auto-gc",
+        action="store_true",
+        help="leave Python's collector automatic (the bench and the daemon run it at the scheduler's safe point)",
+    )
+    p.add_argument(
+        "--timeline",
+        type=int,
+        nargs="*",
+        default=None,
+        help="print every step from the first submit of these turns (default 2) to their last first token",
+    )
     args = p.parse_args()
 
     config = EngineConfig(
-        model=args.model, cache=args.cache, device=args.device, dtype=args.dtype, load_format=args.load_format,
-        max_running_requests=256, max_prefill_tokens=args.max_prefill_tokens, kv_cache_gb=args.kv_cache_gb,
+        model=args.model,
+        cache=args.cache,
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        max_running_requests=256,
+        max_prefill_tokens=args.max_prefill_tokens,
+        kv_cache_gb=args.kv_cache_gb,
         attention_backend=args.attention_backend,
     )
     sched = make_scheduler(config)
@@ -168,8 +209,17 @@ def main() -> None:
         if cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-        steps.append({"prefill": batch.is_prefill, "reqs": batch.size, "tokens": sum(batch.extend_lens),
-                      "launch_host_s": host, "events": (start, end), "t": t0, "calls": dict(CURRENT)})
+        steps.append(
+            {
+                "prefill": batch.is_prefill,
+                "reqs": batch.size,
+                "tokens": sum(batch.extend_lens),
+                "launch_host_s": host,
+                "events": (start, end),
+                "t": t0,
+                "calls": dict(CURRENT),
+            }
+        )
         return out
 
     def launch_ending_burst(batch: Any) -> Any:
@@ -281,23 +331,31 @@ def main() -> None:
     collector.release()
     prof.disable()
     gc.callbacks.remove(on_gc)
-    print(f"gc: {len(gc_pauses)} collections, {1000 * sum(b - a for a, b, _ in gc_pauses):.1f} ms in all; by generation "
-          + str({g: sum(1 for *_, x in gc_pauses if x == g) for g in (0, 1, 2)}))
+    print(
+        f"gc: {len(gc_pauses)} collections, {1000 * sum(b - a for a, b, _ in gc_pauses):.1f} ms in all; by generation "
+        + str({g: sum(1 for *_, x in gc_pauses if x == g) for g in (0, 1, 2)})
+    )
     if cuda:
         torch.cuda.synchronize()
     if kernel_us:
         total = sum(v[0] for v in kernel_us.values())
-        print(f"prefill forwards: {len(prefill_kernel_us)}, GPU kernel time {total / 1000:.1f} ms "
-              f"({total / 1000 / max(1, len(prefill_kernel_us)):.2f} ms a prefill step); kernels by total time:")
+        print(
+            f"prefill forwards: {len(prefill_kernel_us)}, GPU kernel time {total / 1000:.1f} ms "
+            f"({total / 1000 / max(1, len(prefill_kernel_us)):.2f} ms a prefill step); kernels by total time:"
+        )
         for name, (us, n) in sorted(kernel_us.items(), key=lambda kv: -kv[1][0])[:30]:
             print(f"  {us / 1000:9.2f} ms {100 * us / total:5.1f}% {n:7d}x  {name[:110]}")
     turns: dict[int, list[float]] = defaultdict(list)
     for rid, t in first_at.items():
         if rid in submitted_at and "-turn" in rid:
             turns[int(rid.rsplit("-turn", 1)[1])].append(1000 * (t - submitted_at[rid]))
-    print("TTFT by turn (ms): " + "; ".join(
-        f"turn {k}: n {len(v)} p50 {np.percentile(v, 50):.1f} p99 {np.percentile(v, 99):.1f} min {min(v):.1f}"
-        for k, v in sorted(turns.items())))
+    print(
+        "TTFT by turn (ms): "
+        + "; ".join(
+            f"turn {k}: n {len(v)} p50 {np.percentile(v, 50):.1f} p99 {np.percentile(v, 99):.1f} min {min(v):.1f}"
+            for k, v in sorted(turns.items())
+        )
+    )
     summary = stats.summary()
 
     by_kind: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -316,23 +374,33 @@ def main() -> None:
             s["wall_s"] = steps[i + 1]["t"] - s["t"]
             row["wall_s"] += s["wall_s"]
     print(json.dumps(summary))
-    print(f"{'kind':12s} {'steps':>6s} {'tokens':>8s} {'wall s':>8s} {'gpu s':>8s} {'launch host s':>14s} {'ms/step wall':>13s} {'ms/step gpu':>12s}")
+    print(
+        f"{'kind':12s} {'steps':>6s} {'tokens':>8s} {'wall s':>8s} {'gpu s':>8s} {'launch host s':>14s} "
+        f"{'ms/step wall':>13s} {'ms/step gpu':>12s}"
+    )
     for kind, r in by_kind.items():
         n = max(1, r["steps"])
-        print(f"{kind:12s} {r['steps']:6.0f} {r['tokens']:8.0f} {r['wall_s']:8.3f} {r.get('gpu_s', 0):8.3f} "
-              f"{r['launch_host_s']:14.3f} {1000 * r['wall_s'] / n:13.2f} {1000 * r.get('gpu_s', 0) / n:12.2f}")
+        print(
+            f"{kind:12s} {r['steps']:6.0f} {r['tokens']:8.0f} {r['wall_s']:8.3f} {r.get('gpu_s', 0):8.3f} "
+            f"{r['launch_host_s']:14.3f} {1000 * r['wall_s'] / n:13.2f} {1000 * r.get('gpu_s', 0) / n:12.2f}"
+        )
     for turn in (args.timeline if args.timeline is not None else []) or ([2] if args.timeline is not None else []):
         rids = [r for r in submitted_at if r.endswith(f"-turn{turn}")]
         if not rids:
             continue
         t0 = min(submitted_at[r] for r in rids)
         t1 = max(first_at.get(r, t0) for r in rids)
-        print(f"turn {turn}: submits over {1000 * (max(submitted_at[r] for r in rids) - t0):.2f} ms; steps from the first "
-              f"submit (ms: host launch start, host launch ms, gpu start, gpu end; first tokens returned by that step())")
+        print(
+            f"turn {turn}: submits over {1000 * (max(submitted_at[r] for r in rids) - t0):.2f} ms; steps from the "
+            f"first "
+            f"submit (ms: host launch start, host launch ms, gpu start, gpu end; first tokens returned by that step())"
+        )
         firsts = sorted(first_at[r] for r in rids if r in first_at)
         spans = [(a, b) for a, b in add_spans if t0 <= a <= t1]
-        print(f"  add_request: {len(spans)} calls, {1000 * sum(b - a for a, b in spans):.2f} ms in all, "
-              f"longest {1000 * max((b - a for a, b in spans), default=0):.2f} ms")
+        print(
+            f"  add_request: {len(spans)} calls, {1000 * sum(b - a for a, b in spans):.2f} ms in all, "
+            f"longest {1000 * max((b - a for a, b in spans), default=0):.2f} ms"
+        )
         for a, b, gen in gc_pauses:
             if t0 - 0.05 <= a <= t1:
                 print(f"  gc gen {gen} at {1000 * (a - t0):8.2f} for {1000 * (b - a):.2f} ms")
@@ -348,10 +416,21 @@ def main() -> None:
             end = s_["t"] + s_.get("wall_s", 0)
             n_first = sum(1 for f in firsts if s_["t"] <= f < end) if "wall_s" in s_ else 0
             kind = "P" if s_["prefill"] else "D"
-            print(f"  {kind} {s_['tokens']:6d} tok {s_['reqs']:3d} req  host {1000 * (s_['t'] - t0):8.2f} +{1000 * s_['launch_host_s']:6.2f}"
-                  f"  gpu {1000 * (g0 - t0):8.2f} .. {1000 * (g1 - t0):8.2f}  firsts {n_first:3d}"
-                  + ("  " + " ".join(f"{k.split('.')[-1]} {1000 * v:.1f}" for k, v in s_["calls"].items()
-                                     if k.split(".")[-1] in SCHEDULE_CALLS) if s_["prefill"] else ""))
+            print(
+                f"  {kind} {s_['tokens']:6d} tok {s_['reqs']:3d} req  host {1000 * (s_['t'] - t0):8.2f} "
+                f"+{1000 * s_['launch_host_s']:6.2f}"
+                f"  gpu {1000 * (g0 - t0):8.2f} .. {1000 * (g1 - t0):8.2f}  firsts {n_first:3d}"
+                + (
+                    "  "
+                    + " ".join(
+                        f"{k.split('.')[-1]} {1000 * v:.1f}"
+                        for k, v in s_["calls"].items()
+                        if k.split(".")[-1] in SCHEDULE_CALLS
+                    )
+                    if s_["prefill"]
+                    else ""
+                )
+            )
     print("host totals (s): " + ", ".join(f"{k} {v:.3f}" for k, v in totals.items()))
     # The first bursts' prefill steps one by one: the TTFT of a burst is the sum of these.
     print("prefill steps of turn 2's burst (tokens, reqs, wall ms, gpu ms, launch host ms):")
@@ -363,21 +442,27 @@ def main() -> None:
             cur = []
         cur.append(i)
     bursts.append(cur)
-    for i in (bursts[2] if len(bursts) > 2 else bursts[-1]):
+    for i in bursts[2] if len(bursts) > 2 else bursts[-1]:
         s = steps[i]
-        print(f"  {s['tokens']:6d} {s['reqs']:4d} {1000 * s.get('wall_s', 0):8.2f} {1000 * s.get('gpu_s', 0):8.2f} {1000 * s['launch_host_s']:8.2f}  "
-              + " ".join(f"{k} {1000 * v:.2f}" for k, v in s["calls"].items()))
+        print(
+            f"  {s['tokens']:6d} {s['reqs']:4d} {1000 * s.get('wall_s', 0):8.2f} {1000 * s.get('gpu_s', 0):8.2f} "
+            f"{1000 * s['launch_host_s']:8.2f}  " + " ".join(f"{k} {1000 * v:.2f}" for k, v in s["calls"].items())
+        )
     if args.cprofile or args.cprofile_prefill:
         for order in ("tottime", "cumulative"):
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(35)
             print(buf.getvalue())
     if schedule_profiles:
-        print(f"gc inside the profiled admissions: {len(gc_in_schedule)} collections, {1000 * sum(gc_in_schedule):.1f} ms")
+        print(
+            f"gc inside the profiled admissions: {len(gc_in_schedule)} collections, {1000 * sum(gc_in_schedule):.1f} ms"
+        )
         for order in ("tottime", "cumulative"):
             buf = io.StringIO()
             pstats.Stats(*schedule_profiles, stream=buf).sort_stats(order).print_stats(30)
-            print(f"prefill admissions of 32+ waiting ({len(schedule_profiles)} profiles), by {order}:\n" + buf.getvalue())
+            print(
+                f"prefill admissions of 32+ waiting ({len(schedule_profiles)} profiles), by {order}:\n" + buf.getvalue()
+            )
     if burst_profiles:
         for order in ("tottime", "cumulative"):
             buf = io.StringIO()

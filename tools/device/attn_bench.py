@@ -17,7 +17,8 @@ Every kernel is checked against float32 attention computed with torch on the sam
 timed from a CUDA graph of 10 calls (µs per call; TB/s = KV bytes read / time). The KV pages of each request are
 scattered over the pool at random, as a long-running server's are.
 
-    python3 tools/device/attn_bench.py [--batches 256,64,8,1] [--only fi,fi_tc,fi_hnd,fi_tc_hnd,xqa,xqa_backend] [--kv bf16,fp8]   # after `source tools/device/env.sh`
+    python3 tools/device/attn_bench.py [--batches 256,64,8,1] [--only fi,fi_tc,fi_hnd,fi_tc_hnd,xqa,xqa_backend] [--kv
+    bf16,fp8]   # after `source tools/device/env.sh`
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def graph_us(fn, calls: int = 10, reps: int = 5) -> float:
         def run():
             for _ in range(calls):
                 fn()
+
     run()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -109,8 +111,14 @@ class Case:
         self.ref = torch.stack(refs)
 
 
-def flashinfer_decode(case: Case, workspace: torch.Tensor, tensor_cores: bool, layout: str = "NHD",
-                      graph_mode: bool = False, split_kv: bool = True):
+def flashinfer_decode(
+    case: Case,
+    workspace: torch.Tensor,
+    tensor_cores: bool,
+    layout: str = "NHD",
+    graph_mode: bool = False,
+    split_kv: bool = True,
+):
     """graph_mode: the wrapper as the engine's CUDA graphs plan it (use_cuda_graph=True: the KV split into chunks
     and a merge kernel at every batch size, the grid padded); split_kv=False: plan(disable_split_kv=True)."""
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
@@ -120,12 +128,27 @@ def flashinfer_decode(case: Case, workspace: torch.Tensor, tensor_cores: bool, l
     last = torch.tensor([n - (p - 1) * case.ps for n, p in zip(case.lens, case.pages)], dtype=torch.int32)
     buffers = {}
     if graph_mode:
-        buffers = dict(paged_kv_indptr_buffer=torch.empty_like(indptr, device=DEV),
-                       paged_kv_indices_buffer=torch.empty_like(indices), paged_kv_last_page_len_buffer=last.to(DEV))
-    w = BatchDecodeWithPagedKVCacheWrapper(workspace, layout, use_tensor_cores=tensor_cores,
-                                           use_cuda_graph=graph_mode, **buffers)
-    w.plan(indptr, indices, last, QH, KVH, D, case.ps, sm_scale=SCALE, q_data_type=torch.bfloat16,
-           kv_data_type=case.kv_dtype, disable_split_kv=not split_kv)
+        buffers = dict(
+            paged_kv_indptr_buffer=torch.empty_like(indptr, device=DEV),
+            paged_kv_indices_buffer=torch.empty_like(indices),
+            paged_kv_last_page_len_buffer=last.to(DEV),
+        )
+    w = BatchDecodeWithPagedKVCacheWrapper(
+        workspace, layout, use_tensor_cores=tensor_cores, use_cuda_graph=graph_mode, **buffers
+    )
+    w.plan(
+        indptr,
+        indices,
+        last,
+        QH,
+        KVH,
+        D,
+        case.ps,
+        sm_scale=SCALE,
+        q_data_type=torch.bfloat16,
+        kv_data_type=case.kv_dtype,
+        disable_split_kv=not split_kv,
+    )
     out = torch.empty(case.bs, QH, D, device=DEV, dtype=torch.bfloat16)
     k, v = case.k, case.v
     if layout == "HND":
@@ -142,8 +165,20 @@ def fa3_decode(case: Case, workspace: torch.Tensor, layout: str = "NHD"):
     indices = torch.cat(case.page_ids).to(DEV)
     last = torch.tensor([n - (p - 1) * case.ps for n, p in zip(case.lens, case.pages)], dtype=torch.int32)
     qo_indptr = torch.arange(case.bs + 1, dtype=torch.int32)
-    w.plan(qo_indptr, indptr, indices, last, QH, KVH, D, case.ps, causal=False, sm_scale=SCALE,
-           q_data_type=torch.bfloat16, kv_data_type=case.kv_dtype)
+    w.plan(
+        qo_indptr,
+        indptr,
+        indices,
+        last,
+        QH,
+        KVH,
+        D,
+        case.ps,
+        causal=False,
+        sm_scale=SCALE,
+        q_data_type=torch.bfloat16,
+        kv_data_type=case.kv_dtype,
+    )
     out = torch.empty(case.bs, QH, D, device=DEV, dtype=torch.bfloat16)
     k, v = case.k, case.v
     if layout == "HND":
@@ -158,9 +193,21 @@ def batch_attention(case: Case):
 
     w = BatchAttention("NHD")
     kv_indptr = torch.tensor([0] + list(torch.tensor(case.pages).cumsum(0).tolist()), dtype=torch.int32)
-    w.plan(torch.arange(case.bs + 1, dtype=torch.int32, device=DEV), kv_indptr.to(DEV), torch.cat(case.page_ids).to(DEV),
-           torch.tensor(case.lens, dtype=torch.int32, device=DEV), QH, KVH, D, D, case.ps, causal=False,
-           sm_scale=SCALE, q_data_type=torch.bfloat16, kv_data_type=case.kv_dtype)
+    w.plan(
+        torch.arange(case.bs + 1, dtype=torch.int32, device=DEV),
+        kv_indptr.to(DEV),
+        torch.cat(case.page_ids).to(DEV),
+        torch.tensor(case.lens, dtype=torch.int32, device=DEV),
+        QH,
+        KVH,
+        D,
+        D,
+        case.ps,
+        causal=False,
+        sm_scale=SCALE,
+        q_data_type=torch.bfloat16,
+        kv_data_type=case.kv_dtype,
+    )
     out = torch.empty(case.bs, QH, D, device=DEV, dtype=torch.bfloat16)
     lse = torch.empty(case.bs, QH, device=DEV, dtype=torch.float32)
     return lambda: w.run(case.q, (case.k, case.v), out=out, lse=lse), out
@@ -179,8 +226,18 @@ def xqa_decode(case: Case, workspace: torch.Tensor, pdl: bool | None = None):
 
     def fn():
         trtllm_batch_decode_with_kv_cache(
-            case.q, (case.k, case.v), workspace, table, seq_lens, width * case.ps,
-            bmm1_scale=SCALE, bmm2_scale=1.0, out=out, kv_layout="NHD", backend="xqa", enable_pdl=pdl,
+            case.q,
+            (case.k, case.v),
+            workspace,
+            table,
+            seq_lens,
+            width * case.ps,
+            bmm1_scale=SCALE,
+            bmm2_scale=1.0,
+            out=out,
+            kv_layout="NHD",
+            backend="xqa",
+            enable_pdl=pdl,
         )
 
     return fn, out
@@ -194,8 +251,13 @@ def xqa_backend(case: Case, graph_seq_len: int | None = None):
     from minisgl.attention.xqa import XqaBackend
 
     pool = SimpleNamespace(
-        page_size=case.ps, num_kv_heads=KVH, model_dtype=torch.bfloat16, dtype=case.kv_dtype,
-        is_fp8=case.kv_dtype != torch.bfloat16, paged_k=lambda layer: case.k, paged_v=lambda layer: case.v,
+        page_size=case.ps,
+        num_kv_heads=KVH,
+        model_dtype=torch.bfloat16,
+        dtype=case.kv_dtype,
+        is_fp8=case.kv_dtype != torch.bfloat16,
+        paged_k=lambda layer: case.k,
+        paged_v=lambda layer: case.v,
     )
     config = SimpleNamespace(num_heads=QH, head_dim=D)
     width = max(case.pages)
@@ -204,7 +266,10 @@ def xqa_backend(case: Case, graph_seq_len: int | None = None):
         page_table[i, : len(ids) * case.ps : case.ps] = ids.long() * case.ps
     backend = XqaBackend(config, pool, page_table.to(DEV), DEV)
     batch = SimpleNamespace(
-        is_decode=True, size=case.bs, seq_lens=case.lens, reqs=[SimpleNamespace(table_idx=i) for i in range(case.bs)],
+        is_decode=True,
+        size=case.bs,
+        seq_lens=case.lens,
+        reqs=[SimpleNamespace(table_idx=i) for i in range(case.bs)],
     )
     q = case.q
     if graph_seq_len is None:
@@ -276,16 +341,27 @@ def main() -> None:
                 elif kind == "ba":
                     fn, out = batch_attention(case)
                 else:
-                    fn, out = flashinfer_decode(case, workspace, tensor_cores=kind.startswith("fi_tc"),
-                                                layout="HND" if kind.endswith("_hnd") else "NHD")
+                    fn, out = flashinfer_decode(
+                        case,
+                        workspace,
+                        tensor_cores=kind.startswith("fi_tc"),
+                        layout="HND" if kind.endswith("_hnd") else "NHD",
+                    )
                 fn()
                 torch.cuda.synchronize()
                 err = (out.float() - case.ref).abs().max().item()
                 us = graph_us(fn)
-                row = dict(kind=kind, page_size=ps, kv=str(kv_dtype).split(".")[-1], bs=bs,
-                           us=round(us, 1), tbps=round(case.kv_bytes / us / 1e6, 3),
-                           of_copy=round(case.kv_bytes / us * 1e6 / bw, 3), max_err=round(err, 4),
-                           setup_s=round(time.time() - tb, 1))
+                row = dict(
+                    kind=kind,
+                    page_size=ps,
+                    kv=str(kv_dtype).split(".")[-1],
+                    bs=bs,
+                    us=round(us, 1),
+                    tbps=round(case.kv_bytes / us / 1e6, 3),
+                    of_copy=round(case.kv_bytes / us * 1e6 / bw, 3),
+                    max_err=round(err, 4),
+                    setup_s=round(time.time() - tb, 1),
+                )
             except Exception as e:  # noqa: BLE001 - a kernel that does not build or run is a row too
                 row = dict(kind=kind, page_size=ps, kv=str(kv_dtype).split(".")[-1], bs=bs, error=repr(e)[:300])
             print(json.dumps(row), flush=True)

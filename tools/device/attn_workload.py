@@ -8,12 +8,15 @@ size, takes the batches of every `--every`-th decode step, times each kernel on 
 10 calls) and sums time x steps represented x 28 layers: an estimate of the run's decode-attention seconds to set
 against `minisgl bench profile gpu --whole-run` (FlashInfer's CUDA-core decode, pages of 1: 5.12 s).
 
-    python3 tools/device/attn_workload.py [--configs fi:1,fi_tc:1,fi_tc_hnd:64,fi_tc_g:16,fi_tc_g_ns:16,xqa:64] [--every 50]
+    python3 tools/device/attn_workload.py [--configs fi:1,fi_tc:1,fi_tc_hnd:64,fi_tc_g:16,fi_tc_g_ns:16,xqa:64]
+    [--every 50]
 
 `_g`: FlashInfer's wrapper in CUDA-graph mode, as the engine replays it (the KV split and merged at every batch
 size); `_ns`: planned with disable_split_kv=True; `_lf` / `_sf` (any kernel): each batch ordered longest / shortest
-request first instead of the requests' order of arrival; `ba`: FlashInfer's persistent BatchAttention; `xqa_np`: XQA launched without programmatic dependent
-launch; `xqab` [`_g`]: XQA as minisgl's XqaBackend calls it [from its CUDA-graph buffers]; `_pool` / `_pool2`: K and V views into a whole model's pool
+request first instead of the requests' order of arrival; `ba`: FlashInfer's persistent BatchAttention; `xqa_np`: XQA
+launched without programmatic dependent
+launch; `xqab` [`_g`]: XQA as minisgl's XqaBackend calls it [from its CUDA-graph buffers]; `_pool` / `_pool2`: K and V
+views into a whole model's pool
 laid out (2, layers, ...) as minisgl's KVPool / (layers, 2, ...); `_cold`: consecutive calls read two layers' K and V in
 turn (as the engine's layers do), so no call finds the previous call's last reads in the L2 cache.
 """
@@ -31,7 +34,18 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from attn_bench import D, DEV, KVH, QH, batch_attention, fa3_decode, flashinfer_decode, graph_us, xqa_backend, xqa_decode  # noqa: E402
+from attn_bench import (
+    DEV,
+    KVH,
+    QH,
+    D,
+    batch_attention,
+    fa3_decode,
+    flashinfer_decode,
+    graph_us,
+    xqa_backend,
+    xqa_decode,
+)  # noqa: E402
 
 LAYERS = 28
 MAX_SEQ_LEN = 40960  # the dummy model's context (minisgl.bench.throughput): the width of the engine's graph buffers
@@ -74,13 +88,21 @@ def kernel(kind: str, tags: set[str], case: SimpleNamespace, workspace: torch.Te
     if kind.startswith("fa3"):
         return fa3_decode(case, workspace)[0]
     # fi, fi_tc [+ _hnd] [+ _g: graph-mode wrapper, as the engine's graphs] [+ _ns: no KV split]
-    return flashinfer_decode(case, workspace, tensor_cores="tc" in tags, layout="HND" if "hnd" in tags else "NHD",
-                             graph_mode="g" in tags, split_kv="ns" not in tags)[0]
+    return flashinfer_decode(
+        case,
+        workspace,
+        tensor_cores="tc" in tags,
+        layout="HND" if "hnd" in tags else "NHD",
+        graph_mode="g" in tags,
+        split_kv="ns" not in tags,
+    )[0]
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--configs", default="fi:1,fi_tc:1,fi:16,fi_tc:16,fi_tc_hnd:16,fi_tc:64,fi_tc_hnd:64,fi_hnd:64,xqa:64")
+    p.add_argument(
+        "--configs", default="fi:1,fi_tc:1,fi:16,fi_tc:16,fi_tc_hnd:16,fi_tc:64,fi_tc_hnd:64,fi_hnd:64,xqa:64"
+    )
     p.add_argument("--every", type=int, default=50)
     args = p.parse_args()
     workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device=DEV)
@@ -112,8 +134,14 @@ def main() -> None:
                 order = sorted(range(len(lens)), key=lambda i: -lens[i] if "lf" in tags else lens[i])
                 lens, page_lists = [lens[i] for i in order], [page_lists[i] for i in order]
             case = SimpleNamespace(
-                bs=len(lens), ps=ps, kv_dtype=torch.bfloat16, lens=lens, pages=[len(x) for x in page_lists],
-                page_ids=[torch.tensor(x, dtype=torch.int32) for x in page_lists], k=k, v=v,
+                bs=len(lens),
+                ps=ps,
+                kv_dtype=torch.bfloat16,
+                lens=lens,
+                pages=[len(x) for x in page_lists],
+                page_ids=[torch.tensor(x, dtype=torch.int32) for x in page_lists],
+                k=k,
+                v=v,
                 q=torch.randn(len(lens), QH, D, device=DEV, dtype=torch.bfloat16, generator=gen),
             )
             cases = [case]
@@ -127,8 +155,11 @@ def main() -> None:
             total_s += us * 1e-6 * weight * LAYERS
             total_bytes += nbytes * weight * LAYERS
             per_bs.append(f"{case.bs}:{nbytes / us / 1e6:.2f}")
-        print(f"{config:14s} run estimate {total_s:6.3f} s, {total_bytes / total_s / 1e12:5.3f} TB/s "
-              f"({time.time() - t0:4.1f} s); TB/s by batch: {' '.join(per_bs)}", flush=True)
+        print(
+            f"{config:14s} run estimate {total_s:6.3f} s, {total_bytes / total_s / 1e12:5.3f} TB/s "
+            f"({time.time() - t0:4.1f} s); TB/s by batch: {' '.join(per_bs)}",
+            flush=True,
+        )
         del k, v, pool, other
         torch.cuda.empty_cache()
 

@@ -24,8 +24,13 @@ SIZES = {"bs1_decode_10KB": 5120, "bs256_decode_2.6MB": 256 * 5120, "prefill_168
 
 def worker(rank: int, world: int, port: int, q) -> None:
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     res = {}
     for name, n in SIZES.items():
         x = torch.ones(n, dtype=torch.bfloat16, device="cuda")
@@ -53,8 +58,11 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = {"gpus": world, "can_access_peer": torch.cuda.can_device_access_peer(0, 1) if world > 1 else None,
-           "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
+    out = {
+        "gpus": world,
+        "can_access_peer": torch.cuda.can_device_access_peer(0, 1) if world > 1 else None,
+        "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+    }
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, world, port, q)) for r in range(world)]

@@ -66,7 +66,9 @@ def attention(backend: str, tensor_cores: bool = True) -> None:
         return
     w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
     qo = torch.tensor([0, 4], dtype=torch.int32)
-    w.plan(qo, indptr, indices, last, 16, 8, 128, 1, causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    w.plan(
+        qo, indptr, indices, last, 16, 8, 128, 1, causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16
+    )
     w.run(torch.randn(4, 16, 128, dtype=torch.bfloat16, device="cuda"), (kv[0], kv[1]))
 
 
@@ -80,10 +82,16 @@ def xqa(kv_dtype: torch.dtype, page_size: int = 16) -> None:
 
 
 def main() -> None:
-    jobs = {"norm": norm, "activation": activation, "rope": rope, "sampling": sampling,
-            "decode+fa2": lambda: attention("decode"),
-            "decode (CUDA cores)": lambda: attention("decode", tensor_cores=False),
-            "xqa fp8": lambda: xqa(torch.float8_e4m3fn), "xqa bf16": lambda: xqa(torch.bfloat16)}
+    jobs = {
+        "norm": norm,
+        "activation": activation,
+        "rope": rope,
+        "sampling": sampling,
+        "decode+fa2": lambda: attention("decode"),
+        "decode (CUDA cores)": lambda: attention("decode", tensor_cores=False),
+        "xqa fp8": lambda: xqa(torch.float8_e4m3fn),
+        "xqa bf16": lambda: xqa(torch.bfloat16),
+    }
     if "--fa3" in sys.argv:
         jobs["fa3"] = lambda: attention("fa3")
     t0 = time.perf_counter()

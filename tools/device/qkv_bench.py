@@ -42,8 +42,22 @@ def main() -> None:
         nbytes = qkv.numel() * 2 * 2  # read once, written once (q + k + v)
 
         def call(tb: int | None = None, warps: int | None = None) -> None:
-            fused_qkv(qkv, pos, rotary.cos_sin(), *norms, 1e-6, k_cache, v_cache, loc, heads, kv_heads, dim,
-                      out=q, block_tokens=tb, num_warps=warps)
+            fused_qkv(
+                qkv,
+                pos,
+                rotary.cos_sin(),
+                *norms,
+                1e-6,
+                k_cache,
+                v_cache,
+                loc,
+                heads,
+                kv_heads,
+                dim,
+                out=q,
+                block_tokens=tb,
+                num_warps=warps,
+            )
 
         call()
         ref = (q.clone(), k_cache[loc].clone(), v_cache[loc].clone())
@@ -57,7 +71,9 @@ def main() -> None:
             err = max((a.float() - b.float()).abs().max().item() for a, b in zip((q, k_cache[loc], v_cache[loc]), ref))
             us = graph_us(lambda: call(tb, warps))
             row.append(f"{shape}: {us:7.1f} µs {nbytes / us / 1e3:6.0f} GB/s err {err:.0e}")
-        print(f"tokens {tokens:6d} (default {'x'.join(map(str, block_config(tokens)))}): " + " | ".join(row), flush=True)
+        print(
+            f"tokens {tokens:6d} (default {'x'.join(map(str, block_config(tokens)))}): " + " | ".join(row), flush=True
+        )
 
 
 if __name__ == "__main__":

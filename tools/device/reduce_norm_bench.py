@@ -59,7 +59,9 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     for m in [int(r) for r in args.rows.split(",")]:
         gen = torch.Generator(device=dev).manual_seed(1000 + rank)
         part = torch.randn(m, h, device=dev, dtype=torch.bfloat16, generator=gen)
-        residual = torch.randn(m, h, device=dev, dtype=torch.bfloat16, generator=torch.Generator(device=dev).manual_seed(7))
+        residual = torch.randn(
+            m, h, device=dev, dtype=torch.bfloat16, generator=torch.Generator(device=dev).manual_seed(7)
+        )
         row = {}
         if world == 1:
             bufs = torch.tensor([part.data_ptr()], dtype=torch.int64, device=dev)
@@ -100,8 +102,11 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
             row["max |fused - nccl|"] = agree[0]
             row["residual equal"] = agree[1]
         if rank == 0:
-            print(f"rows {m:4d} hidden {h}: " + ", ".join(
-                f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+            print(
+                f"rows {m:4d} hidden {h}: "
+                + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+                flush=True,
+            )
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

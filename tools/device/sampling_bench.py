@@ -56,8 +56,10 @@ def main() -> None:
             "in-graph greedy": graph_us(lambda: gumbel.sample_into(logits, zeros, out, ws)),
         }
         read = bs * VOCAB * 2 / 1e6
-        print(f"bs {bs:4d} ({read:5.1f} MB of bf16 logits): "
-              + ", ".join(f"{k} {v:6.1f} us" for k, v in rows.items()), flush=True)
+        print(
+            f"bs {bs:4d} ({read:5.1f} MB of bf16 logits): " + ", ".join(f"{k} {v:6.1f} us" for k, v in rows.items()),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

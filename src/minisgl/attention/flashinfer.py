@@ -129,15 +129,30 @@ class FlashInferBackend(AttentionBackend):
         self._flip ^= 1
 
     def _plan_decode(
-        self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, split_kv: bool = True,
-        padding: "_GraphPadding | None" = None, pad_row: int = 0,
+        self,
+        wrapper: Any,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last: torch.Tensor,
+        split_kv: bool = True,
+        padding: "_GraphPadding | None" = None,
+        pad_row: int = 0,
     ) -> None:
         self._next_pinned(wrapper)
         if padding is not None:
             padding.fill(wrapper._pin_memory_int_workspace_buffer, pad_row)
         wrapper.plan(
-            indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.kv_dtype, disable_split_kv=not split_kv,
+            indptr,
+            indices,
+            last,
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            sm_scale=self.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
+            disable_split_kv=not split_kv,
         )
 
     def prepare(self, batch: "Batch") -> None:
@@ -153,9 +168,18 @@ class FlashInferBackend(AttentionBackend):
             qo_indptr.append(qo_indptr[-1] + e)
         self._next_pinned(self.prefill_wrapper)
         self.prefill_wrapper.plan(
-            torch.tensor(qo_indptr, dtype=torch.int32), indptr, indices, last,
-            self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            causal=True, sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
+            torch.tensor(qo_indptr, dtype=torch.int32),
+            indptr,
+            indices,
+            last,
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            causal=True,
+            sm_scale=self.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
         )
         batch.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
 
@@ -192,7 +216,10 @@ class FlashInferBackend(AttentionBackend):
         assert self._graph_indptr is not None and self._graph_indices is not None
         assert self._graph_last_page_len is not None
         wrapper = BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=self.decode_tensor_cores,
             paged_kv_indptr_buffer=self._graph_indptr[: bs + 1],
             paged_kv_indices_buffer=self._graph_indices,
             paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],

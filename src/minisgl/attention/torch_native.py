@@ -49,7 +49,9 @@ class DecodeMirror:
         seq_lens = list(batch.seq_lens)
         self._pending = (rows, seq_lens)
         if (
-            self.buffer is not None and rows == self.rows and self.buffer.shape[4] >= max(seq_lens)
+            self.buffer is not None
+            and rows == self.rows
+            and self.buffer.shape[4] >= max(seq_lens)
             and all(s == p + 1 for s, p in zip(seq_lens, self.seq_lens))
         ):
             return "append"
@@ -63,7 +65,9 @@ class DecodeMirror:
         if self.buffer is None or self.buffer.shape[2] < len(rows) or self.buffer.shape[4] < max(seq_lens):
             self.buffer = None  # free the old copy before allocating the new one
             # Zeros: positions past a request's length are masked, but must not hold NaN (0 * NaN).
-            self.buffer = torch.zeros(num_layers, 2, len(rows), kv_heads, capacity, head_dim, dtype=dtype, device=device)
+            self.buffer = torch.zeros(
+                num_layers, 2, len(rows), kv_heads, capacity, head_dim, dtype=dtype, device=device
+            )
         return "full"
 
     def commit(self) -> None:
@@ -144,9 +148,7 @@ class TorchNativeBackend(AttentionBackend):
             last_pos=(torch.arange(bs)[:, None], self._head_ids, (seq - 1)[:, None]) if mirror == "append" else None,
         )
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: "Batch"
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: "Batch") -> torch.Tensor:
         self.kv_pool.store(layer_id, batch.out_loc, k, v)
         md: TorchNativeMetadata = batch.attn_metadata
         num_heads, head_dim = q.shape[1], q.shape[2]
@@ -155,7 +157,8 @@ class TorchNativeBackend(AttentionBackend):
         if md.mirror != "append":
             keys, values = (
                 self.kv_pool.gather(layer_id, which, md.kv_indices)
-                .view(md.bs, md.max_seq, num_kv_heads, head_dim).transpose(1, 2)
+                .view(md.bs, md.max_seq, num_kv_heads, head_dim)
+                .transpose(1, 2)
                 for which in (0, 1)
             )
         if md.mirror is not None:

@@ -39,8 +39,11 @@ SCRATCH_BYTES = 64 * 2**20  # partial results of multi-block (split sequence) ru
 def xqa_supported(device: torch.device, page_size: int, head_dim: int) -> bool:
     """XQA runs here: a Hopper GPU (the one this was measured on), a page size it takes, a head dim it takes."""
     return (
-        device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-        and page_size in PAGE_SIZES and head_dim % 16 == 0 and 16 <= head_dim <= 256
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] == 9
+        and page_size in PAGE_SIZES
+        and head_dim % 16 == 0
+        and 16 <= head_dim <= 256
     )
 
 
@@ -88,14 +91,20 @@ class XqaBackend(AttentionBackend):
         self.head_dim = model_config.head_dim
         self.dtype = kv_pool.model_dtype
         self.fp8_gmma = (
-            kv_pool.is_fp8 and torch.cuda.get_device_capability(self.device)[0] == 9
+            kv_pool.is_fp8
+            and torch.cuda.get_device_capability(self.device)[0] == 9
             and os.environ.get("MINISGL_XQA_FP8_GMMA", "1") != "0"
         )
         if kv_pool.is_fp8 and kv_pool.dtype != torch.float8_e4m3fn:
             raise ConfigError("the xqa decode kernel reads an fp8_e4m3 KV cache, not fp8_e5m2")
         self.module = get_xqa_module(
-            self.dtype, kv_pool.dtype, self.page_size, self.head_dim, self.num_qo_heads // self.num_kv_heads,
-            False, self.dtype,
+            self.dtype,
+            kv_pool.dtype,
+            self.page_size,
+            self.head_dim,
+            self.num_qo_heads // self.num_kv_heads,
+            False,
+            self.dtype,
         )
         self.sm_count = get_device_sm_count(self.device)
         self.pdl = torch.cuda.get_device_capability(self.device)[0] >= 9
@@ -136,9 +145,25 @@ class XqaBackend(AttentionBackend):
         q = q.reshape(bs, 1, self.num_qo_heads, self.head_dim)
         out = torch.empty_like(q)
         self.module.xqa(
-            self.fp8_gmma, self.sm_count, self.num_kv_heads, 0, 1.0, out, 1.0, q, None,
-            self.kv_pool.paged_k(layer_id), self.kv_pool.paged_v(layer_id), meta.table, meta.max_seq_len,
-            meta.seq_lens, bs, 1.0, self.semaphores, self.scratch, self.pdl,
+            self.fp8_gmma,
+            self.sm_count,
+            self.num_kv_heads,
+            0,
+            1.0,
+            out,
+            1.0,
+            q,
+            None,
+            self.kv_pool.paged_k(layer_id),
+            self.kv_pool.paged_v(layer_id),
+            meta.table,
+            meta.max_seq_len,
+            meta.seq_lens,
+            bs,
+            1.0,
+            self.semaphores,
+            self.scratch,
+            self.pdl,
         )
         return out.view(bs, -1)
 

@@ -30,9 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="kind", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, (module, help_text) in SUBCOMMANDS.items():
         bench = importlib.import_module(f"minisgl.bench.{module}")
-        bench.add_arguments(sub.add_parser(
-            name, help=help_text, description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        ))
+        bench.add_arguments(
+            sub.add_parser(
+                name,
+                help=help_text,
+                description=bench.__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+            )
+        )
     return parser
 
 

@@ -50,7 +50,9 @@ class Workload:
     output_len: int
 
     @classmethod
-    def make(cls, vocab: int, agents: int, turns: int, system_len: int, tool_len: int, output_len: int, seed: int) -> "Workload":
+    def make(
+        cls, vocab: int, agents: int, turns: int, system_len: int, tool_len: int, output_len: int, seed: int
+    ) -> "Workload":
         rng = random.Random(seed)
         tok = lambda n: [rng.randrange(100, vocab - 100) for _ in range(n)]  # noqa: E731
         return cls(tok(system_len), [[tok(tool_len) for _ in range(turns)] for _ in range(agents)], turns, output_len)
@@ -163,13 +165,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from minisgl.scheduler import collector
     from minisgl.scheduler.tp import make_scheduler
 
-    results: dict[str, Any] = {"model": args.model, "agents": args.agents, "turns": args.turns,
-                               "system_len": args.system_len, "tool_len": args.tool_len, "output_len": args.output_len}
+    results: dict[str, Any] = {
+        "model": args.model,
+        "agents": args.agents,
+        "turns": args.turns,
+        "system_len": args.system_len,
+        "tool_len": args.tool_len,
+        "output_len": args.output_len,
+    }
     for cache in args.caches.split(","):
         config = EngineConfig(
-            model=args.model, cache=cache, device=args.device, dtype=args.dtype, load_format=args.load_format,
-            max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
-            page_size=args.page_size, kv_cache_gb=args.kv_cache_gb, schedule_policy=args.schedule_policy,
+            model=args.model,
+            cache=cache,
+            device=args.device,
+            dtype=args.dtype,
+            load_format=args.load_format,
+            max_running_requests=args.max_running_requests,
+            max_prefill_tokens=args.max_prefill_tokens,
+            page_size=args.page_size,
+            kv_cache_gb=args.kv_cache_gb,
+            schedule_policy=args.schedule_policy,
             attention_backend=args.attention_backend,
         )
         sched = make_scheduler(config)
@@ -195,8 +210,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["ttft_p50_ratio_naive_over_radix"] = round(
             results["naive"]["ttft_p50_ms"] / max(1e-9, results["radix"]["ttft_p50_ms"]), 2
         )
-        print(f"radix vs naive: {results['speedup_radix_vs_naive']}x faster end to end, "
-              f"TTFT p50 {results['ttft_p50_ratio_naive_over_radix']}x lower; "
-              f"radix hit ratio {results['radix']['hit_ratio_of_max']:.1%} of the theoretical maximum")
+        print(
+            f"radix vs naive: {results['speedup_radix_vs_naive']}x faster end to end, "
+            f"TTFT p50 {results['ttft_p50_ratio_naive_over_radix']}x lower; "
+            f"radix hit ratio {results['radix']['hit_ratio_of_max']:.1%} of the theoretical maximum"
+        )
     write_json(results, args.json)
     return results

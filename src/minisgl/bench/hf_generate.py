@@ -31,26 +31,47 @@ import torch
 from minisgl.bench import write_json
 
 QUESTIONS = [
-    "What is the capital of France?", "Explain photosynthesis in simple terms.",
-    "Write a haiku about the ocean.", "What is 17 times 23?", "Give me three tips for better sleep.",
-    "Who wrote Romeo and Juliet?", "Describe how a rainbow forms.", "What is the boiling point of water in Kelvin?",
-    "Translate 'good morning' into Spanish.", "List the planets of the solar system.",
-    "Why is the sky blue?", "Write a short story about a robot learning to paint.",
-    "What is a prime number?", "How do vaccines work?", "Name a famous painting by Leonardo da Vinci.",
-    "What are the benefits of regular exercise?", "Explain what a neural network is.",
-    "What is the largest mammal on Earth?", "Suggest a name for a pet goldfish.",
-    "How many continents are there?", "What causes the seasons on Earth?",
-    "Write a limerick about a cat.", "What is the difference between weather and climate?",
-    "Summarize the plot of Cinderella.", "How does a bicycle stay upright?", "What is gravity?",
-    "Give me a recipe for pancakes.", "What does DNA stand for?", "Why do leaves change color in autumn?",
-    "Explain the water cycle.", "What is the speed of light?", "How do bees make honey?",
+    "What is the capital of France?",
+    "Explain photosynthesis in simple terms.",
+    "Write a haiku about the ocean.",
+    "What is 17 times 23?",
+    "Give me three tips for better sleep.",
+    "Who wrote Romeo and Juliet?",
+    "Describe how a rainbow forms.",
+    "What is the boiling point of water in Kelvin?",
+    "Translate 'good morning' into Spanish.",
+    "List the planets of the solar system.",
+    "Why is the sky blue?",
+    "Write a short story about a robot learning to paint.",
+    "What is a prime number?",
+    "How do vaccines work?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "What are the benefits of regular exercise?",
+    "Explain what a neural network is.",
+    "What is the largest mammal on Earth?",
+    "Suggest a name for a pet goldfish.",
+    "How many continents are there?",
+    "What causes the seasons on Earth?",
+    "Write a limerick about a cat.",
+    "What is the difference between weather and climate?",
+    "Summarize the plot of Cinderella.",
+    "How does a bicycle stay upright?",
+    "What is gravity?",
+    "Give me a recipe for pancakes.",
+    "What does DNA stand for?",
+    "Why do leaves change color in autumn?",
+    "Explain the water cycle.",
+    "What is the speed of light?",
+    "How do bees make honey?",
 ]
 
 
 def chat_prompts(tokenizer: object, n: int) -> list[list[int]]:
     msgs = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
-    return [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
-            for m in msgs]
+    return [
+        list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
+        for m in msgs
+    ]
 
 
 def answer_tokens(new: torch.Tensor, eos: int | list[int] | None) -> int:
@@ -87,11 +108,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-set", choices=["random", "offline", "chat"], default="random")
-    p.add_argument("--profile", action="store_true",
-                   help="also: cProfile the patched call, and time the engine alone (LLM.generate) on the same work")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="timed runs per side, alternating transformers and minisgl; the best of each is reported "
-                        "(a shared machine's noise only ever slows a run down)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also: cProfile the patched call, and time the engine alone (LLM.generate) on the same work",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="timed runs per side, alternating transformers and minisgl; the best of each is reported "
+        "(a shared machine's noise only ever slows a run down)",
+    )
     p.add_argument("--json", default=None, help="also write the figures to this file")
     p.set_defaults(func=run)
 
@@ -115,7 +143,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prompts = chat_prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.num_prompts)
     elif args.prompt_set == "offline":
         random.seed(0)
-        prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(args.num_prompts)]
+        prompts = [
+            [random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(args.num_prompts)
+        ]
     else:
         prompts = make_prompts(model.config.vocab_size, args.num_prompts, args.input_len, args.seed)
     width = max(map(len, prompts))
@@ -136,8 +166,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         new_tokens = answer_tokens(out[:, width:], model.generation_config.eos_token_id)
-        print(f"{label:>12}: {new_tokens} answer tokens ({out.shape[0]} x {out.shape[1] - width} generated) "
-              f"in {elapsed:.2f}s = {new_tokens / elapsed:.1f} tok/s", flush=True)
+        print(
+            f"{label:>12}: {new_tokens} answer tokens ({out.shape[0]} x {out.shape[1] - width} generated) "
+            f"in {elapsed:.2f}s = {new_tokens / elapsed:.1f} tok/s",
+            flush=True,
+        )
         return out, elapsed
 
     hf_generate = model.generate
@@ -166,13 +199,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     same_rows = int((hf_out == ms_out).all(dim=1).sum()) if hf_out.shape == ms_out.shape else 0
     new_tokens = answer_tokens(hf_out[:, width:], model.generation_config.eos_token_id)
     result = {
-        "model": str(args.model), "prompt_set": args.prompt_set, "device": args.device,
-        "dtype": str(dtype).removeprefix("torch."), "answer_tokens": new_tokens,
-        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-        "hf_seconds": round(hf_s, 3), "hf_output_tok_s": round(new_tokens / hf_s, 1),
-        "minisgl_seconds": round(ms_s, 3), "minisgl_output_tok_s": round(new_tokens / ms_s, 1),
-        "speedup": round(hf_s / ms_s, 2), "repeat": args.repeat,
-        "hf_runs_s": [round(t, 2) for t in hf_times], "minisgl_runs_s": [round(t, 2) for t in ms_times],
+        "model": str(args.model),
+        "prompt_set": args.prompt_set,
+        "device": args.device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "answer_tokens": new_tokens,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "hf_seconds": round(hf_s, 3),
+        "hf_output_tok_s": round(new_tokens / hf_s, 1),
+        "minisgl_seconds": round(ms_s, 3),
+        "minisgl_output_tok_s": round(new_tokens / ms_s, 1),
+        "speedup": round(hf_s / ms_s, 2),
+        "repeat": args.repeat,
+        "hf_runs_s": [round(t, 2) for t in hf_times],
+        "minisgl_runs_s": [round(t, 2) for t in ms_times],
         "same_outputs": same_rows == len(prompts),
         "identical_rows": f"{same_rows}/{len(prompts)}",
     }

@@ -26,10 +26,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-overlap", action="store_true")
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate (batched, left-padded)")
+    p.add_argument(
+        "--compare-hf", action="store_true", help="also time HF transformers generate (batched, left-padded)"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeat", type=int, default=1,
-                   help="timed runs per engine (each from a cold prefix cache); the best is reported")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="timed runs per engine (each from a cold prefix cache); the best is reported",
+    )
     p.add_argument("--json", default=None, help="write the figures to this file")
     p.set_defaults(func=run)
 
@@ -58,24 +64,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from minisgl import LLM, SamplingParams
 
     llm = LLM(
-        args.model, dtype=args.dtype, page_size=args.page_size, max_prefill_tokens=args.max_prefill_tokens,
-        device=args.device, attention_backend=args.attention_backend, load_format=args.load_format,
-        disable_cuda_graph=args.disable_cuda_graph, disable_overlap=args.disable_overlap, tp=args.tp,
+        args.model,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        load_format=args.load_format,
+        disable_cuda_graph=args.disable_cuda_graph,
+        disable_overlap=args.disable_overlap,
+        tp=args.tp,
     )
-    vocab = min(llm.model_config.vocab_size, len(llm.tokenizer)) if llm.tokenizer is not None else llm.model_config.vocab_size
+    vocab = (
+        min(llm.model_config.vocab_size, len(llm.tokenizer))
+        if llm.tokenizer is not None
+        else llm.model_config.vocab_size
+    )
     prompts = make_prompts(vocab, args.num_prompts, args.input_len, args.seed)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     # Each run starts without the warm-up's (or a previous run's) cached prefixes.
-    runs, outs = timed_runs(lambda: llm.generate(prompts, params, use_tqdm=False), args.repeat,
-                            setup=llm.scheduler.reset_prefix_cache)
+    runs, outs = timed_runs(
+        lambda: llm.generate(prompts, params, use_tqdm=False), args.repeat, setup=llm.scheduler.reset_prefix_cache
+    )
     elapsed = min(runs)
     out_tokens = sum(len(o.token_ids) for o in outs)
     result: dict[str, Any] = {
-        "model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+        "model": args.model,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
         "device": str(llm.scheduler.device) if hasattr(llm.scheduler, "device") else args.device,
-        "repeat": args.repeat, "minisgl_runs_s": [round(t, 2) for t in runs],
-        "minisgl_seconds": round(elapsed, 3), "minisgl_output_tok_s": round(out_tokens / elapsed, 1),
+        "repeat": args.repeat,
+        "minisgl_runs_s": [round(t, 2) for t in runs],
+        "minisgl_seconds": round(elapsed, 3),
+        "minisgl_output_tok_s": round(out_tokens / elapsed, 1),
         "minisgl_total_tok_s": round((out_tokens + sum(map(len, prompts))) / elapsed, 1),
     }
     print(f"minisgl: {out_tokens} output tokens in {elapsed:.2f}s = {out_tokens / elapsed:.1f} tok/s")
@@ -105,5 +128,8 @@ def run_hf(llm: Any, prompts: list[list[int]], output_len: int, repeat: int = 1)
         runs, out = timed_runs(lambda: model.generate(input_ids, attention_mask=attention_mask, **kwargs), repeat)
     elapsed = min(runs)
     new_tokens = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
-    return {"hf_runs_s": [round(t, 2) for t in runs], "hf_seconds": round(elapsed, 3),
-            "hf_output_tok_s": round(new_tokens / elapsed, 1)}
+    return {
+        "hf_runs_s": [round(t, 2) for t in runs],
+        "hf_seconds": round(elapsed, 3),
+        "hf_output_tok_s": round(new_tokens / elapsed, 1),
+    }

@@ -21,8 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128, help="longest prompt; lengths spread over [len/2, len]")
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)")
-    p.add_argument("--compare-offline", action="store_true", help="also run the same requests with offline LLM.generate")
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)"
+    )
+    p.add_argument(
+        "--compare-offline", action="store_true", help="also run the same requests with offline LLM.generate"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)
@@ -30,7 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def make_requests(vocab: int, num: int, max_len: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(max(1, max_len // 2), max_len))] for _ in range(num)]
+    return [
+        [rng.randrange(100, vocab - 100) for _ in range(rng.randint(max(1, max_len // 2), max_len))] for _ in range(num)
+    ]
 
 
 async def _one(client: Any, prompt: list[int], params: Any, delay: float) -> dict[str, float]:
@@ -51,7 +57,11 @@ async def _run_online(args: argparse.Namespace, prompts: list[list[int]], params
     from minisgl import AsyncClient
 
     rng = np.random.default_rng(args.seed)
-    gaps = rng.exponential(1.0 / args.request_rate, len(prompts)) if np.isfinite(args.request_rate) else np.zeros(len(prompts))
+    gaps = (
+        rng.exponential(1.0 / args.request_rate, len(prompts))
+        if np.isfinite(args.request_rate)
+        else np.zeros(len(prompts))
+    )
     delays = np.cumsum(gaps) - gaps[0]
     async with AsyncClient(model=args.model, address=args.address) as client:
         await client.generate(prompts[0][:8], params.__class__(temperature=0, max_tokens=2))  # warm-up
@@ -62,9 +72,12 @@ async def _run_online(args: argparse.Namespace, prompts: list[list[int]], params
     tpot = np.array([r["tpot"] for r in results]) * 1000
     out_tokens = sum(r["tokens"] for r in results)
     return {
-        "online_seconds": round(elapsed, 2), "online_output_tok_s": round(out_tokens / elapsed, 1),
-        "ttft_p50_ms": round(float(np.percentile(ttft, 50)), 1), "ttft_p99_ms": round(float(np.percentile(ttft, 99)), 1),
-        "tpot_p50_ms": round(float(np.percentile(tpot, 50)), 1), "tpot_p99_ms": round(float(np.percentile(tpot, 99)), 1),
+        "online_seconds": round(elapsed, 2),
+        "online_output_tok_s": round(out_tokens / elapsed, 1),
+        "ttft_p50_ms": round(float(np.percentile(ttft, 50)), 1),
+        "ttft_p99_ms": round(float(np.percentile(ttft, 99)), 1),
+        "tpot_p50_ms": round(float(np.percentile(tpot, 50)), 1),
+        "tpot_p99_ms": round(float(np.percentile(tpot, 99)), 1),
         "request_throughput": round(len(prompts) / elapsed, 2),
     }
 
@@ -78,8 +91,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     vocab = int(info.get("vocab_size") or 32000)
     prompts = make_requests(vocab, args.num_prompts, args.input_len, args.seed)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    result: dict[str, Any] = {"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
-                              "output_len": args.output_len, "request_rate": args.request_rate}
+    result: dict[str, Any] = {
+        "model": args.model,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "request_rate": args.request_rate,
+    }
     result.update(asyncio.run(_run_online(args, prompts, params)))
     print("online: " + json.dumps(result))
     if args.compare_offline:
@@ -92,8 +110,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         result["offline_seconds"] = round(elapsed, 2)
         result["offline_output_tok_s"] = round(sum(len(o.token_ids) for o in outs) / elapsed, 1)
-        result["daemon_overhead_pct"] = round(100 * (1 - result["online_output_tok_s"] / result["offline_output_tok_s"]), 1)
-        print(f"offline: {result['offline_output_tok_s']} tok/s; daemon path: {result['online_output_tok_s']} tok/s "
-              f"({result['daemon_overhead_pct']}% throughput loss)")
+        result["daemon_overhead_pct"] = round(
+            100 * (1 - result["online_output_tok_s"] / result["offline_output_tok_s"]), 1
+        )
+        print(
+            f"offline: {result['offline_output_tok_s']} tok/s; daemon path: {result['online_output_tok_s']} tok/s "
+            f"({result['daemon_overhead_pct']}% throughput loss)"
+        )
     write_json(result, args.json)
     return result

@@ -83,8 +83,11 @@ def step(model: str, replays: int, rebuild: bool) -> None:
     llm = LLM(model)
     Engine.forward = keep  # type: ignore[method-assign]
     try:
-        llm.generate(make_prompts(llm.model_config.vocab_size, 32, 128, 0), SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
-                     use_tqdm=False)
+        llm.generate(
+            make_prompts(llm.model_config.vocab_size, 32, 128, 0),
+            SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+            use_tqdm=False,
+        )
     finally:
         Engine.forward = forward  # type: ignore[method-assign]
     batch, engine = decode_batches[30], llm.scheduler.engine
@@ -96,7 +99,9 @@ def step(model: str, replays: int, rebuild: bool) -> None:
         engine.forward(batch)
 
     times = sorted_seconds(replay, replays, warmup=1)
-    print(f"decode step, batch {batch.size}: best {times[0] * 1e3:.1f} ms, median {times[len(times) // 2] * 1e3:.1f} ms")
+    print(
+        f"decode step, batch {batch.size}: best {times[0] * 1e3:.1f} ms, median {times[len(times) // 2] * 1e3:.1f} ms"
+    )
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(10):
             replay()
@@ -107,10 +112,16 @@ def gpu(args: argparse.Namespace) -> None:
     from minisgl import LLM, SamplingParams
     from minisgl.bench.throughput import workload, write_model_dir
 
-    llm = LLM(str(write_model_dir(Path(args.tokenizer_dir))), dtype="bfloat16", load_format="dummy",
-              max_prefill_tokens=args.max_prefill_tokens, disable_overlap=args.disable_overlap,
-              disable_cuda_graph=args.disable_cuda_graph, attention_backend=args.attention_backend,
-              page_size=args.page_size)
+    llm = LLM(
+        str(write_model_dir(Path(args.tokenizer_dir))),
+        dtype="bfloat16",
+        load_format="dummy",
+        max_prefill_tokens=args.max_prefill_tokens,
+        disable_overlap=args.disable_overlap,
+        disable_cuda_graph=args.disable_cuda_graph,
+        attention_backend=args.attention_backend,
+        page_size=args.page_size,
+    )
     sched = llm.scheduler
     prompts, max_tokens = workload()
 
@@ -150,8 +161,11 @@ def gpu(args: argparse.Namespace) -> None:
         num_steps += 1
         if tail_at is None and num_steps > 200 and len(sched.running) <= 16:
             tail_at = num_steps
-        for name, begin, length in (("prefill, the first 10 steps", 1, 10), ("20 decode steps, bs ~256", 150, 20),
-                                    ("20 decode steps, the tail, bs <= 16", tail_at, 20)):
+        for name, begin, length in (
+            ("prefill, the first 10 steps", 1, 10),
+            ("20 decode steps, bs ~256", 150, 20),
+            ("20 decode steps, the tail, bs <= 16", tail_at, 20),
+        ):
             if begin is not None and num_steps in (begin, begin + length):
                 if num_steps == begin:
                     windows[name] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
@@ -179,8 +193,10 @@ def gpu(args: argparse.Namespace) -> None:
     print(f"\n{num_steps} steps in {total:.2f}s")
     torch.cuda.synchronize()
     gpu_s = [span[0].elapsed_time(span[1]) / 1000 if span is not None else 0.0 for span in spans]
-    print(f"GPU busy {sum(gpu_s):.2f}s (from each forward's first kernel to its sampling's last), "
-          f"idle {total - sum(gpu_s):.2f}s")
+    print(
+        f"GPU busy {sum(gpu_s):.2f}s (from each forward's first kernel to its sampling's last), "
+        f"idle {total - sum(gpu_s):.2f}s"
+    )
     buckets: dict[str, list[float]] = {}
     for what, wall, wait, busy in zip(kinds, walls, waits, gpu_s):
         if what is None:
@@ -191,17 +207,25 @@ def gpu(args: argparse.Namespace) -> None:
                 key = next(f"decode bs <= {b}" for b in (8, 32, 64, 128, 192, 256, 10**9) if n <= b)
         b = buckets.setdefault(key, [0, 0.0, 0.0, 0, 0.0])
         b[0], b[1], b[2], b[3], b[4] = b[0] + 1, b[1] + wall, b[2] + wait, b[3] + n, b[4] + busy
-    print(f"{'forward':18s} {'steps':>6s} {'seconds':>8s} {'share':>6s} {'ms/step':>8s} {'GPU ms/step':>11s} "
-          f"{'host waits ms':>13s} {'rows':>9s}")
-    for key in sorted(buckets, key=lambda k: (k.startswith("decode"), int(k.split()[-1]) if k.startswith("decode") else 0)):
+    print(
+        f"{'forward':18s} {'steps':>6s} {'seconds':>8s} {'share':>6s} {'ms/step':>8s} {'GPU ms/step':>11s} "
+        f"{'host waits ms':>13s} {'rows':>9s}"
+    )
+    for key in sorted(
+        buckets, key=lambda k: (k.startswith("decode"), int(k.split()[-1]) if k.startswith("decode") else 0)
+    ):
         n, wall, wait, rows, busy = buckets[key]
-        print(f"{key:18s} {n:6d} {wall:8.2f} {wall / total:6.1%} {1000 * wall / n:8.2f} {1000 * busy / n:11.2f} "
-              f"{1000 * wait / n:13.2f} {rows:9d}")
+        print(
+            f"{key:18s} {n:6d} {wall:8.2f} {wall / total:6.1%} {1000 * wall / n:8.2f} {1000 * busy / n:11.2f} "
+            f"{1000 * wait / n:13.2f} {rows:9d}"
+        )
     for lo, hi in ((20, 120), (120, 150), (400, 500), (800, 900)):
         w, s = walls[lo:hi], waits[lo:hi]
         if w:
-            print(f"steps {lo}-{hi}: running ~{sizes[lo]:3d}, wall {1000 * sum(w) / len(w):6.2f} ms/step, "
-                  f"waiting for the GPU {1000 * sum(s) / len(s):6.2f} ms/step")
+            print(
+                f"steps {lo}-{hi}: running ~{sizes[lo]:3d}, wall {1000 * sum(w) / len(w):6.2f} ms/step, "
+                f"waiting for the GPU {1000 * sum(s) / len(s):6.2f} ms/step"
+            )
     for name, prof in windows.items():
         print(f"\nGPU kernels ({name}):")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))

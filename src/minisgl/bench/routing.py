@@ -60,8 +60,16 @@ WORDS = (
     "storage stream summary table target task team template tenant ticket time token tool topic trace user value "
     "vendor version warehouse weather window worker zone"
 ).split()
-ROLES = ("travel planner", "support triage bot", "data analyst", "DevOps on-call assistant", "sales assistant",
-         "logistics coordinator", "finance auditor", "research librarian")
+ROLES = (
+    "travel planner",
+    "support triage bot",
+    "data analyst",
+    "DevOps on-call assistant",
+    "sales assistant",
+    "logistics coordinator",
+    "finance auditor",
+    "research librarian",
+)
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -71,15 +79,22 @@ def words(rng: random.Random, n: int) -> str:
 def system_prompt(rng: random.Random, salt: str, kind: int, n_words: int) -> str:
     role = ROLES[kind % len(ROLES)]
     tools = "\n".join(f"- tool_{kind}_{t}(query): {words(rng, n_words // 8)}" for t in range(4))
-    return (f"[{salt}] You are agent type {kind}, a {role}. Answer tersely and call tools when needed.\n"
-            f"Tools:\n{tools}\nGuidelines: {words(rng, n_words // 2)}")
+    return (
+        f"[{salt}] You are agent type {kind}, a {role}. Answer tersely and call tools when needed.\n"
+        f"Tools:\n{tools}\nGuidelines: {words(rng, n_words // 2)}"
+    )
 
 
 def make_agents(args: argparse.Namespace, salt: str) -> list[list[dict[str, str]]]:
     rng = random.Random(args.seed)
     systems = [system_prompt(rng, salt, k, args.system_words) for k in range(args.agent_types)]
-    return [[{"role": "system", "content": systems[a % args.agent_types]},
-             {"role": "user", "content": f"Task {a}: {words(rng, 30)}"}] for a in range(args.agents)]
+    return [
+        [
+            {"role": "system", "content": systems[a % args.agent_types]},
+            {"role": "user", "content": f"Task {a}: {words(rng, 30)}"},
+        ]
+        for a in range(args.agents)
+    ]
 
 
 async def run_policy(policy: str, addresses: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -90,8 +105,14 @@ async def run_policy(policy: str, addresses: list[str], args: argparse.Namespace
 
     litellm_minisgl.register()
     deployments = addresses[:1] if policy == "single" else addresses
-    model_list = [{"model_name": "bench", "litellm_params": {"model": f"minisgl/{args.model}", "api_base": a},
-                   "model_info": {"id": f"daemon-{i}"}} for i, a in enumerate(deployments)]
+    model_list = [
+        {
+            "model_name": "bench",
+            "litellm_params": {"model": f"minisgl/{args.model}", "api_base": a},
+            "model_info": {"id": f"daemon-{i}"},
+        }
+        for i, a in enumerate(deployments)
+    ]
     router = litellm.Router(model_list=model_list, routing_strategy="simple-shuffle", num_retries=0)
     callbacks = {"round-robin": [RoundRobinRouting()], "cache-aware": [CacheAwareRouting()]}.get(policy, [])
     previous = litellm.callbacks
@@ -116,21 +137,29 @@ async def _run_agents(policy: str, router: Any, args: argparse.Namespace) -> dic
         messages = conversations[a]
         for turn in range(args.turns):
             await asyncio.sleep(rng.uniform(0, args.think_ms / 1000))
-            r = await router.acompletion(model="bench", messages=messages, max_tokens=args.max_tokens,
-                                         temperature=0, extra_body={"ignore_eos": True})
+            r = await router.acompletion(
+                model="bench",
+                messages=messages,
+                max_tokens=args.max_tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             totals["requests"] += 1
             totals["prompt_tokens"] += r.usage.prompt_tokens
             totals["cached_tokens"] += r.usage.prompt_tokens_details.cached_tokens
             daemon = r._hidden_params.get("model_id") or "?"
             per_daemon[daemon] = per_daemon.get(daemon, 0) + 1
-            messages = messages + [{"role": "assistant", "content": r.choices[0].message.content or ""},
-                                   {"role": "user", "content": f"Tool result {turn}: {words(rng, args.result_words)}"}]
+            messages = messages + [
+                {"role": "assistant", "content": r.choices[0].message.content or ""},
+                {"role": "user", "content": f"Tool result {turn}: {words(rng, args.result_words)}"},
+            ]
 
     t0 = time.perf_counter()
     await asyncio.gather(*(agent(a) for a in range(args.agents)))
     seconds = time.perf_counter() - t0
     return {
-        "policy": policy, **totals,
+        "policy": policy,
+        **totals,
         "hit_ratio": round(totals["cached_tokens"] / max(1, totals["prompt_tokens"]), 4),
         "seconds": round(seconds, 2),
         "per_daemon": dict(sorted(per_daemon.items())),
@@ -202,16 +231,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for policy in args.policies.split(","):
                 result = asyncio.run(run_policy(policy.strip(), addresses, args))
                 results.append(result)
-                print(f"{result['policy']:<12} requests {result['requests']:>4}  prompt {result['prompt_tokens']:>7}  "
-                      f"cached {result['cached_tokens']:>7}  hit ratio {result['hit_ratio']:.3f}  "
-                      f"{result['seconds']:>7.1f}s  per daemon {result['per_daemon']}", flush=True)
+                print(
+                    f"{result['policy']:<12} requests {result['requests']:>4}  prompt {result['prompt_tokens']:>7}  "
+                    f"cached {result['cached_tokens']:>7}  hit ratio {result['hit_ratio']:.3f}  "
+                    f"{result['seconds']:>7.1f}s  per daemon {result['per_daemon']}",
+                    flush=True,
+                )
         finally:
             if procs:
                 stop_daemons(addresses, procs)
             signal.signal(signal.SIGTERM, on_sigterm)
     by_policy = {r["policy"]: r for r in results}
-    summary: dict[str, Any] = {"workload": {k: v for k, v in vars(args).items() if k not in ("json", "addresses", "func", "kind")},
-                               "results": results}
+    summary: dict[str, Any] = {
+        "workload": {k: v for k, v in vars(args).items() if k not in ("json", "addresses", "func", "kind")},
+        "results": results,
+    }
     if "cache-aware" in by_policy and "round-robin" in by_policy:
         ratio = by_policy["cache-aware"]["hit_ratio"] / max(1e-9, by_policy["round-robin"]["hit_ratio"])
         summary["cache_aware_over_round_robin"] = round(ratio, 3)

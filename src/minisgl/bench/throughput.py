@@ -26,10 +26,24 @@ from pathlib import Path
 from typing import Any
 
 QWEN3_06B = dict(
-    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
-    intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-    max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-    hidden_act="silu", attention_bias=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    attention_bias=False,
+    torch_dtype="bfloat16",
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 
@@ -57,17 +71,27 @@ def run_minisgl(args: argparse.Namespace) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     llm = LLM(
-        str(args.model_dir), dtype="bfloat16", load_format="dummy", max_prefill_tokens=args.max_prefill_tokens,
-        page_size=args.page_size, disable_overlap=args.disable_overlap, disable_cuda_graph=args.disable_cuda_graph,
-        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+        str(args.model_dir),
+        dtype="bfloat16",
+        load_format="dummy",
+        max_prefill_tokens=args.max_prefill_tokens,
+        page_size=args.page_size,
+        disable_overlap=args.disable_overlap,
+        disable_cuda_graph=args.disable_cuda_graph,
+        attention_backend=args.attention_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     init_s = time.perf_counter() - t0
     result = timed_workload(llm, llm.scheduler, workload())
     engine = llm.scheduler.engine
     page_size = llm.scheduler.page_size
-    result.update(init_s=round(init_s, 1), kv_pages=llm.scheduler.cache.num_pages, page_size=page_size,
-                  kv_slots=llm.scheduler.cache.num_pages * page_size,
-                  decode_attention=type(getattr(engine.attn_backend, "decode", engine.attn_backend)).__name__)
+    result.update(
+        init_s=round(init_s, 1),
+        kv_pages=llm.scheduler.cache.num_pages,
+        page_size=page_size,
+        kv_slots=llm.scheduler.cache.num_pages * page_size,
+        decode_attention=type(getattr(engine.attn_backend, "decode", engine.attn_backend)).__name__,
+    )
     if args.latency:
         result.update(decode_latency(llm))
     return result
@@ -96,10 +120,14 @@ def timed_workload(llm: Any, sched: Any, work: tuple[list[list[int]], list[int]]
     assert out_tokens == sum(max_tokens), "a request stopped early"
     llm.check_integrity()
     return {
-        "seconds": round(elapsed, 3), "output_tok_s": round(out_tokens / elapsed, 1),
-        "total_tok_s": round((out_tokens + sum(map(len, prompts))) / elapsed, 1), "output_tokens": out_tokens,
-        "input_tokens": sum(map(len, prompts)), "steps": sched.num_steps - steps0,
-        "gc_s": round(gc_timer.seconds, 3), "gc_full": gc_timer.full,
+        "seconds": round(elapsed, 3),
+        "output_tok_s": round(out_tokens / elapsed, 1),
+        "total_tok_s": round((out_tokens + sum(map(len, prompts))) / elapsed, 1),
+        "output_tokens": out_tokens,
+        "input_tokens": sum(map(len, prompts)),
+        "steps": sched.num_steps - steps0,
+        "gc_s": round(gc_timer.seconds, 3),
+        "gc_full": gc_timer.full,
     }
 
 
@@ -180,8 +208,12 @@ def run_hf(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
             elapsed += time.perf_counter() - t0
             useful += sum(lens)  # a static batch computes max(lens) for everyone; only these are wanted
-    return {"seconds": round(elapsed, 3), "output_tok_s": round(useful / elapsed, 1), "requests": len(prompts),
-            "batch": args.hf_batch}
+    return {
+        "seconds": round(elapsed, 3),
+        "output_tok_s": round(useful / elapsed, 1),
+        "requests": len(prompts),
+        "batch": args.hf_batch,
+    }
 
 
 # ---------------------------------------------------------------------------- the floor
@@ -222,9 +254,12 @@ def bandwidth_floor(bandwidth: float) -> dict[str, Any]:
     total = kv_tokens * kv_per_token + decode_steps * weight_bytes
     seconds = total / bandwidth
     return {
-        "hbm_bandwidth_gb_s": round(bandwidth / 1e9, 1), "kv_bytes_read_tb": round(kv_tokens * kv_per_token / 1e12, 2),
-        "weight_bytes_per_step_gb": round(weight_bytes / 1e9, 3), "decode_steps": decode_steps,
-        "floor_seconds": round(seconds, 3), "floor_output_tok_s": round(sum(max_tokens) / seconds, 1),
+        "hbm_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "kv_bytes_read_tb": round(kv_tokens * kv_per_token / 1e12, 2),
+        "weight_bytes_per_step_gb": round(weight_bytes / 1e9, 3),
+        "decode_steps": decode_steps,
+        "floor_seconds": round(seconds, 3),
+        "floor_output_tok_s": round(sum(max_tokens) / seconds, 1),
     }
 
 
@@ -238,7 +273,7 @@ def sub(model_dir: Path, *extra: str, timeout: int = 300) -> dict[str, Any]:
     sys.stdout.write(proc.stdout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     return {"error": f"exit {proc.returncode}"}
 
 
@@ -246,8 +281,11 @@ def main_all(args: argparse.Namespace) -> None:
     import torch
 
     model_dir = write_model_dir(Path(args.tokenizer_dir))
-    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                               "max_prefill_tokens": args.max_prefill_tokens}
+    results: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "max_prefill_tokens": args.max_prefill_tokens,
+    }
     results["floor"] = bandwidth_floor(hbm_bandwidth())
     common = ["--max-prefill-tokens", str(args.max_prefill_tokens)]
     results["minisgl"] = sub(model_dir, "run", "--latency", *common)
@@ -256,7 +294,9 @@ def main_all(args: argparse.Namespace) -> None:
         results["no_cuda_graph"] = sub(model_dir, "run", "--disable-cuda-graph", *common)
     if args.with_fp8_kv:  # its own row: an fp8 KV cache changes the numerics (tests/test_gpu.py scores them)
         # pages of 16 tokens: on Hopper the decode runs XQA's fp8 kernel (attention/xqa.py), FlashInfer's elsewhere
-        results["fp8_kv"] = sub(model_dir, "run", "--latency", "--kv-cache-dtype", "fp8_e4m3", "--page-size", "16", *common)
+        results["fp8_kv"] = sub(
+            model_dir, "run", "--latency", "--kv-cache-dtype", "fp8_e4m3", "--page-size", "16", *common
+        )
     if not args.skip_hf:
         results["hf"] = sub(model_dir, "hf", "--hf-batch", str(args.hf_batch), "--hf-requests", str(args.hf_requests))
     if args.report and Path(args.report).exists():
@@ -270,9 +310,13 @@ def print_table(r: dict[str, Any]) -> None:
     main = r.get("minisgl", {})
     print(f"\n## {r['gpu']}, {r['date']}, Qwen3-0.6B-shaped dummy bf16, 256 requests (issue 8 workload)")
     print(f"{'configuration':40s} {'output tok/s':>14s} {'seconds':>9s} {'of floor':>9s}")
-    for key, name in (("minisgl", "minisgl (overlap + CUDA graphs)"), ("no_overlap", "  --disable-overlap"),
-                      ("no_cuda_graph", "  --disable-cuda-graph"), ("fp8_kv", "  --kv-cache-dtype fp8_e4m3 --page-size 16"),
-                      ("hf", "HF generate (SDPA, static batches)")):
+    for key, name in (
+        ("minisgl", "minisgl (overlap + CUDA graphs)"),
+        ("no_overlap", "  --disable-overlap"),
+        ("no_cuda_graph", "  --disable-cuda-graph"),
+        ("fp8_kv", "  --kv-cache-dtype fp8_e4m3 --page-size 16"),
+        ("hf", "HF generate (SDPA, static batches)"),
+    ):
         if key in r and "output_tok_s" in r[key]:
             tps = r[key]["output_tok_s"]
             print(f"{name:40s} {tps:14.1f} {r[key]['seconds']:9.2f} {tps / floor:9.1%}")
@@ -280,16 +324,22 @@ def print_table(r: dict[str, Any]) -> None:
             print(f"{name:40s} {r[key]}")
     print(f"{'bandwidth floor (decode KV + weights)':40s} {floor:14.1f} {r['floor']['floor_seconds']:9.2f}")
     if "decode_ms_per_token_bs1" in r.get("fp8_kv", {}):
-        print(f"fp8 KV cache: batch-1 decode {r['fp8_kv']['decode_ms_per_token_bs1']} ms/token, "
-              f"{r['fp8_kv'].get('kv_slots')} KV slots (bf16: {main.get('kv_slots')}), decode attention "
-              f"{r['fp8_kv'].get('decode_attention')}")
+        print(
+            f"fp8 KV cache: batch-1 decode {r['fp8_kv']['decode_ms_per_token_bs1']} ms/token, "
+            f"{r['fp8_kv'].get('kv_slots')} KV slots (bf16: {main.get('kv_slots')}), decode attention "
+            f"{r['fp8_kv'].get('decode_attention')}"
+        )
     if "decode_ms_per_token_bs1" in main:
         print(f"decode latency, batch 1: {main['decode_ms_per_token_bs1']} ms/token (TTFT {main['ttft_ms_bs1']} ms)")
     if "hf" in r and "output_tok_s" in r["hf"] and "output_tok_s" in main:
-        print(f"speed-up vs HF generate: {main['output_tok_s'] / r['hf']['output_tok_s']:.1f}x "
-              f"(HF: {r['hf']['requests']} requests in batches of {r['hf']['batch']})")
-    print(f"HBM copy bandwidth {r['floor']['hbm_bandwidth_gb_s']} GB/s; KV read {r['floor']['kv_bytes_read_tb']} TB "
-          f"over {r['floor']['decode_steps']} decode steps")
+        print(
+            f"speed-up vs HF generate: {main['output_tok_s'] / r['hf']['output_tok_s']:.1f}x "
+            f"(HF: {r['hf']['requests']} requests in batches of {r['hf']['batch']})"
+        )
+    print(
+        f"HBM copy bandwidth {r['floor']['hbm_bandwidth_gb_s']} GB/s; KV read {r['floor']['kv_bytes_read_tb']} TB "
+        f"over {r['floor']['decode_steps']} decode steps"
+    )
     for k, v in r.get("tests", {}).items():
         print(f"test: {k} = {v}")
 

@@ -41,8 +41,14 @@ from typing import Any
 from minisgl.bench.throughput import QWEN3_06B, decode_latency, timed_workload, workload
 
 QWEN3_14B = dict(
-    QWEN3_06B, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
-    num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+    QWEN3_06B,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=40,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=False,
 )
 VOCAB = 49152
 PARITY_ENGINE = dict(num_pages=40000, cuda_graph_max_bs=32, max_prefill_tokens=8192)
@@ -136,7 +142,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     t0 = time.perf_counter()
     llm = LLM(
-        str(args.model_dir), dtype="bfloat16", load_format="dummy", tp=args.tp, max_prefill_tokens=16384,
+        str(args.model_dir),
+        dtype="bfloat16",
+        load_format="dummy",
+        tp=args.tp,
+        max_prefill_tokens=16384,
         dist_timeout=180,
     )
     init_s = time.perf_counter() - t0
@@ -209,11 +219,20 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def run_child(
-    cmd: list[str], timeout: float, env: dict[str, str] | None = None, log: Path | None = None,
+    cmd: list[str],
+    timeout: float,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
 ) -> tuple[int, str]:
     print("$", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
         code = proc.returncode
@@ -269,8 +288,12 @@ def agreement(ref32: list[Any], outs: list[list[int]], other: list[list[int]] | 
         total += len(out)
         clear += int(is_clear.sum())
         clear_hits += int((ok & is_clear).sum())
-    return {"top1": round(hits / total, 4), "top1_clear_margin": round(clear_hits / max(clear, 1), 4),
-            "clear_positions": round(clear / total, 3), "positions": total}
+    return {
+        "top1": round(hits / total, 4),
+        "top1_clear_margin": round(clear_hits / max(clear, 1), 4),
+        "clear_positions": round(clear / total, 3),
+        "positions": total,
+    }
 
 
 def stage_parity(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log: Path) -> None:
@@ -278,15 +301,41 @@ def stage_parity(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], l
     bench_tp = [py, "-m", "minisgl", "bench", "tp"]
     tok = Path(args.tokenizer_dir)
     t0 = time.perf_counter()
-    shape = dict(vocab_size=VOCAB, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-                 rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    shape = dict(
+        vocab_size=VOCAB,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
     if args.tiny:  # CPU smoke test of this script
-        shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16)
+        shape.update(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
     ckpt = write_hf_checkpoint(tok, "qwen3-tp-parity-", "cpu", **shape)
-    common = ["--model-dir", str(ckpt), "--num-prompts", str(args.parity_prompts), "--max-new", str(args.parity_new),
-              "--device", args.device, "--dtype", args.dtype]
+    common = [
+        "--model-dir",
+        str(ckpt),
+        "--num-prompts",
+        str(args.parity_prompts),
+        "--max-new",
+        str(args.parity_new),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+    ]
     work = Path(tempfile.mkdtemp(prefix="tp-parity-"))
     one_gpu = {"CUDA_VISIBLE_DEVICES": "0"} if args.device == "cuda" else {}
     p = res.setdefault("parity", {})
@@ -298,19 +347,52 @@ def stage_parity(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], l
     # Two "nodes": node 1 = `minisgl serve --node-rank 1` on GPU 1, node 0 = LLM(nnodes=2) on GPU 0.
     if "nodes" in args.stages:
         addr = f"127.0.0.1:{free_port()}"
-        engine = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", "90", "--dtype", args.dtype,
-                  "--device", args.device, "--num-pages", str(PARITY_ENGINE["num_pages"]),
-                  "--max-prefill-tokens", str(PARITY_ENGINE["max_prefill_tokens"])]
+        engine = [
+            "--tp",
+            "2",
+            "--nnodes",
+            "2",
+            "--dist-init-addr",
+            addr,
+            "--dist-timeout",
+            "90",
+            "--dtype",
+            args.dtype,
+            "--device",
+            args.device,
+            "--num-pages",
+            str(PARITY_ENGINE["num_pages"]),
+            "--max-prefill-tokens",
+            str(PARITY_ENGINE["max_prefill_tokens"]),
+        ]
         if args.device == "cuda":
             engine += ["--cuda-graph-max-bs", str(PARITY_ENGINE["cuda_graph_max_bs"])]
         node1_env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": "1"} if args.device == "cuda" else {})}
         node1_log = open(work / "node1.log", "w")
         cmd1 = [py, "-m", "minisgl", "serve", "--model", str(ckpt), "--node-rank", "1", *engine]
         print("$ [node 1]", " ".join(cmd1), flush=True)
-        node1 = subprocess.Popen(cmd1, stdout=node1_log, stderr=subprocess.STDOUT, env=node1_env, start_new_session=True)
+        node1 = subprocess.Popen(
+            cmd1, stdout=node1_log, stderr=subprocess.STDOUT, env=node1_env, start_new_session=True
+        )
         try:
-            code, _ = run_child([*bench_tp, "gen", "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr,
-                                 "--out", str(work / "nodes.json"), *common], 150, env=one_gpu, log=log)
+            code, _ = run_child(
+                [
+                    *bench_tp,
+                    "gen",
+                    "--tp",
+                    "2",
+                    "--nnodes",
+                    "2",
+                    "--dist-init-addr",
+                    addr,
+                    "--out",
+                    str(work / "nodes.json"),
+                    *common,
+                ],
+                150,
+                env=one_gpu,
+                log=log,
+            )
             try:
                 node1_code = node1.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -330,8 +412,22 @@ def stage_parity(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], l
             nodes = json.loads((work / "nodes.json").read_text())["tokens"]
             n["identical_outputs"] = f"{sum(a == b for a, b in zip(tp2, nodes))}/{len(tp2)}"
             n["pass"] = nodes == tp2
-    code, _ = run_child([*bench_tp, "gen", "--tp", "1", "--out", str(work / "tp1.json"),
-                         "--teacher-force", str(work / "tp2.json"), *common], 150, env=one_gpu, log=log)
+    code, _ = run_child(
+        [
+            *bench_tp,
+            "gen",
+            "--tp",
+            "1",
+            "--out",
+            str(work / "tp1.json"),
+            "--teacher-force",
+            str(work / "tp2.json"),
+            *common,
+        ],
+        150,
+        env=one_gpu,
+        log=log,
+    )
     if not (work / "tp1.json").exists():
         p["error"] = f"tp1 gen exit {code}"
         return
@@ -371,8 +467,15 @@ def session_pids(sid: int) -> list[tuple[int, str]]:
     return found
 
 
-def kill_rank_check(model_dir: Path, serve_args: list[str], log_path: Path, start_timeout: float = 300,
-                    exit_timeout: float = 120, env: dict[str, str] | None = None, idle: bool = False) -> dict[str, Any]:
+def kill_rank_check(
+    model_dir: Path,
+    serve_args: list[str],
+    log_path: Path,
+    start_timeout: float = 300,
+    exit_timeout: float = 120,
+    env: dict[str, str] | None = None,
+    idle: bool = False,
+) -> dict[str, Any]:
     """Start `minisgl serve --tp 2`, stream a long generation, SIGKILL rank 1 mid-stream; report what follows.
 
     Returns the stream's error (type, message), the daemon's exit code, the seconds from the kill to the
@@ -383,12 +486,24 @@ def kill_rank_check(model_dir: Path, serve_args: list[str], log_path: Path, star
     from minisgl.runtime.launcher import wait_ready
 
     address = f"ipc://{tempfile.mkdtemp(prefix='msgl-kill-')}/d.sock"
-    cmd = [sys.executable, "-m", "minisgl", "serve", "--model", str(model_dir), "--tp", "2", "--address", address,
-           *serve_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "minisgl",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--tp",
+        "2",
+        "--address",
+        address,
+        *serve_args,
+    ]
     print("$", " ".join(cmd), flush=True)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+        )
     r: dict[str, Any] = {}
     try:
         wait_ready(address, start_timeout, proc=proc, log_path=log_path)
@@ -448,11 +563,31 @@ def stage_kill(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log
     model = write_config_dir(QWEN3_06B, Path(args.tokenizer_dir), "qwen3-0.6b-dummy-")
     for extra in ["", *filter(None, args.tp2_env.split(";"))]:
         env = dict(kv.split("=", 1) for kv in extra.split())
-        k = kill_rank_check(model, ["--load-format", "dummy", "--device", args.device, "--dtype", args.dtype,
-                                    "--dist-timeout", "60", "--cuda-graph-max-bs", "16", "--num-pages", "20000"],
-                            out_dir / "kill_daemon.log", env=env)
-        k["pass"] = (bool(k.get("stream_error")) and k.get("daemon_exit") not in (0, "still running")
-                     and not k.get("left_behind") and k.get("seconds_to_daemon_exit", 1e9) < 60)
+        k = kill_rank_check(
+            model,
+            [
+                "--load-format",
+                "dummy",
+                "--device",
+                args.device,
+                "--dtype",
+                args.dtype,
+                "--dist-timeout",
+                "60",
+                "--cuda-graph-max-bs",
+                "16",
+                "--num-pages",
+                "20000",
+            ],
+            out_dir / "kill_daemon.log",
+            env=env,
+        )
+        k["pass"] = (
+            bool(k.get("stream_error"))
+            and k.get("daemon_exit") not in (0, "still running")
+            and not k.get("left_behind")
+            and k.get("seconds_to_daemon_exit", 1e9) < 60
+        )
         res["kill" if not extra else f"kill {extra}"] = k
         print(f"kill {extra}:", json.dumps(k), flush=True)
 
@@ -471,8 +606,20 @@ def stage_tput(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log
     for extra in filter(None, args.tp2_env.split(";")):  # more TP=2 runs, each with its environment variables
         runs.append((f"tp2 {extra}", 2, dict(kv.split("=", 1) for kv in extra.split())))
     for key, tp, env in runs:
-        cmd = [sys.executable, "-m", "minisgl", "bench", "tp", "bench", "--model-dir", str(model), "--tp", str(tp),
-               "--num-requests", str(args.num_requests)] + (["--latency"] if args.latency else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "minisgl",
+            "bench",
+            "tp",
+            "bench",
+            "--model-dir",
+            str(model),
+            "--tp",
+            str(tp),
+            "--num-requests",
+            str(args.num_requests),
+        ] + (["--latency"] if args.latency else [])
         if tp == 2 and args.profile:
             cmd += ["--profile-dir", str(out_dir / (key.replace(" ", "_").replace("=", "-") + "_profile"))]
         code, out = run_child(cmd, args.bench_timeout, env=env, log=log)
@@ -494,18 +641,43 @@ def stage_tput(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log
 
 def stage_hfpatch(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log: Path) -> None:
     c = QWEN3_06B
-    shape = dict(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-                 num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
-                 num_key_value_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
-                 max_position_embeddings=c["max_position_embeddings"], rope_theta=c["rope_theta"],
-                 rms_norm_eps=c["rms_norm_eps"], tie_word_embeddings=True)
+    shape = dict(
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_hidden_layers"],
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c["num_key_value_heads"],
+        head_dim=c["head_dim"],
+        max_position_embeddings=c["max_position_embeddings"],
+        rope_theta=c["rope_theta"],
+        rms_norm_eps=c["rms_norm_eps"],
+        tie_word_embeddings=True,
+    )
     ckpt = write_hf_checkpoint(Path(args.tokenizer_dir), "qwen3-0.6b-hf-", args.device, **shape)
     runs = args.hfpatch_args.split(";")  # one `bench hf-generate` run per ";"-separated argument list
     for i, extra in enumerate(runs):
         path = out_dir / ("hfpatch.json" if len(runs) == 1 else f"hfpatch_{i}.json")
-        code, _ = run_child([sys.executable, "-m", "minisgl", "bench", "hf-generate", "--model", str(ckpt),
-                             "--num-prompts", "256", "--device", "cuda", "--json", str(path), *extra.split()],
-                            300, log=log)
+        code, _ = run_child(
+            [
+                sys.executable,
+                "-m",
+                "minisgl",
+                "bench",
+                "hf-generate",
+                "--model",
+                str(ckpt),
+                "--num-prompts",
+                "256",
+                "--device",
+                "cuda",
+                "--json",
+                str(path),
+                *extra.split(),
+            ],
+            300,
+            log=log,
+        )
         h = json.loads(path.read_text()) if path.exists() else {"error": f"exit {code}"}
         if "speedup" in h:
             h["pass"] = h["speedup"] >= 10
@@ -519,12 +691,38 @@ def stage_agents(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], l
         a: dict[str, Any] = {"agents": 64, "turns": 6, "max_prefill_tokens": int(budget)}
         for cache in ("radix", "naive"):
             path = out_dir / f"agents_{cache}_{budget}.json"
-            code, _ = run_child([sys.executable, "-m", "minisgl", "bench", "agents", "--model", str(model),
-                                 "--load-format", "dummy", "--device", "cuda", "-k", "64", "-t", "6", "--caches", cache,
-                                 "--max-prefill-tokens", budget, "--json", str(path)], 180, log=log)
+            code, _ = run_child(
+                [
+                    sys.executable,
+                    "-m",
+                    "minisgl",
+                    "bench",
+                    "agents",
+                    "--model",
+                    str(model),
+                    "--load-format",
+                    "dummy",
+                    "--device",
+                    "cuda",
+                    "-k",
+                    "64",
+                    "-t",
+                    "6",
+                    "--caches",
+                    cache,
+                    "--max-prefill-tokens",
+                    budget,
+                    "--json",
+                    str(path),
+                ],
+                180,
+                log=log,
+            )
             a[cache] = json.loads(path.read_text())[cache] if path.exists() else {"error": f"exit {code}"}
         if "ttft_p50_ms" in a["radix"] and "ttft_p50_ms" in a["naive"]:
-            a["ttft_p50_ratio_naive_over_radix"] = round(a["naive"]["ttft_p50_ms"] / max(1e-9, a["radix"]["ttft_p50_ms"]), 2)
+            a["ttft_p50_ratio_naive_over_radix"] = round(
+                a["naive"]["ttft_p50_ms"] / max(1e-9, a["radix"]["ttft_p50_ms"]), 2
+            )
             a["speedup_radix_vs_naive"] = round(a["naive"]["seconds"] / a["radix"]["seconds"], 2)
             a["pass"] = a["ttft_p50_ratio_naive_over_radix"] >= 5 and a["radix"]["hit_ratio_of_max"] >= 0.95
         res.setdefault("agents", {})[budget] = a
@@ -535,20 +733,31 @@ def print_table(r: dict[str, Any]) -> None:
     p = r.get("parity", {})
     if "tp2_vs_tp1_teacher_forced" in p:
         tf, h2, h1 = p["tp2_vs_tp1_teacher_forced"], p["tp2_vs_hf_fp32"], p["tp1_vs_hf_fp32"]
-        print(f"parity ({p['prompts']} prompts x {p['new_tokens']} greedy tokens, {p['dtype']}, {tf['positions']} positions; "
-              f"clear = fp32 HF top-2 margin > 1%, {tf['clear_positions']:.1%} of positions)")
-        print(f"  TP=2 tokens vs TP=1 teacher-forced top-1: {tf['top1']:.2%} all, {tf['top1_clear_margin']:.2%} clear "
-              f"-> {'PASS' if p['pass'] else 'FAIL'} (>= 99%)")
-        print(f"  vs HF fp32 top-1: TP=2 {h2['top1']:.2%} / {h2['top1_clear_margin']:.2%} clear; "
-              f"TP=1 {h1['top1']:.2%} / {h1['top1_clear_margin']:.2%} clear")
-        print(f"  greedy sequences identical TP=1 vs TP=2: {p['greedy_identical_tp1_tp2']}; "
-              f"first divergences at {p['first_divergence_positions']}")
+        print(
+            f"parity ({p['prompts']} prompts x {p['new_tokens']} greedy tokens, {p['dtype']}, {tf['positions']} "
+            f"positions; "
+            f"clear = fp32 HF top-2 margin > 1%, {tf['clear_positions']:.1%} of positions)"
+        )
+        print(
+            f"  TP=2 tokens vs TP=1 teacher-forced top-1: {tf['top1']:.2%} all, {tf['top1_clear_margin']:.2%} clear "
+            f"-> {'PASS' if p['pass'] else 'FAIL'} (>= 99%)"
+        )
+        print(
+            f"  vs HF fp32 top-1: TP=2 {h2['top1']:.2%} / {h2['top1_clear_margin']:.2%} clear; "
+            f"TP=1 {h1['top1']:.2%} / {h1['top1_clear_margin']:.2%} clear"
+        )
+        print(
+            f"  greedy sequences identical TP=1 vs TP=2: {p['greedy_identical_tp1_tp2']}; "
+            f"first divergences at {p['first_divergence_positions']}"
+        )
     elif p:
         print(f"parity: {p}")
     n = r.get("nodes")
     if n:
-        print(f"two nodes (nnodes 2, 1 GPU each, tcp 127.0.0.1) vs TP=2 one node: identical {n.get('identical_outputs')} "
-              f"-> {'PASS' if n.get('pass') else 'FAIL'} (exits node0={n['node0_exit']} node1={n['node1_exit']})")
+        print(
+            f"two nodes (nnodes 2, 1 GPU each, tcp 127.0.0.1) vs TP=2 one node: identical {n.get('identical_outputs')} "
+            f"-> {'PASS' if n.get('pass') else 'FAIL'} (exits node0={n['node0_exit']} node1={n['node1_exit']})"
+        )
     t = r.get("tput")
     if t:
         print(f"throughput, {t['model']}, {t['requests']} requests (issue 8 workload)")
@@ -558,36 +767,47 @@ def print_table(r: dict[str, Any]) -> None:
             if "output_tok_s" in x:
                 lat = f", bs1 {x['decode_ms_per_token_bs1']} ms/token" if "decode_ms_per_token_bs1" in x else ""
                 speedup = f" = {x['speedup']}x TP=1" if "speedup" in x else ""
-                print(f"  {name}: {x['output_tok_s']:.1f} output tok/s{speedup}, {x['seconds']:.2f}s, "
-                      f"{x['kv_pages']} KV slots, init {x['init_s']}s{lat}")
+                print(
+                    f"  {name}: {x['output_tok_s']:.1f} output tok/s{speedup}, {x['seconds']:.2f}s, "
+                    f"{x['kv_pages']} KV slots, init {x['init_s']}s{lat}"
+                )
             else:
                 print(f"  {name}: {x}")
             for rank, y in x.get("profile", {}).items():
-                print(f"    {rank} profile: {y['steps']} steps, wall {y['wall_ms_per_step']} ms/step, host "
-                      f"{y['host_ms_per_step']}, ops wait {y['ops_wait_ms_per_step']}, device wait "
-                      f"{y['device_wait_ms_per_step']}; GPU {y['gpu_total_ms_per_step']} ms/step {y['gpu_ms_per_step']}")
+                print(
+                    f"    {rank} profile: {y['steps']} steps, wall {y['wall_ms_per_step']} ms/step, host "
+                    f"{y['host_ms_per_step']}, ops wait {y['ops_wait_ms_per_step']}, device wait "
+                    f"{y['device_wait_ms_per_step']}; GPU {y['gpu_total_ms_per_step']} ms/step {y['gpu_ms_per_step']}"
+                )
         if "speedup" in t:
             print(f"  TP=2 / TP=1 = {t['speedup']}x -> {'PASS' if t['pass'] else 'FAIL'} (>= 1.6x)")
     for h in r.get("hfpatch", []):
         if "speedup" in h:
-            print(f"HF generate drop-in, {h['num_prompts']} {h.get('prompt_set', 'random')} prompts, "
-                  f"{h['output_len']} new tokens: HF {h['hf_output_tok_s']} tok/s, patched "
-                  f"{h['minisgl_output_tok_s']} tok/s = {h['speedup']}x ({'PASS' if h['pass'] else 'FAIL'} >= 10x); "
-                  f"identical rows {h['identical_rows']}")
+            print(
+                f"HF generate drop-in, {h['num_prompts']} {h.get('prompt_set', 'random')} prompts, "
+                f"{h['output_len']} new tokens: HF {h['hf_output_tok_s']} tok/s, patched "
+                f"{h['minisgl_output_tok_s']} tok/s = {h['speedup']}x ({'PASS' if h['pass'] else 'FAIL'} >= 10x); "
+                f"identical rows {h['identical_rows']}"
+            )
         else:
             print(f"hfpatch: {h}")
     for key in [k for k in r if k.startswith("kill")]:
         k = r[key]
-        print(f"{key}: rank 1 SIGKILLed mid-stream (serve --tp 2): stream error after {k.get('seconds_to_stream_error')}s "
-              f"({k.get('stream_error')}); daemon exit {k.get('daemon_exit')} after {k.get('seconds_to_daemon_exit')}s; "
-              f"left behind {k.get('left_behind')} -> {'PASS' if k.get('pass') else 'FAIL'}")
+        print(
+            f"{key}: rank 1 SIGKILLed mid-stream (serve --tp 2): stream error after "
+            f"{k.get('seconds_to_stream_error')}s "
+            f"({k.get('stream_error')}); daemon exit {k.get('daemon_exit')} after {k.get('seconds_to_daemon_exit')}s; "
+            f"left behind {k.get('left_behind')} -> {'PASS' if k.get('pass') else 'FAIL'}"
+        )
     for budget, a in r.get("agents", {}).items():
         if "ttft_p50_ratio_naive_over_radix" in a:
             ra, na = a["radix"], a["naive"]
-            print(f"agents K=64 T=6, max_prefill_tokens {budget}: TTFT p50 radix {ra['ttft_p50_ms']} ms vs naive "
-                  f"{na['ttft_p50_ms']} ms = {a['ttft_p50_ratio_naive_over_radix']}x; hit ratio of max "
-                  f"{ra['hit_ratio_of_max']:.1%}; end to end {ra['seconds']}s vs {na['seconds']}s -> "
-                  f"{'PASS' if a['pass'] else 'FAIL'}")
+            print(
+                f"agents K=64 T=6, max_prefill_tokens {budget}: TTFT p50 radix {ra['ttft_p50_ms']} ms vs naive "
+                f"{na['ttft_p50_ms']} ms = {a['ttft_p50_ratio_naive_over_radix']}x; hit ratio of max "
+                f"{ra['hit_ratio_of_max']:.1%}; end to end {ra['seconds']}s vs {na['seconds']}s -> "
+                f"{'PASS' if a['pass'] else 'FAIL'}"
+            )
         else:
             print(f"agents ({budget}): {a}")
 
@@ -599,13 +819,21 @@ def cmd_all(args: argparse.Namespace) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir / "runs.log"
     on_cuda = args.device == "cuda"
-    res: dict[str, Any] = {"gpu": torch.cuda.get_device_name() if on_cuda else "cpu",
-                           "gpus": torch.cuda.device_count() if on_cuda else 0, "date": time.strftime("%Y-%m-%d"),
-                           "stages": args.stages}
+    res: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name() if on_cuda else "cpu",
+        "gpus": torch.cuda.device_count() if on_cuda else 0,
+        "date": time.strftime("%Y-%m-%d"),
+        "stages": args.stages,
+    }
     t_start = time.perf_counter()
     path = out_dir / "tp.json"
-    stages = [("parity", stage_parity), ("tput", stage_tput), ("kill", stage_kill), ("hfpatch", stage_hfpatch),
-              ("agents", stage_agents)]
+    stages = [
+        ("parity", stage_parity),
+        ("tput", stage_tput),
+        ("kill", stage_kill),
+        ("hfpatch", stage_hfpatch),
+        ("agents", stage_agents),
+    ]
     for name, fn in stages:
         if name not in args.stages:
             continue

@@ -76,8 +76,13 @@ class SymmMemAllReduce:
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
-        return (x.is_cuda and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32)
-                and nbytes <= self.buf.numel() and nbytes % 16 == 0)
+        return (
+            x.is_cuda
+            and x.is_contiguous()
+            and x.dtype in (torch.bfloat16, torch.float32)
+            and nbytes <= self.buf.numel()
+            and nbytes % 16 == 0
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.view(-1)

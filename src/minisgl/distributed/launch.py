@@ -73,7 +73,10 @@ def init_distributed(config: EngineConfig, rank: int, store: Any) -> None:
             # each of them, on shared cores, made the host the bottleneck of a step (as vLLM's workers, 1).
             torch.set_num_threads(1)
     dist.init_process_group(
-        backend="nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=config.tp,
+        backend="nccl" if use_cuda else "gloo",
+        store=store,
+        rank=rank,
+        world_size=config.tp,
         timeout=datetime.timedelta(seconds=config.dist_timeout),
     )
     set_tp_info(rank, config.tp)
@@ -138,6 +141,7 @@ def spawn_worker(config: EngineConfig, rank: int, init_addr: str) -> subprocess.
     payload = json.dumps(dataclasses.asdict(config))
     return subprocess.Popen([sys.executable, "-m", "minisgl.scheduler.tp", payload, str(rank), init_addr])
 
+
 # ---------------------------------------------------------------------------- ranks > 0
 
 
@@ -169,6 +173,7 @@ def leave(code: int, message: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
 
 # ---------------------------------------------------------------------------- rank 0
 
@@ -220,14 +225,19 @@ class RankGroup:
             if self.step_started is None:
                 return  # no step in flight, or it came back: the caller sees RankFailedError
             if time.monotonic() > deadline:
-                leave(1, f"{self._failure}; a step on this rank has not come back within {STUCK_EXIT_S:.0f}s "
-                         "(stuck in a kernel waiting for the dead rank): this process exits")
+                leave(
+                    1,
+                    f"{self._failure}; a step on this rank has not come back within {STUCK_EXIT_S:.0f}s "
+                    "(stuck in a kernel waiting for the dead rank): this process exits",
+                )
 
     def _find_failure(self) -> str | None:
         dead = [(rank, w.returncode) for rank, w in enumerate(self.workers, 1) if w.poll() is not None]
         if dead:
-            return (f"tensor-parallel rank(s) {[r for r, _ in dead]} exited (codes {[c for _, c in dead]}): "
-                    "see the ranks' log lines above")
+            return (
+                f"tensor-parallel rank(s) {[r for r, _ in dead]} exited (codes {[c for _, c in dead]}): "
+                "see the ranks' log lines above"
+            )
         try:
             return self.store.get(FAILED_KEY).decode() if self.store.check([FAILED_KEY]) else None
         except Exception:  # noqa: BLE001 - this process hosts the store: only a shutdown gets here
@@ -320,16 +330,22 @@ def run_node(config: EngineConfig) -> int:
     first = config.node_rank * local
     assert config.dist_init_addr, "EngineConfig validation guarantees it"
     workers = {rank: spawn_worker(config, rank, config.dist_init_addr) for rank in range(first, first + local)}
-    logger.info("node %d: ranks %d..%d started, following node 0 at %s", config.node_rank, first, first + local - 1,
-                config.dist_init_addr)
+    logger.info(
+        "node %d: ranks %d..%d started, following node 0 at %s",
+        config.node_rank,
+        first,
+        first + local - 1,
+        config.dist_init_addr,
+    )
     codes: dict[int, int] = {}
     while len(codes) < len(workers):
         for rank, w in workers.items():
             if rank not in codes and w.poll() is not None:
                 codes[rank] = w.returncode
                 if w.returncode != 0:
-                    _report_failure(config, f"tensor-parallel rank {rank} on node {config.node_rank} exited "
-                                            f"(code {w.returncode})")
+                    _report_failure(
+                        config, f"tensor-parallel rank {rank} on node {config.node_rank} exited (code {w.returncode})"
+                    )
         time.sleep(WATCH_INTERVAL_S / 5)
     return max(codes.values(), key=abs)
 

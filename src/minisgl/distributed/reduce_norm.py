@@ -42,8 +42,17 @@ def _kernel() -> Any:
 
     @triton.jit(do_not_specialize=["M", "rank"])
     def reduce_norm_kernel(
-        bufs_ptr, flags_ptr, residual_ptr, weight_ptr, out_ptr, M, rank, eps,
-        H: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr,
+        bufs_ptr,
+        flags_ptr,
+        residual_ptr,
+        weight_ptr,
+        out_ptr,
+        M,
+        rank,
+        eps,
+        H: tl.constexpr,
+        BLOCK: tl.constexpr,
+        WORLD: tl.constexpr,
     ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -77,8 +86,14 @@ def _kernel() -> Any:
 
 
 def reduce_add_rmsnorm(
-    bufs: torch.Tensor, flags: torch.Tensor, rank: int, rows: int, residual: torch.Tensor, weight: torch.Tensor,
-    eps: float, programs: int | None = None,
+    bufs: torch.Tensor,
+    flags: torch.Tensor,
+    rank: int,
+    rows: int,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """norm(sum of every rank's partial sums + residual), with the residual updated in place to that sum.
 
@@ -96,8 +111,18 @@ def reduce_add_rmsnorm(
     grid = min(rows, programs or MAX_PROGRAMS, MAX_PROGRAMS)
     block = 1 << (hidden - 1).bit_length()
     _kernel()[(grid,)](
-        bufs, flags, residual, weight, out, rows, rank, eps,
-        H=hidden, BLOCK=block, WORLD=world, num_warps=8 if block >= 8192 else 4,
+        bufs,
+        flags,
+        residual,
+        weight,
+        out,
+        rows,
+        rank,
+        eps,
+        H=hidden,
+        BLOCK=block,
+        WORLD=world,
+        num_warps=8 if block >= 8192 else 4,
     )
     return out
 
@@ -115,14 +140,16 @@ class SymmReduceNorm:
         self.mem = symm_mem.empty(2 * stride, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.mem, group)  # collective: every rank at the same point
         for k in range(2):
-            self.mem[k * stride + slot_bytes: (k + 1) * stride].zero_()
+            self.mem[k * stride + slot_bytes : (k + 1) * stride].zero_()
         torch.cuda.synchronize(device)
         dist.barrier()  # no rank signals a peer before the peer's flags are zero
         ptrs = [int(p) for p in handle.buffer_ptrs]
         self.bufs = [torch.tensor([p + k * stride for p in ptrs], dtype=torch.int64, device=device) for k in range(2)]
-        self.flags = [torch.tensor([p + k * stride + slot_bytes for p in ptrs], dtype=torch.int64, device=device)
-                      for k in range(2)]
-        self.slots = [self.mem[k * stride: k * stride + slot_bytes] for k in range(2)]
+        self.flags = [
+            torch.tensor([p + k * stride + slot_bytes for p in ptrs], dtype=torch.int64, device=device)
+            for k in range(2)
+        ]
+        self.slots = [self.mem[k * stride : k * stride + slot_bytes] for k in range(2)]
         self.next = 0
 
     def partial_out(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:

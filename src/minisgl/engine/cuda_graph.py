@@ -72,15 +72,25 @@ class CudaGraphRunner:
         self.sampling = gumbel.Workspace(self.max_bs, vocab_size, device, seed) if gumbel.usable(device) else None
         lm_head = getattr(model, "lm_head", None)
         self.local_logits: torch.Tensor | None = None  # this rank's vocabulary shard, when it samples it itself
-        if (self.sampling is not None and isinstance(lm_head, ParallelLMHead) and lm_head.tp_size > 1
-                and os.environ.get("MINISGL_TP_VOCAB_SAMPLING", "0") == "1"):
+        if (
+            self.sampling is not None
+            and isinstance(lm_head, ParallelLMHead)
+            and lm_head.tp_size > 1
+            and os.environ.get("MINISGL_TP_VOCAB_SAMPLING", "0") == "1"
+        ):
             import torch.distributed as dist
 
             width = lm_head.weight.shape[0]
             self.local_logits = torch.empty(self.max_bs, width, dtype=dtype, device=device)
             self.sampling = gumbel.Workspace(
-                self.max_bs, width, device, seed, shards=lm_head.tp_size, shard=lm_head.tp_rank,
-                col0=lm_head.vocab_start, gather=dist.all_gather_into_tensor,
+                self.max_bs,
+                width,
+                device,
+                seed,
+                shards=lm_head.tp_size,
+                shard=lm_head.tp_rank,
+                col0=lm_head.vocab_start,
+                gather=dist.all_gather_into_tensor,
             )
         self._sample_into = gumbel.sample_into
         self.temperature = torch.full((self.max_bs,), -1.0, dtype=torch.float32, device=device)
@@ -113,14 +123,25 @@ class CudaGraphRunner:
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info(
             "CUDA graphs: %d decode batch sizes up to %d captured in %.1fs, %.2f GiB",
-            len(self.sizes), self.max_bs, time.perf_counter() - t0, used / 2**30,
+            len(self.sizes),
+            self.max_bs,
+            time.perf_counter() - t0,
+            used / 2**30,
         )
 
     def _batch(self, bs: int) -> Batch:
         return Batch(
-            reqs=[], phase=Phase.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            out_loc=self.out_loc[:bs], table_rows=self.input_ids[:bs], prefix_lens=[0] * bs,
-            extend_lens=[1] * bs, seq_lens=[1] * bs, sample_mask=[True] * bs, padded_size=bs,
+            reqs=[],
+            phase=Phase.DECODE,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            out_loc=self.out_loc[:bs],
+            table_rows=self.input_ids[:bs],
+            prefix_lens=[0] * bs,
+            extend_lens=[1] * bs,
+            seq_lens=[1] * bs,
+            sample_mask=[True] * bs,
+            padded_size=bs,
         )
 
     def _forward(self, bs: int) -> None:

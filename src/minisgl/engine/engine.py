@@ -41,8 +41,8 @@ class Engine:
     def __init__(self, config: EngineConfig, model_source: Any = None) -> None:
         from minisgl import plugins
         from minisgl.engine.sampler import Sampler
-        from minisgl.models.loader import load_model, resolve_model
         from minisgl.kvcache.table import TableManager
+        from minisgl.models.loader import load_model, resolve_model
         from minisgl.tokenizer import load_tokenizer
 
         self.config = config
@@ -69,8 +69,11 @@ class Engine:
         )
         logger.info(
             "weights loaded: %s (%s, %s on %s) in %.1fs",
-            config.model, self.model_config.architecture, str(self.dtype).removeprefix("torch."),
-            self.device, time.perf_counter() - t0,
+            config.model,
+            self.model_config.architecture,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            time.perf_counter() - t0,
         )
 
         mc = self.model_config
@@ -82,12 +85,20 @@ class Engine:
         self.num_pages = self._num_pages()
         scratch = 1 if self.device.type == "cuda" else 0
         self.kv_pool = KVPool(
-            mc.num_layers, self.num_pages + scratch, self.page_size, self._local_kv_heads(), mc.head_dim,
-            self.kv_dtype, self.device, model_dtype=self.dtype,
+            mc.num_layers,
+            self.num_pages + scratch,
+            self.page_size,
+            self._local_kv_heads(),
+            mc.head_dim,
+            self.kv_dtype,
+            self.device,
+            model_dtype=self.dtype,
         )
         self.table = TableManager(config.max_running_requests + 2, self.max_seq_len, self.device)
         logger.info(
-            "KV pool: %d pages x %d tokens (%.2f GiB, %s)", self.num_pages, self.page_size,
+            "KV pool: %d pages x %d tokens (%.2f GiB, %s)",
+            self.num_pages,
+            self.page_size,
             self.kv_pool.buffer.numel() * self.kv_pool.buffer.element_size() / 2**30,
             str(self.kv_dtype).removeprefix("torch."),
         )
@@ -97,15 +108,23 @@ class Engine:
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
         self.graph_runner: Any = None
         if (
-            self.device.type == "cuda" and not config.disable_cuda_graph and config.cuda_graph_max_bs > 0
+            self.device.type == "cuda"
+            and not config.disable_cuda_graph
+            and config.cuda_graph_max_bs > 0
             and getattr(self.attn_backend, "supports_cuda_graph", False)
         ):
             from minisgl.engine.cuda_graph import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(
-                self.model, self.attn_backend, min(config.cuda_graph_max_bs, config.max_running_requests),
-                mc.vocab_size, self.max_seq_len, dummy_page=self.num_pages, page_size=self.page_size,
-                device=self.device, seed=config.seed,
+                self.model,
+                self.attn_backend,
+                min(config.cuda_graph_max_bs, config.max_running_requests),
+                mc.vocab_size,
+                self.max_seq_len,
+                dummy_page=self.num_pages,
+                page_size=self.page_size,
+                device=self.device,
+                seed=config.seed,
             )
         self.prefill_graphs: Any = None
         max_tokens = min(config.piecewise_cuda_graph_max_tokens, config.max_prefill_tokens)
@@ -126,9 +145,13 @@ class Engine:
         from minisgl.engine.piecewise import supports_piecewise
 
         return (
-            self.device.type == "cuda" and not self.config.disable_cuda_graph and max_tokens > 0
-            and getattr(self.attn_backend, "supports_cuda_graph", False) and get_tp_info().size == 1
-            and os.environ.get("MINISGL_PIECEWISE_GRAPH", "1") != "0" and supports_piecewise(self.model)
+            self.device.type == "cuda"
+            and not self.config.disable_cuda_graph
+            and max_tokens > 0
+            and getattr(self.attn_backend, "supports_cuda_graph", False)
+            and get_tp_info().size == 1
+            and os.environ.get("MINISGL_PIECEWISE_GRAPH", "1") != "0"
+            and supports_piecewise(self.model)
         )
 
     def _local_kv_heads(self) -> int:
@@ -141,7 +164,9 @@ class Engine:
         cfg, mc = self.config, self.model_config
         if cfg.num_pages is not None:
             return cfg.num_pages
-        per_page = KVPool.bytes_per_page(mc.num_layers, self.page_size, self._local_kv_heads(), mc.head_dim, self.kv_dtype)
+        per_page = KVPool.bytes_per_page(
+            mc.num_layers, self.page_size, self._local_kv_heads(), mc.head_dim, self.kv_dtype
+        )
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * cfg.mem_fraction
@@ -176,13 +201,18 @@ class Engine:
             if gpu and name == "torch" and not _importable("flashinfer"):
                 logger.warning("flashinfer is not installed: torch-native attention (pip install minisgl[gpu])")
             elif gpu and name == "torch":
-                logger.warning("head_dim %d: FlashInfer's kernels take %s; torch-native attention, no CUDA graphs",
-                               self.model_config.head_dim, "/".join(map(str, FLASHINFER_HEAD_DIMS)))
+                logger.warning(
+                    "head_dim %d: FlashInfer's kernels take %s; torch-native attention, no CUDA graphs",
+                    self.model_config.head_dim,
+                    "/".join(map(str, FLASHINFER_HEAD_DIMS)),
+                )
             if name == "flashinfer" and self._auto_xqa(backends):
                 name = "flashinfer,xqa"
             elif name == "flashinfer" and self._auto_xqa(backends, 16):  # fp8 on Hopper, pages XQA does not take
-                logger.info("an fp8 KV cache with page_size 16 (32, 64, 128) decodes with XQA's fp8 kernel, "
-                            "~1.3x the throughput of FlashInfer's fp8 decode on this GPU (docs/benchmarks.md)")
+                logger.info(
+                    "an fp8 KV cache with page_size 16 (32, 64, 128) decodes with XQA's fp8 kernel, "
+                    "~1.3x the throughput of FlashInfer's fp8 decode on this GPU (docs/benchmarks.md)"
+                )
         if name == "xqa":  # a decode kernel: FlashInfer prefills
             name = "flashinfer,xqa"
         parts = [p.strip() for p in name.split(",")]
@@ -199,11 +229,14 @@ class Engine:
                 raise ConfigError(f"attention backend {part!r} needs dtype bfloat16 or float16, got {self.dtype}")
             if part in ("flashinfer", "fa3") and self.model_config.head_dim not in FLASHINFER_HEAD_DIMS:
                 raise ConfigError(
-                    f"attention backend {part!r} takes head_dim {', '.join(map(str, FLASHINFER_HEAD_DIMS))}; this model's is "
+                    f"attention backend {part!r} takes head_dim {', '.join(map(str, FLASHINFER_HEAD_DIMS))}; this "
+                    f"model's is "
                     f"{self.model_config.head_dim}: use 'torch' (or 'auto')"
                 )
         if self.kv_dtype != self.dtype and parts[0] == "fa3":
-            raise ConfigError("an fp8 KV cache needs FlashInfer's FA2 prefill (attention_backend 'flashinfer'), not 'fa3'")
+            raise ConfigError(
+                "an fp8 KV cache needs FlashInfer's FA2 prefill (attention_backend 'flashinfer'), not 'fa3'"
+            )
         return parts[0], parts[-1]
 
     def _auto_xqa(self, backends: dict[str, Any], page_size: int | None = None) -> bool:
@@ -214,7 +247,8 @@ class Engine:
         from minisgl.attention.xqa import xqa_supported
 
         return (
-            "xqa" in backends and os.environ.get("MINISGL_XQA", "1") != "0"
+            "xqa" in backends
+            and os.environ.get("MINISGL_XQA", "1") != "0"
             and self.kv_dtype == torch.float8_e4m3fn
             and xqa_supported(self.device, page_size or self.page_size, self.model_config.head_dim)
         )
@@ -229,7 +263,8 @@ class Engine:
         return HybridBackend(backends[prefill](*args), backends[decode](*args))
 
     def release_graphs(self) -> None:
-        """Drop the CUDA graphs (decode and prefill run eager afterwards); every TP rank does it before leaving its group."""
+        """Drop the CUDA graphs (decode and prefill run eager afterwards); every TP rank does it before leaving its
+        group."""
         if self.graph_runner is not None:
             self.graph_runner.release()
             self.graph_runner = None
@@ -243,7 +278,9 @@ class Engine:
         replayed from a CUDA graph, which gives them in the model's dtype (the sampler casts where it needs to)."""
         return self._forward(batch)[0]
 
-    def _forward(self, batch: Batch, temperatures: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, batch: Batch, temperatures: list[float] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the sampled rows' logits, every row's hidden state for a prefill, else None). `temperatures`: a
         decode batch replayed from a CUDA graph samples its rows in the graph (CudaGraphRunner.run)."""
         ctx = get_context()
@@ -282,7 +319,9 @@ class Engine:
                 start, stop = req.cached_len, min(req.cached_len + extend, req.prompt_len - 1)
                 targets = torch.tensor(req.input_ids[start + 1 : stop + 1], dtype=torch.int64).to(self.device)
                 out[i] = token_logprobs(
-                    self.model.compute_logits, hidden[offset : offset + max(0, stop - start)], targets,
+                    self.model.compute_logits,
+                    hidden[offset : offset + max(0, stop - start)],
+                    targets,
                     req.sampling_params.prompt_logprobs,
                 )
             offset += extend
@@ -303,8 +342,11 @@ class Engine:
         prompt = embeddings = None
         runner = self.graph_runner
         graph = (  # a decode graph that samples (CudaGraphRunner.run): the sampling info may leave it to the graph
-            runner is not None and runner.sampling is not None and runner.can_run(batch)
-            and len(sampled) == batch.size and bitmask_fn is None
+            runner is not None
+            and runner.sampling is not None
+            and runner.can_run(batch)
+            and len(sampled) == batch.size
+            and bitmask_fn is None
         )
         info = SamplingInfo.from_reqs(sampled, self.model_config.vocab_size, self.device, graph) if sampled else None
         if info is not None and info.in_graph:
@@ -339,7 +381,8 @@ class Engine:
 
 
 def _min_over_ranks(n: int, device: torch.device) -> int:
-    """The smallest n over the TP ranks: every rank must schedule on the same pool size (free memory differs a little)."""
+    """The smallest n over the TP ranks: every rank must schedule on the same pool size (free memory differs a
+    little)."""
     from minisgl.distributed import get_tp_info
 
     if get_tp_info().size == 1:

@@ -49,13 +49,15 @@ if triton is not None:
     @triton.jit
     def _log2(x, FAST: tl.constexpr):
         if FAST:  # the GPU's one-instruction approximation (relative error ~2**-22): the noise is compute-bound
-            return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                             pack=1)
+            return tl.inline_asm_elementwise(
+                "lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+            )
         return tl.log2(x)
 
     @triton.jit
-    def _block(src, stream, key, temp, off, V, best_v, best_i, NOISE: tl.constexpr, BLOCK: tl.constexpr,
-               FAST: tl.constexpr):
+    def _block(
+        src, stream, key, temp, off, V, best_v, best_i, NOISE: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr
+    ):
         """The running per-lane (max, first argmax) updated with logits[off : off + BLOCK] (+ temp * Gumbel noise
         when NOISE). off is a multiple of BLOCK, so the Philox counters off // 4 + lane are this block's own within
         the row's (the row's vocabulary shard's) stream of counters."""
@@ -82,8 +84,22 @@ if triton is not None:
     # Batch-dependent ints are not specialised on: one compiled kernel serves every captured batch size.
     @triton.jit(do_not_specialize=["NBLK", "SPLITS", "SHARD", "COL0"])
     def _draw_kernel(
-        logits_ptr, stride, temp_ptr, step_ptr, seed, best_val_ptr, best_idx_ptr, V, NBLK, SPLITS, SHARD, COL0,
-        SHARDS: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+        logits_ptr,
+        stride,
+        temp_ptr,
+        step_ptr,
+        seed,
+        best_val_ptr,
+        best_idx_ptr,
+        V,
+        NBLK,
+        SPLITS,
+        SHARD,
+        COL0,
+        SHARDS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        FAST: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         if PDL:  # launched early: the logits are complete from here on
             gdc_wait()
@@ -103,13 +119,13 @@ if triton is not None:
         if temp > 0:
             key = seed + tl.load(step_ptr)
             while k < NBLK:
-                best_v, best_i = _block(src, stream, key, temp, start + k * BLOCK, V, best_v, best_i, True, BLOCK,
-                                        FAST)
+                best_v, best_i = _block(src, stream, key, temp, start + k * BLOCK, V, best_v, best_i, True, BLOCK, FAST)
                 k += 1
         elif temp == 0:
             while k < NBLK:
-                best_v, best_i = _block(src, stream, seed, temp, start + k * BLOCK, V, best_v, best_i, False, BLOCK,
-                                        FAST)
+                best_v, best_i = _block(
+                    src, stream, seed, temp, start + k * BLOCK, V, best_v, best_i, False, BLOCK, FAST
+                )
                 k += 1
         if temp >= 0:  # temp < 0: the row is sampled outside the graph
             v = tl.max(best_v, axis=0)
@@ -118,8 +134,16 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["SPLITS", "STRIDE"])
     def _reduce_kernel(
-        best_val_ptr, best_idx_ptr, temp_ptr, out_ptr, step_ptr, SPLITS, STRIDE, SHARDS: tl.constexpr,
-        S: tl.constexpr, PDL: tl.constexpr,
+        best_val_ptr,
+        best_idx_ptr,
+        temp_ptr,
+        out_ptr,
+        step_ptr,
+        SPLITS,
+        STRIDE,
+        SHARDS: tl.constexpr,
+        S: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         if PDL:
             gdc_wait()
@@ -158,13 +182,22 @@ class Workspace:
     """The buffers of sample_into for batches of up to max_bs rows (static: a CUDA graph reads and writes them).
 
     Under tensor parallelism (shards > 1) each rank samples its own vocabulary shard (vocab: the shards' width, the
-    last one's logits may be narrower; col0: its first column's id; shard: its index) and gather(out, local) all-gathers the ranks' per-program winners (an
+    last one's logits may be narrower; col0: its first column's id; shard: its index) and gather(out, local)
+    all-gathers the ranks' per-program winners (an
     all_gather_into_tensor over the ranks, in shard order) before the reduce: a few KB instead of the logits.
     """
 
     def __init__(
-        self, max_bs: int, vocab: int, device: torch.device | str, seed: int = 0, max_splits: int | None = None,
-        shards: int = 1, shard: int = 0, col0: int = 0, gather: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+        self,
+        max_bs: int,
+        vocab: int,
+        device: torch.device | str,
+        seed: int = 0,
+        max_splits: int | None = None,
+        shards: int = 1,
+        shard: int = 0,
+        col0: int = 0,
+        gather: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
     ) -> None:
         assert shards == 1 or gather is not None, "a sharded vocabulary needs the ranks' gather"
         self.vocab = vocab
@@ -211,9 +244,23 @@ def sample_into(
     blocks = -(-(-(-vocab // splits)) // block)  # blocks per program
     launch = pdl_args(logits.device)
     draw[(batch, splits)](
-        logits, logits.stride(0), temperature, ws.step, ws.seed, best_val, best_idx, vocab, blocks, splits,
-        ws.shard, ws.col0, SHARDS=ws.shards,
-        BLOCK=block, FAST=logits.is_cuda, num_warps=4, **launch,  # FAST: the interpreter has no PTX
+        logits,
+        logits.stride(0),
+        temperature,
+        ws.step,
+        ws.seed,
+        best_val,
+        best_idx,
+        vocab,
+        blocks,
+        splits,
+        ws.shard,
+        ws.col0,
+        SHARDS=ws.shards,
+        BLOCK=block,
+        FAST=logits.is_cuda,
+        num_warps=4,
+        **launch,  # FAST: the interpreter has no PTX
     )
     stride = n  # between two shards' winners
     if ws.shards > 1:
@@ -221,13 +268,24 @@ def sample_into(
         ws.gather(gathered, ws.packed[: 2 * n])
         best_val, best_idx, stride = gathered.view(torch.float32), gathered[n:], 2 * n
     reduce[(batch,)](
-        best_val, best_idx, temperature, out, ws.step, splits, stride, SHARDS=ws.shards,
-        S=_pow2(max(splits, ws.max_splits) * ws.shards), **launch,
+        best_val,
+        best_idx,
+        temperature,
+        out,
+        ws.step,
+        splits,
+        stride,
+        SHARDS=ws.shards,
+        S=_pow2(max(splits, ws.max_splits) * ws.shards),
+        **launch,
     )
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, ws: Workspace | None = None, splits: int | None = None) -> torch.Tensor:
-    """Token ids [B] (int64) from softmax(logits / temperature) (argmax where it is 0): sample_into, buffers made here."""
+def sample(
+    logits: torch.Tensor, temperature: torch.Tensor, ws: Workspace | None = None, splits: int | None = None
+) -> torch.Tensor:
+    """Token ids [B] (int64) from softmax(logits / temperature) (argmax where it is 0): sample_into, buffers made
+    here."""
     batch, vocab = logits.shape
     ws = ws or Workspace(batch, vocab, logits.device, max_splits=splits)
     out = torch.full((batch,), -1, dtype=torch.int64, device=logits.device)

@@ -42,7 +42,10 @@ def supports_piecewise(model: "nn.Module") -> bool:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     return (
-        layers is not None and len(layers) > 0 and hasattr(inner, "embed_tokens") and hasattr(inner, "norm")
+        layers is not None
+        and len(layers) > 0
+        and hasattr(inner, "embed_tokens")
+        and hasattr(inner, "norm")
         and all(callable(getattr(layers[0], m, None)) for m in ("attention_input", "attention_output"))
     )
 
@@ -117,8 +120,16 @@ class PiecewiseGraphRunner:
         # Capture runs under a one-request prefill batch of the largest size (the backend's kv_pool_for reads it);
         # every row writes its KV into the scratch slot.
         probe = Batch(
-            reqs=[], phase=Phase.PREFILL, input_ids=self.input_ids, positions=self.positions, out_loc=self.out_loc,
-            table_rows=self.input_ids[:1], prefix_lens=[0], extend_lens=[n], seq_lens=[n], sample_mask=[True],
+            reqs=[],
+            phase=Phase.PREFILL,
+            input_ids=self.input_ids,
+            positions=self.positions,
+            out_loc=self.out_loc,
+            table_rows=self.input_ids[:1],
+            prefix_lens=[0],
+            extend_lens=[n],
+            seq_lens=[n],
+            sample_mask=[True],
         )
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
@@ -149,7 +160,11 @@ class PiecewiseGraphRunner:
             used = free_before - torch.cuda.mem_get_info(self.device)[0]
             logger.info(
                 "CUDA graphs: prefill in %d pieces for %d sizes up to %d tokens captured in %.1fs, %.2f GiB",
-                len(self.layers) + 1, len(self.sizes), self.max_tokens, time.perf_counter() - t0, used / 2**30,
+                len(self.layers) + 1,
+                len(self.sizes),
+                self.max_tokens,
+                time.perf_counter() - t0,
+                used / 2**30,
             )
 
     def can_run(self, batch: Batch) -> bool:

@@ -22,16 +22,14 @@ class SamplingInfo:
     min_p: torch.Tensor | None  # [B]
     greedy_rows: torch.Tensor | None  # [B] bool
     penalties: bool
-    logprobs_k: int
-    min_tokens: bool = False  # some row may not stop yet  # max top-k alternatives requested in the batch; -1 when no row wants logprobs
+    logprobs_k: int  # max top-k alternatives requested in the batch; -1 when no row wants logprobs
+    min_tokens: bool = False  # some row may not stop yet
     logit_bias: bool = False  # some row has a logit_bias
     temperatures: list[float] | None = None  # per row on the host (0.0 for greedy rows), for in-graph sampling
     in_graph: bool = False  # a decode graph samples the batch itself: no device tensors were made
 
     @classmethod
-    def from_reqs(
-        cls, reqs: list["Req"], vocab_size: int, device: torch.device, graph: bool = False
-    ) -> "SamplingInfo":
+    def from_reqs(cls, reqs: list["Req"], vocab_size: int, device: torch.device, graph: bool = False) -> "SamplingInfo":
         """graph=True: the batch runs a decode graph that can sample (engine/gumbel.py); when its rows need only
         temperatures (no top-k/top-p/min-p, penalties, logit_bias, min_tokens, logprobs or seeded generator),
         the info is host-only (in_graph, with `temperatures`) and the caller leaves the sampling to the graph."""
@@ -43,11 +41,14 @@ class SamplingInfo:
         bias = any(p.logit_bias for p in params)
         filters = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
         if (
-            graph and not (filters or penalties or min_tokens or bias or logprobs_k >= 0)
+            graph
+            and not (filters or penalties or min_tokens or bias or logprobs_k >= 0)
             and all(r.generator is None for r in reqs)
         ):
             temps = [0.0 if g else p.temperature for p, g in zip(params, greedy_flags)]
-            return cls(all(greedy_flags), torch.ones(0), None, None, None, None, False, -1, temperatures=temps, in_graph=True)
+            return cls(
+                all(greedy_flags), torch.ones(0), None, None, None, None, False, -1, temperatures=temps, in_graph=True
+            )
         if all(greedy_flags):
             return cls(True, torch.ones(0), None, None, None, None, penalties, logprobs_k, min_tokens, bias)
         temps = [p.temperature if not g else 1.0 for p, g in zip(params, greedy_flags)]
@@ -195,7 +196,9 @@ def compute_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, reqs: list["R
     return out
 
 
-def token_logprobs(compute_logits: Any, hidden: torch.Tensor, targets: torch.Tensor, k: int, block: int = 512) -> list[Any]:
+def token_logprobs(
+    compute_logits: Any, hidden: torch.Tensor, targets: torch.Tensor, k: int, block: int = 512
+) -> list[Any]:
     """(logprob of targets[i], top-k [(token_id, logprob)]) under the logits of hidden[i], in blocks of rows
     (a long prompt's full-vocabulary logits at once would not fit)."""
     out: list[Any] = []
@@ -245,7 +248,9 @@ class Sampler:
             )
         return ids.to(torch.int64)
 
-    def _one_pass(self, logits: torch.Tensor, reqs: list["Req"], info: SamplingInfo, bitmask_fn: Any) -> torch.Tensor | None:
+    def _one_pass(
+        self, logits: torch.Tensor, reqs: list["Req"], info: SamplingInfo, bitmask_fn: Any
+    ) -> torch.Tensor | None:
         """Next ids from logits in the model's dtype (a CUDA-graph decode's) without a float32 copy first, when
         the batch needs nothing that writes into them (penalties, masks) or reads them whole (logprobs); None
         otherwise. Greedy: argmax (the cast is exact: the same ids). Sampled: the division by the float32

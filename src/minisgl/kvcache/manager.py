@@ -29,7 +29,9 @@ def make_prefix_cache(kind: str, page_size: int, device: torch.device | str = "c
 
 
 class CacheManager:
-    def __init__(self, num_pages: int, page_size: int, prefix_cache: PrefixCache, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, num_pages: int, page_size: int, prefix_cache: PrefixCache, device: torch.device | str = "cpu"
+    ) -> None:
         if prefix_cache.page_size != page_size:
             raise ConfigError(f"prefix cache page_size {prefix_cache.page_size} != pool page_size {page_size}")
         self.num_pages = num_pages
@@ -108,7 +110,9 @@ class CacheManager:
         if len(page_ids):
             self._free_pages = torch.cat([self._free_pages, page_ids.to(self.device, torch.int64)])
 
-    def slots_for_extend(self, page_table_row: torch.Tensor, old_len: int, new_len: int) -> tuple[torch.Tensor, int] | None:
+    def slots_for_extend(
+        self, page_table_row: torch.Tensor, old_len: int, new_len: int
+    ) -> tuple[torch.Tensor, int] | None:
         """Give positions [old_len, new_len) slots, written into page_table_row; returns (slots, new pages).
 
         Positions left in the last, partly filled page continue its slots; the rest get new pages.

@@ -24,6 +24,7 @@ __all__ = [
     "RMSNorm",
     "ReplicatedLinear",
     "RotaryEmbedding",
+    "RowParallelLinear",
     "SiluAndMul",
     "VocabParallelEmbedding",
 ]

@@ -44,10 +44,27 @@ def _kernel() -> Any:
 
     @triton.jit(do_not_specialize=["T"])  # one compiled kernel for every token count
     def qkv_kernel(
-        qkv_ptr, qkv_stride, pos_ptr, cos_sin_ptr, cos_sin_stride, q_norm_ptr, k_norm_ptr, eps,
-        q_out_ptr, k_cache_ptr, v_cache_ptr, cache_stride, loc_ptr, T,
-        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, KV_MAX: tl.constexpr,
-        TB: tl.constexpr, PDL: tl.constexpr,
+        qkv_ptr,
+        qkv_stride,
+        pos_ptr,
+        cos_sin_ptr,
+        cos_sin_stride,
+        q_norm_ptr,
+        k_norm_ptr,
+        eps,
+        q_out_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        cache_stride,
+        loc_ptr,
+        T,
+        H: tl.constexpr,
+        HKV: tl.constexpr,
+        D: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+        KV_MAX: tl.constexpr,
+        TB: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         if PDL:  # launched early (programmatic dependent launch): the previous kernel's output is complete from here on
             gdc_wait()
@@ -147,10 +164,26 @@ def fused_qkv(
     tb, warps = block_config(tokens)
     tb, warps = block_tokens or tb, num_warps or warps
     _kernel()[(-(-tokens // tb), num_heads + 2 * num_kv_heads)](
-        qkv, qkv.stride(0), positions, cos_sin, cos_sin.stride(0),
-        q_norm if has_norm else cos_sin, k_norm if has_norm else cos_sin, eps,
-        q, k_cache, v_cache, k_cache.stride(0), out_loc, tokens,
-        H=num_heads, HKV=num_kv_heads, D=head_dim, HAS_NORM=has_norm, TB=tb, num_warps=warps,
+        qkv,
+        qkv.stride(0),
+        positions,
+        cos_sin,
+        cos_sin.stride(0),
+        q_norm if has_norm else cos_sin,
+        k_norm if has_norm else cos_sin,
+        eps,
+        q,
+        k_cache,
+        v_cache,
+        k_cache.stride(0),
+        out_loc,
+        tokens,
+        H=num_heads,
+        HKV=num_kv_heads,
+        D=head_dim,
+        HAS_NORM=has_norm,
+        TB=tb,
+        num_warps=warps,
         KV_MAX=float(torch.finfo(k_cache.dtype).max) if k_cache.dtype in _FP8 else 0.0,
         **pdl_args(qkv.device),
     )

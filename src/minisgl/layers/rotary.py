@@ -66,9 +66,7 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = torch.cat([self.cos_cache, self.sin_cache], dim=-1).contiguous()
         return self._cos_sin
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, heads, head_dim], k [T, kv_heads, head_dim] rotated at positions [T].
 
         On CUDA (flashinfer, for the head sizes it is built for) q and k are rotated in place in one kernel.

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -67,9 +66,7 @@ class ModelConfig:
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_hf(
-        cls, hf_config: Any, generation_config: Any = None, architecture: str | None = None
-    ) -> "ModelConfig":
+    def from_hf(cls, hf_config: Any, generation_config: Any = None, architecture: str | None = None) -> "ModelConfig":
         """Read a transformers PretrainedConfig; raise UnknownArchitectureError if no model implements it."""
         from minisgl.models.registry import get_model_class
 

@@ -66,9 +66,19 @@ class LlamaAttention(nn.Module):
         if pool is not None:
             qn, kn = self.q_norm, self.k_norm
             q = fused_qkv(
-                qkv, positions, self.rotary.cos_sin(), qn.weight if qn else None, kn.weight if kn else None,
-                qn.eps if qn else 0.0, pool.k(self.attn.layer_id), pool.v(self.attn.layer_id),
-                out_loc, self.num_heads, self.num_kv_heads, self.head_dim, out=q_out,
+                qkv,
+                positions,
+                self.rotary.cos_sin(),
+                qn.weight if qn else None,
+                kn.weight if kn else None,
+                qn.eps if qn else 0.0,
+                pool.k(self.attn.layer_id),
+                pool.v(self.attn.layer_id),
+                out_loc,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                out=q_out,
             )
             return q, None, None
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
@@ -116,8 +126,12 @@ class LlamaDecoderLayer(nn.Module):
     # partial sums (reduce=False) and the next norm's reduce_forward reduces them (between layers, a layer's
     # hidden output is those partial sums; the first layer's, the embedding, is complete).
     def attention_input(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-        out_loc: torch.Tensor, q_out: torch.Tensor | None = None,
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        out_loc: torch.Tensor,
+        q_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """(q, k, v, residual): the input norm (residual None: hidden is the embedding, and the residual)."""
         if residual is None:
@@ -202,4 +216,3 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
             raise WeightsError(f"{len(missing)} parameters missing from the checkpoint: {shown}")
-

@@ -100,7 +100,9 @@ class ClientCurve(NamedTuple):
     server_key: Path
 
     @classmethod
-    def resolve(cls, client_key: str | os.PathLike | None, server_key: str | os.PathLike | None) -> "ClientCurve | None":
+    def resolve(
+        cls, client_key: str | os.PathLike | None, server_key: str | os.PathLike | None
+    ) -> "ClientCurve | None":
         """From arguments, else $MINISGL_CURVE_CLIENT_KEY/_SERVER_KEY; None when neither is set."""
         client_key = client_key or os.environ.get("MINISGL_CURVE_CLIENT_KEY")
         server_key = server_key or os.environ.get("MINISGL_CURVE_SERVER_KEY")

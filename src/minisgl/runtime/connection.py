@@ -62,9 +62,12 @@ def _event_error(address: str, event: dict[str, Any]) -> Error | None:
     kind = event["event"]
     if kind == zmq.EVENT_DISCONNECTED:
         return Error("", "DaemonNotRunningError", f"the connection to the daemon at {address} was lost (did it stop?)")
-    if kind & (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+    if kind & (
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    ):
         return Error(
-            "", "DaemonError",
+            "",
+            "DaemonError",
             f"the daemon at {address} refused the connection (CURVE handshake failed): give the client its "
             "keypair file and the server's public key (curve_client_key=/curve_server_key= or "
             "$MINISGL_CURVE_CLIENT_KEY/$MINISGL_CURVE_SERVER_KEY), authorized on the daemon",

@@ -31,9 +31,8 @@ from minisgl.errors import ConfigError, DaemonError, MiniSGLError
 from minisgl.runtime.addresses import Address, default_address, parse_address
 from minisgl.runtime.auth import ServerCurve, curve_dir
 from minisgl.runtime.protocol import (  # STARTUP_FAILED, startup_failure: also re-exported
-    STARTUP_FAILED,
-    startup_failure,
     CLIENT_MESSAGES,
+    STARTUP_FAILED,
     Abort,
     Chunk,
     Chunks,
@@ -351,7 +350,9 @@ class Daemon:
             self._reply(ident, self._pong(msg.rid))
         elif isinstance(msg, Shutdown):
             self._reply(ident, self._pong(msg.rid)._replace(state="stopping"))
-            self.stop(f"a client asked ({msg.reason})", "RequestAbortedError", "the daemon is shutting down (minisgl stop)")
+            self.stop(
+                f"a client asked ({msg.reason})", "RequestAbortedError", "the daemon is shutting down (minisgl stop)"
+            )
         elif self.state == "stopping":
             self._reply(ident, Error(msg.rid, "DaemonNotRunningError", "the daemon is shutting down"))
         elif self.state == "starting":
@@ -367,7 +368,9 @@ class Daemon:
                 self.tokenizer.send(raw)
         elif isinstance(msg, (Generate, GetStats, FlushCache, Tokenize, Detokenize)):
             if msg.rid in self.inflight:
-                self._reply(ident, Error(msg.rid, "InvalidRequestError", f"request id {msg.rid!r} is already in flight"))
+                self._reply(
+                    ident, Error(msg.rid, "InvalidRequestError", f"request id {msg.rid!r} is already in flight")
+                )
                 return
             self.inflight[msg.rid] = ident
             self.tokenizer.send(raw)
@@ -375,7 +378,9 @@ class Daemon:
     def _pong(self, rid: str) -> Pong:
         from minisgl import __version__
 
-        return Pong(rid, self.state, os.getpid(), self.config.model, self.address.url, __version__, self.config.to_dict())
+        return Pong(
+            rid, self.state, os.getpid(), self.config.model, self.address.url, __version__, self.config.to_dict()
+        )
 
     def _on_internal(self, raw: bytes) -> None:
         msg = decode(raw)
@@ -394,7 +399,9 @@ class Daemon:
             ident = self.inflight.pop(msg.rid, None)
             if ident is not None:
                 stats = {
-                    **msg.stats, "inflight": len(self.inflight), "uptime_s": time.monotonic() - self.started,
+                    **msg.stats,
+                    "inflight": len(self.inflight),
+                    "uptime_s": time.monotonic() - self.started,
                     "workers": {name: proc.pid for name, proc in self.children.items()},
                 }
                 self._reply(ident, msg._replace(stats=stats))
@@ -403,8 +410,11 @@ class Daemon:
             stats = msg.stats
             logger.info(
                 "scheduler ready: %s (%s), context %d tokens, KV pool %d pages x %d tokens",
-                self.config.model, msg.model_info["architecture"], msg.model_info["context_length"],
-                stats["total_pages"], msg.model_info.get("page_size"),
+                self.config.model,
+                msg.model_info["architecture"],
+                msg.model_info["context_length"],
+                stats["total_pages"],
+                msg.model_info.get("page_size"),
             )
             self._on_ready("scheduler")
         elif isinstance(msg, WorkerReady):
@@ -440,7 +450,10 @@ class Daemon:
             self._start(mp.Process(target=self.http.run, args=args, name="http"))
             logger.info("HTTP server starting on http://%s:%d", self.http.host, self.http.port)
         logger.info(
-            "ready: serving %s at %s (start-up %.1fs)", self.config.model, self.address.url, time.monotonic() - self.started
+            "ready: serving %s at %s (start-up %.1fs)",
+            self.config.model,
+            self.address.url,
+            time.monotonic() - self.started,
         )
         pending, self.pending = self.pending, []
         for ident, msg, raw in pending:
@@ -470,6 +483,7 @@ def serve(config: EngineConfig, address: str | None = None, **options: Any) -> i
         logger.error("%s", e)
         code, failure = 1, (type(e).__name__, str(e))
     if failure is not None:
-        print(STARTUP_FAILED + json.dumps({"error_type": failure[0], "message": failure[1]}), file=sys.stderr, flush=True)
+        print(
+            STARTUP_FAILED + json.dumps({"error_type": failure[0], "message": failure[1]}), file=sys.stderr, flush=True
+        )
     return code
-

@@ -24,7 +24,9 @@ class RequestState:
         self.skip_special_tokens = bool(meta.get("skip_special_tokens", True))
         self.tool_parser_name = meta.get("tool_parser")  # set when the request has tools
         self.max_tool_calls: int | None = meta.get("max_tool_calls")  # 1 with parallel_tool_calls=false
-        self.reasoning = meta.get("reasoning")  # None: no reasoning parser; else whether the output opens inside <think>
+        self.reasoning = meta.get(
+            "reasoning"
+        )  # None: no reasoning parser; else whether the output opens inside <think>
         self.reasoning_parsers: dict[int, Any] = {}
         self.prompt_ids: list[int] | None = meta.get("prompt_ids")
         self.detoks: dict[int, IncrementalDetokenizer] = {}
@@ -122,15 +124,29 @@ class Detokenizer:
         logprobs = self._logprobs(out.new_token_ids, out.new_logprobs) if out.new_logprobs else None
         prompt_logprobs = None
         if out.prompt_logprobs is not None and state.prompt_ids is not None:
-            first = {"token_id": state.prompt_ids[0], "token": self._token(state.prompt_ids[0]), "logprob": None,
-                     "top_logprobs": []}
+            first = {
+                "token_id": state.prompt_ids[0],
+                "token": self._token(state.prompt_ids[0]),
+                "logprob": None,
+                "top_logprobs": [],
+            }
             prompt_logprobs = [first, *self._logprobs(state.prompt_ids[1:], out.prompt_logprobs[1:])]
         if out.embedding is not None:  # an embedding request: the vector is the answer, not its one sampled token
             usage = usage._replace(completion_tokens=0) if usage is not None else None
             return Chunk(out.rid, out.index, "", [], None, "stop", None, None, usage, done, embedding=out.embedding)
         return Chunk(
-            out.rid, out.index, text, list(out.new_token_ids), logprobs, finish_reason,
-            out.matched_stop if out.finished else None, tool_calls, usage, done, reasoning, prompt_logprobs,
+            out.rid,
+            out.index,
+            text,
+            list(out.new_token_ids),
+            logprobs,
+            finish_reason,
+            out.matched_stop if out.finished else None,
+            tool_calls,
+            usage,
+            done,
+            reasoning,
+            prompt_logprobs,
         )
 
     def _token(self, token_id: int) -> str:
@@ -142,14 +158,15 @@ class Detokenizer:
             if lp is None:
                 continue
             chosen, alts = lp
-            entries.append({
-                "token_id": token_id,
-                "token": self._token(token_id),
-                "logprob": max(float(chosen), MIN_LOGPROB),
-                "top_logprobs": [
-                    {"token_id": int(t), "token": self._token(int(t)), "logprob": max(float(v), MIN_LOGPROB)}
-                    for t, v in alts
-                ],
-            })
+            entries.append(
+                {
+                    "token_id": token_id,
+                    "token": self._token(token_id),
+                    "logprob": max(float(chosen), MIN_LOGPROB),
+                    "top_logprobs": [
+                        {"token_id": int(t), "token": self._token(int(t)), "logprob": max(float(v), MIN_LOGPROB)}
+                        for t, v in alts
+                    ],
+                }
+            )
         return entries
-

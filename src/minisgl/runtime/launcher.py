@@ -75,8 +75,13 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
-def wait_ready(address: str, timeout: float, curve: ClientCurve | None = None, proc: subprocess.Popen | None = None,
-               log_path: Path | None = None) -> Pong:
+def wait_ready(
+    address: str,
+    timeout: float,
+    curve: ClientCurve | None = None,
+    proc: subprocess.Popen | None = None,
+    log_path: Path | None = None,
+) -> Pong:
     """Poll the daemon at address until it reports ready; typed errors say what went wrong and where the log is."""
     deadline = time.monotonic() + timeout
     where = f"; its log: {log_path}\n{log_tail(log_path)}" if log_path is not None else ""
@@ -227,7 +232,10 @@ def daemon_status(record: Any, curve: ClientCurve | None = None, timeout: float 
     ("starting", "ready", "stopping", or "not answering" / "refused: ..." when it cannot say), and,
     when ready, its scheduler's load (running and waiting requests, KV pages in use and cached)."""
     status: dict[str, Any] = dict(
-        address=record.address, model=record.model, pid=record.pid, uptime_s=round(time.time() - record.started_at),
+        address=record.address,
+        model=record.model,
+        pid=record.pid,
+        uptime_s=round(time.time() - record.started_at),
         state="not answering",
     )
     try:

@@ -267,9 +267,29 @@ class WorkerFailed(NamedTuple):
 
 
 Message = Union[
-    Generate, Tokenize, Detokenize, FlushCache, Abort, Ping, GetModelInfo, GetStats, Shutdown, Chunks, Error, Pong, ModelInfoReply,
-    TokenizeReply, DetokenizeReply, StatsReply, AddRequest, RequestMeta, TokenOutputs, WorkerInit, SchedulerReady,
-    WorkerReady, WorkerFailed,
+    Generate,
+    Tokenize,
+    Detokenize,
+    FlushCache,
+    Abort,
+    Ping,
+    GetModelInfo,
+    GetStats,
+    Shutdown,
+    Chunks,
+    Error,
+    Pong,
+    ModelInfoReply,
+    TokenizeReply,
+    DetokenizeReply,
+    StatsReply,
+    AddRequest,
+    RequestMeta,
+    TokenOutputs,
+    WorkerInit,
+    SchedulerReady,
+    WorkerReady,
+    WorkerFailed,
 ]
 CLIENT_MESSAGES = (Generate, Tokenize, Detokenize, FlushCache, Abort, Ping, GetModelInfo, GetStats, Shutdown)
 
@@ -280,7 +300,7 @@ def encode(msg: Message) -> bytes:
     try:
         return msgpack.packb([PROTOCOL_VERSION, type(msg).TAG, *msg], use_bin_type=True)  # type: ignore[union-attr]
     except UnicodeEncodeError as e:
-        bad = e.object[e.start:e.end]
+        bad = e.object[e.start : e.end]
         raise errors.InvalidRequestError(
             f"the request holds text that is not valid Unicode ({bad!r}: half of a UTF-16 surrogate pair): "
             "send whole characters"

@@ -4,7 +4,8 @@
     frontend ◀──Chunks──── Detokenizer ◀──TokenOutputs─── scheduler
 
 Requests, aborts, stats and cache-flush requests and Shutdown go on to the scheduler in the order they came, so
-an abort never overtakes the request it cancels; tokenize and detokenize requests are answered here. Outputs are served before new requests: a
+an abort never overtakes the request it cancels; tokenize and detokenize requests are answered here. Outputs are
+served before new requests: a
 stream's next token never waits behind a burst of chat templates. One process instead of two
 costs nothing measurable (docs/benchmarks.md, "Text worker: one process vs two").
 """

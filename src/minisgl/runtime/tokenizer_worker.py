@@ -31,7 +31,9 @@ def apply_response_format(params: SamplingParams, response_format: Any) -> Sampl
     elif kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
-            raise InvalidRequestError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+            raise InvalidRequestError(
+                "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}"
+            )
         schema = spec.get("schema", {})
     else:
         raise InvalidRequestError(f"unknown response_format type {kind!r}: use text, json_object or json_schema")
@@ -70,7 +72,10 @@ class RequestPreparer:
             params = params.with_grammar(**forced)
         if msg.messages is not None:
             input_ids = apply_chat_template(
-                self.tokenizer, msg.messages, tools=tools or None, tool_choice=msg.tool_choice or "auto",
+                self.tokenizer,
+                msg.messages,
+                tools=tools or None,
+                tool_choice=msg.tool_choice or "auto",
                 chat_template_kwargs=msg.chat_template_kwargs,
             )
         elif msg.prompt is not None:
@@ -110,7 +115,9 @@ class RequestPreparer:
         if msg.embed is not True:
             raise InvalidRequestError("embed must be true or false")
         if msg.messages is not None or msg.tools or msg.response_format or msg.chat_template_kwargs:
-            raise InvalidRequestError("an embedding request takes a prompt or token ids only (no chat, tools or formats)")
+            raise InvalidRequestError(
+                "an embedding request takes a prompt or token ids only (no chat, tools or formats)"
+            )
         if msg.params:
             raise InvalidRequestError("an embedding request takes no sampling parameters")
 
@@ -123,7 +130,10 @@ class RequestPreparer:
             raise InvalidRequestError("give exactly one of prompt and messages")
         if msg.messages is not None:
             input_ids = apply_chat_template(
-                self.tokenizer, msg.messages, tools=msg.tools or None, add_generation_prompt=msg.add_generation_prompt,
+                self.tokenizer,
+                msg.messages,
+                tools=msg.tools or None,
+                add_generation_prompt=msg.add_generation_prompt,
                 chat_template_kwargs=msg.chat_template_kwargs,
             )
         elif msg.tools is not None or msg.chat_template_kwargs is not None:
@@ -157,7 +167,9 @@ class RequestPreparer:
             from minisgl.structured.parsers import get_tool_parser
 
             template = getattr(self.tokenizer, "chat_template", None)
-            self._tool_format = get_tool_parser(None, self.model_type, template if isinstance(template, str) else None).name
+            self._tool_format = get_tool_parser(
+                None, self.model_type, template if isinstance(template, str) else None
+            ).name
         return self._tool_format
 
     def _tools(self, msg: Generate) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
@@ -172,4 +184,3 @@ class RequestPreparer:
             return [], None
         # A forced call is one call: weak models otherwise repeat it until max_tokens.
         return tools, tool_call_constraint(tools, choice, self.tool_format, parallel_tool_calls=False)
-

@@ -45,7 +45,9 @@ class DecodeManager:
                 break
             holder = next((r for r in reversed(self.waiting) if r.table_idx >= 0), None)
             if holder is not None:
-                logger.debug("rolling back the prefill of %s (%d tokens) under KV pressure", holder.rid, holder.cached_len)
+                logger.debug(
+                    "rolling back the prefill of %s (%d tokens) under KV pressure", holder.rid, holder.cached_len
+                )
                 self.kv.roll_back(holder)
             elif len(self.running) > 1:
                 self._retract(self.running.pop())
@@ -97,7 +99,9 @@ class DecodeManager:
             # Continue the last page: the slot after the previous position's.
             slots = page_table[rows, (pos - 1).clamp_(min=0)] + 1
             if num_fresh:
-                where = torch.tensor([i for i, f in enumerate(fresh) if f], dtype=torch.int64).to(dev, non_blocking=True)
+                where = torch.tensor([i for i, f in enumerate(fresh) if f], dtype=torch.int64).to(
+                    dev, non_blocking=True
+                )
                 slots.index_copy_(0, where, pages * ps)
         page_table[rows, pos] = slots
         return True

@@ -131,5 +131,7 @@ class ReqKV:
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
             seq_lens=[p + e for p, e in zip(prefix_lens, extend_lens)],
-            sample_mask=[True] * len(reqs) if decode else [p + e == r.seq_len for r, p, e in zip(reqs, prefix_lens, extend_lens)],
+            sample_mask=[True] * len(reqs)
+            if decode
+            else [p + e == r.seq_len for r, p, e in zip(reqs, prefix_lens, extend_lens)],
         )

@@ -56,7 +56,9 @@ class BatchPrefixes:
         need = cached + self.width
         if need > len(ids) - 1:
             return False
-        return any(_same_prefix(other, ids, cached) for other in self._by_key.get((cached, tuple(ids[cached:need])), ()))
+        return any(
+            _same_prefix(other, ids, cached) for other in self._by_key.get((cached, tuple(ids[cached:need])), ())
+        )
 
 
 def _same_prefix(a: list[int], b: list[int], n: int) -> bool:

@@ -13,7 +13,13 @@ from minisgl.tokenizer import IncrementalDetokenizer
 
 
 def check_request(
-    input_ids: list[int], params: SamplingParams, *, vocab_size: int, max_seq_len: int, page_size: int, num_pages: int,
+    input_ids: list[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_seq_len: int,
+    page_size: int,
+    num_pages: int,
     known_valid: int = 0,
 ) -> None:
     """Raise a typed error for a request that can never be served (grammar aside); changes nothing.
@@ -42,8 +48,13 @@ def check_request(
 
 
 def new_reqs(
-    rid: str, input_ids: list[int], params: SamplingParams, eos_token_ids: frozenset[int], share_prompt: bool,
-    received: Callable[[Req], None] | None = None, embed: bool = False,
+    rid: str,
+    input_ids: list[int],
+    params: SamplingParams,
+    eos_token_ids: frozenset[int],
+    share_prompt: bool,
+    received: Callable[[Req], None] | None = None,
+    embed: bool = False,
 ) -> list[Req]:
     """The request's n sequences; with share_prompt the later ones wait for the first's prompt KV.
 
@@ -54,8 +65,15 @@ def new_reqs(
     for i in range(params.n):
         seed = params.seed + i if params.seed is not None else None
         req = Req(
-            rid=rid, input_ids=list(input_ids), sampling_params=params, prompt_len=len(input_ids),
-            eos_token_ids=eos_token_ids, index=i, seed=seed, arrival=now, embed=embed,
+            rid=rid,
+            input_ids=list(input_ids),
+            sampling_params=params,
+            prompt_len=len(input_ids),
+            eos_token_ids=eos_token_ids,
+            index=i,
+            seed=seed,
+            arrival=now,
+            embed=embed,
         )
         req.wait_for = new[0] if new and share_prompt else None
         if received is not None:
@@ -108,12 +126,26 @@ def stop_reason(req: Req, token: int, max_seq_len: int) -> tuple[str | None, Any
 
 
 def make_output(
-    req: Req, new: list[int], logprobs: Any, finished: bool, error: str | None = None, error_type: str | None = None,
+    req: Req,
+    new: list[int],
+    logprobs: Any,
+    finished: bool,
+    error: str | None = None,
+    error_type: str | None = None,
 ) -> TokenOutput:
     return TokenOutput(
-        rid=req.rid, index=req.index, new_token_ids=new, new_logprobs=logprobs, finished=finished,
-        finish_reason=req.finish_reason, matched_stop=req.matched_stop, prompt_tokens=req.prompt_len,
-        cached_tokens=req.prefix_hit_len, completion_tokens=req.num_output, error=error, error_type=error_type,
+        rid=req.rid,
+        index=req.index,
+        new_token_ids=new,
+        new_logprobs=logprobs,
+        finished=finished,
+        finish_reason=req.finish_reason,
+        matched_stop=req.matched_stop,
+        prompt_tokens=req.prompt_len,
+        cached_tokens=req.prefix_hit_len,
+        completion_tokens=req.num_output,
+        error=error,
+        error_type=error_type,
         # Once, with the sequence's first output (the one whose new tokens are all of its tokens so far).
         prompt_logprobs=req.prompt_logprobs if len(new) == req.num_output else None,
         embedding=req.embedding if len(new) == req.num_output else None,

@@ -25,7 +25,13 @@ from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.kv import ReqKV
 from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.requests import (
-    Grammars, check_request, grammar_accepts, init_req_state, make_output, new_reqs, stop_reason,
+    Grammars,
+    check_request,
+    grammar_accepts,
+    init_req_state,
+    make_output,
+    new_reqs,
+    stop_reason,
 )
 from minisgl.scheduler.step import LaunchedStep, copy_to_host, read_tokens, warmup
 
@@ -62,10 +68,14 @@ class Scheduler:
         self._hook_step = plugins.has_impl("minisgl_batch_step")
         # Overlap scheduling: the host schedules step k+1 and post-processes step k while the GPU
         # runs; "overlap_on_cpu" in config.extra runs the same (then pointless) pipeline on CPU for tests.
-        self.overlap = not config.disable_overlap and (self.device.type == "cuda" or bool(config.extra.get("overlap_on_cpu")))
+        self.overlap = not config.disable_overlap and (
+            self.device.type == "cuda" or bool(config.extra.get("overlap_on_cpu"))
+        )
         self._inflight: LaunchedStep | None = None
         warmup(config, self.engine, self.kv, self.eos_token_ids)
-        logger.info("scheduler ready: cache=%s page_size=%d pages=%d", config.cache, self.page_size, self.cache.num_pages)
+        logger.info(
+            "scheduler ready: cache=%s page_size=%d pages=%d", config.cache, self.page_size, self.cache.num_pages
+        )
 
     @property
     def waiting(self) -> deque[Req]:
@@ -88,8 +98,13 @@ class Scheduler:
     def validate(self, input_ids: list[int], params: SamplingParams, known_valid: int = 0) -> None:
         """Raise a typed error for a request that can never be served; changes nothing."""
         check_request(
-            input_ids, params, vocab_size=self.model_config.vocab_size, max_seq_len=self.max_seq_len,
-            page_size=self.page_size, num_pages=self.cache.num_pages, known_valid=known_valid,
+            input_ids,
+            params,
+            vocab_size=self.model_config.vocab_size,
+            max_seq_len=self.max_seq_len,
+            page_size=self.page_size,
+            num_pages=self.cache.num_pages,
+            known_valid=known_valid,
         )
         if params.has_grammar:
             self.grammars.backend().validate(params)
@@ -111,8 +126,13 @@ class Scheduler:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         received = plugins.get_plugin_manager().hook.minisgl_request_received if self._hook_received else None
         new = new_reqs(
-            rid, input_ids, params, self.eos_token_ids, self.config.cache == "radix",
-            (lambda req: received(req=req)) if received is not None else None, embed,
+            rid,
+            input_ids,
+            params,
+            self.eos_token_ids,
+            self.config.cache == "radix",
+            (lambda req: received(req=req)) if received is not None else None,
+            embed,
         )
         for req in new:
             req.prefix_hint = hint
@@ -238,7 +258,9 @@ class Scheduler:
         on alone: the engine stops instead.
         """
         if get_tp_info().size > 1:
-            raise EngineError(f"a forward pass failed on this tensor-parallel rank: {type(exc).__name__}: {exc}") from exc
+            raise EngineError(
+                f"a forward pass failed on this tensor-parallel rank: {type(exc).__name__}: {exc}"
+            ) from exc
         logger.error("a step failed; failing its %d sequence(s)", len(reqs), exc_info=exc)
         for req, extend in zip(reqs, extend_lens or [0] * len(reqs)):
             self.kv.release(req, alloc_len=req.cached_len + extend)
@@ -251,8 +273,14 @@ class Scheduler:
         self._finish(req, "length", None, error="the KV pool is full")
 
     def _finish(
-        self, req: Req, reason: str, matched: Any, new_tokens: list[int] | None = None,
-        new_logprobs: Any = None, error: str | None = None, error_type: str | None = None,
+        self,
+        req: Req,
+        reason: str,
+        matched: Any,
+        new_tokens: list[int] | None = None,
+        new_logprobs: Any = None,
+        error: str | None = None,
+        error_type: str | None = None,
     ) -> None:
         if req.finished:
             return

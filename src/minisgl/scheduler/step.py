@@ -23,7 +23,9 @@ class LaunchedStep(NamedTuple):
     sampled_ids: frozenset[int]  # id() of the sampled requests: their last token is not on the host yet
 
 
-def copy_to_host(kv: ReqKV, batch: Batch, sampled: list[Req], next_ids: torch.Tensor | None, logprobs: Any) -> LaunchedStep:
+def copy_to_host(
+    kv: ReqKV, batch: Batch, sampled: list[Req], next_ids: torch.Tensor | None, logprobs: Any
+) -> LaunchedStep:
     """Start the device-to-host copy of the sampled tokens; keep them on the device as their rows' last tokens."""
     tokens = ready = None
     if next_ids is not None:
@@ -68,13 +70,17 @@ def warmup(config: EngineConfig, engine: Any, kv: ReqKV, eos_token_ids: frozense
     ps = kv.page_size
     length = WARMUP_PAGES * ps + 1
     # Each prompt and its one decoded token in at most half the pool; both prompts in one prefill batch.
-    length = min(length, (kv.cache.available_pages // 2) * ps - 1, config.max_prefill_tokens // 2, engine.max_seq_len - 1)
+    length = min(
+        length, (kv.cache.available_pages // 2) * ps - 1, config.max_prefill_tokens // 2, engine.max_seq_len - 1
+    )
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     reqs: list[Req] = []
     reserved: list[int] = []  # positions with slots past cached_len, per request
     try:
         for n in [length, length] if length >= 1 else [1]:
-            req = Req(rid="warmup", input_ids=[0] * n, sampling_params=params, prompt_len=n, eos_token_ids=eos_token_ids)
+            req = Req(
+                rid="warmup", input_ids=[0] * n, sampling_params=params, prompt_len=n, eos_token_ids=eos_token_ids
+            )
             if not kv.admit(req):
                 break
             assert req.matched_len == 0, "the prefix cache is empty at start-up"

@@ -23,8 +23,16 @@ import torch
 from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams, TokenOutput
 from minisgl.distributed.launch import (
-    EXIT_WAIT_S, EXITED_KEY, FAILED_KEY, OPS_KEY, RankGroup, RankZeroWatch, close_groups, connect_store,
-    init_distributed, leave,
+    EXIT_WAIT_S,
+    EXITED_KEY,
+    FAILED_KEY,
+    OPS_KEY,
+    RankGroup,
+    RankZeroWatch,
+    close_groups,
+    connect_store,
+    init_distributed,
+    leave,
 )
 from minisgl.distributed.profile import active_profiler, apply_profile_op
 

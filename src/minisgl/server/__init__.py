@@ -24,6 +24,7 @@ class HttpOptions(NamedTuple):
         ParentWatch().terminate_when_gone()  # a killed daemon leaves no server holding the port
         run_http_server(address, self.host, self.port, self.api_key, model_name=model)
 
+
 _LAZY = {
     "create_app": "minisgl.server.app",
     "run_http_server": "minisgl.server.app",

@@ -31,11 +31,6 @@ from minisgl.errors import (
     UnknownModelError,
 )
 from minisgl.server.metrics import RequestTimer, ServerMetrics
-from minisgl.server.streams import ClientDisconnected
-from minisgl.server.streams import close_stream as _close
-from minisgl.server.streams import gather_all, merge_streams
-from minisgl.server.streams import first_item as _first
-from minisgl.server.streams import unless_disconnected as _unless_disconnected
 from minisgl.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -59,15 +54,19 @@ from minisgl.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenLogprob,
     TokenizeRequest,
     TokenizeResponse,
+    TokenLogprob,
     ToolCall,
     TopLogprob,
     Usage,
     new_id,
     now,
 )
+from minisgl.server.streams import ClientDisconnected, gather_all, merge_streams
+from minisgl.server.streams import close_stream as _close
+from minisgl.server.streams import first_item as _first
+from minisgl.server.streams import unless_disconnected as _unless_disconnected
 
 logger = logging.getLogger("minisgl.server")
 
@@ -108,9 +107,7 @@ def api_error(e: BaseException) -> APIError:
 def check_bind(host: str, api_key: str | None) -> None:
     """Binding anything but a loopback address needs an api_key (ConfigError otherwise)."""
     if not is_loopback(host) and not api_key:
-        raise ConfigError(
-            f"refusing to serve HTTP on {host!r} without an API key: pass --api-key (or bind 127.0.0.1)"
-        )
+        raise ConfigError(f"refusing to serve HTTP on {host!r} without an API key: pass --api-key (or bind 127.0.0.1)")
 
 
 def is_loopback(host: str) -> bool:
@@ -142,9 +139,13 @@ def chat_logprobs(entries: Sequence[dict[str, Any]] | None) -> ChoiceLogprobs | 
         return None
     content = [
         TokenLogprob(
-            token=e["token"], logprob=e["logprob"], bytes=_utf8(e["token"]),
-            top_logprobs=[TopLogprob(token=t["token"], logprob=t["logprob"], bytes=_utf8(t["token"]))
-                          for t in e.get("top_logprobs") or []],
+            token=e["token"],
+            logprob=e["logprob"],
+            bytes=_utf8(e["token"]),
+            top_logprobs=[
+                TopLogprob(token=t["token"], logprob=t["logprob"], bytes=_utf8(t["token"]))
+                for t in e.get("top_logprobs") or []
+            ],
         )
         for e in entries
     ]
@@ -230,8 +231,11 @@ class _Server:
         info = await self.info()
         if requested not in (info.get("name"), info.get("path")):
             raise APIError(
-                404, f"the model {requested!r} does not exist: this server serves {self.model_name!r}",
-                "invalid_request_error", "model_not_found", "model",
+                404,
+                f"the model {requested!r} does not exist: this server serves {self.model_name!r}",
+                "invalid_request_error",
+                "model_not_found",
+                "model",
             )
 
 
@@ -285,8 +289,12 @@ def create_app(
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           "invalid_request_error", "invalid_api_key")
+            raise APIError(
+                401,
+                "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                "invalid_request_error",
+                "invalid_api_key",
+            )
 
     @app.get("/health")
     async def health() -> Response:
@@ -301,8 +309,9 @@ def create_app(
     # GET and HEAD, which its CLI and chat UIs check), vLLM's /version and /ping (the SageMaker liveness route).
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root() -> Response:
-        return Response(f"minisgl is running ({model_name}): OpenAI /v1, Ollama /api, SGLang /generate",
-                        media_type="text/plain")
+        return Response(
+            f"minisgl is running ({model_name}): OpenAI /v1, Ollama /api, SGLang /generate", media_type="text/plain"
+        )
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -389,12 +398,16 @@ def create_app(
         except BaseException as e:
             return _fail(timer, e)
         data = [
-            EmbeddingData(index=i, embedding=_base64_floats(e.embedding) if body.encoding_format == "base64" else e.embedding)
+            EmbeddingData(
+                index=i, embedding=_base64_floats(e.embedding) if body.encoding_format == "base64" else e.embedding
+            )
             for i, e in enumerate(out)
         ]
         tokens = sum(e.prompt_tokens for e in out)
         timer.done(200, tokens, 0, 0)
-        response = EmbeddingResponse(data=data, model=model_name, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+        response = EmbeddingResponse(
+            data=data, model=model_name, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+        )
         return JSONResponse(response.model_dump())
 
     @v1.post("/completions")
@@ -491,10 +504,17 @@ def _chat_response(out: Any, rid: str, model: str, body: ChatCompletionRequest) 
     choices = []
     for o in out.outputs:
         calls = [ToolCall.model_validate(c) for c in o.tool_calls or []] or None
-        message = ChatMessage(content=o.text if (o.text or not calls) else None, tool_calls=calls,
-                              reasoning_content=o.reasoning_content)
-        choices.append(ChatChoice(index=o.index, message=message, logprobs=chat_logprobs(o.logprobs),
-                                  finish_reason=_chat_finish(o.finish_reason, body)))
+        message = ChatMessage(
+            content=o.text if (o.text or not calls) else None, tool_calls=calls, reasoning_content=o.reasoning_content
+        )
+        choices.append(
+            ChatChoice(
+                index=o.index,
+                message=message,
+                logprobs=chat_logprobs(o.logprobs),
+                finish_reason=_chat_finish(o.finish_reason, body),
+            )
+        )
     return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage(out.usage))
 
 
@@ -509,19 +529,31 @@ def _completion_response(
         prompt_entries = out.prompt_logprobs or []
         echoed = echoes[p] if echoes is not None else ""
         for o in out.outputs:
-            entries = ([*prompt_entries, *(o.logprobs or [])] if body.echo else o.logprobs) if body.logprobs is not None else None
-            choices.append(CompletionChoice(
-                index=p * body.n + o.index, text=echoed + o.text, logprobs=completion_logprobs(entries, 0),
-                finish_reason=o.finish_reason,
-                prompt_logprobs=out.prompt_logprobs if body.prompt_logprobs is not None else None,
-            ))
+            entries = (
+                ([*prompt_entries, *(o.logprobs or [])] if body.echo else o.logprobs)
+                if body.logprobs is not None
+                else None
+            )
+            choices.append(
+                CompletionChoice(
+                    index=p * body.n + o.index,
+                    text=echoed + o.text,
+                    logprobs=completion_logprobs(entries, 0),
+                    finish_reason=o.finish_reason,
+                    prompt_logprobs=out.prompt_logprobs if body.prompt_logprobs is not None else None,
+                )
+            )
         usage = usage + _usage(out.usage)
     return CompletionResponse(id=rid, model=model, choices=choices, usage=usage)
 
 
 async def _chat_events(
-    server: _Server, body: ChatCompletionRequest, rid: str, first: tuple[Any, bool],
-    stream: AsyncIterator[Any], timer: RequestTimer,
+    server: _Server,
+    body: ChatCompletionRequest,
+    rid: str,
+    first: tuple[Any, bool],
+    stream: AsyncIterator[Any],
+    timer: RequestTimer,
 ) -> AsyncIterator[str]:
     model, include_usage = server.model_name, body.include_usage
     created = now()  # every chunk carries the stream's one timestamp, as OpenAI's
@@ -544,8 +576,11 @@ async def _chat_events(
             tool_deltas, finish = chunk.tool_calls, _chat_finish(chunk.finish_reason, body)
             logprobs = chat_logprobs(chunk.logprobs) if body.logprobs else None
             if chunk.text or chunk.reasoning or tool_deltas or logprobs or finish:
-                delta = DeltaMessage(content=chunk.text or None, tool_calls=tool_deltas or None,
-                                     reasoning_content=chunk.reasoning or None)
+                delta = DeltaMessage(
+                    content=chunk.text or None,
+                    tool_calls=tool_deltas or None,
+                    reasoning_content=chunk.reasoning or None,
+                )
                 yield event(ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish))
             if chunk.usage is not None:
                 usage = _usage(chunk.usage)
@@ -554,7 +589,9 @@ async def _chat_events(
             except StopAsyncIteration:
                 empty = True
         if include_usage:
-            final = ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage or Usage.of(0, 0, 0))
+            final = ChatCompletionChunk(
+                id=rid, created=created, model=model, choices=[], usage=usage or Usage.of(0, 0, 0)
+            )
             yield _sse(_chunk_json(final, True))
     except Exception as e:  # noqa: BLE001 - after the first byte an error can only travel in the stream
         status = api_error(e).status
@@ -570,8 +607,12 @@ async def _chat_events(
 
 
 async def _completion_events(
-    body: CompletionRequest, rid: str, model: str, first: tuple[Any, bool],
-    merged: AsyncIterator[tuple[int, Any]], timer: RequestTimer,
+    body: CompletionRequest,
+    rid: str,
+    model: str,
+    first: tuple[Any, bool],
+    merged: AsyncIterator[tuple[int, Any]],
+    timer: RequestTimer,
 ) -> AsyncIterator[str]:
     include_usage, created = body.include_usage, now()
     usage = Usage.of(0, 0, 0)
@@ -588,8 +629,9 @@ async def _completion_events(
                 logprobs = completion_logprobs(chunk.logprobs, offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + len(chunk.text)
             if chunk.text or logprobs or chunk.finish_reason:
-                choice = CompletionChoice(index=index, text=chunk.text, logprobs=logprobs,
-                                          finish_reason=chunk.finish_reason)
+                choice = CompletionChoice(
+                    index=index, text=chunk.text, logprobs=logprobs, finish_reason=chunk.finish_reason
+                )
                 piece = CompletionResponse(id=rid, created=created, model=model, choices=[choice])
                 yield _sse(_chunk_json(piece, include_usage))
             if chunk.usage is not None:
@@ -599,7 +641,9 @@ async def _completion_events(
             except StopAsyncIteration:
                 empty = True
         if include_usage:
-            yield _sse(_chunk_json(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage), True))
+            yield _sse(
+                _chunk_json(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage), True)
+            )
     except Exception as e:  # noqa: BLE001 - after the first byte an error can only travel in the stream
         status = api_error(e).status
         yield _error_event(e)

@@ -15,7 +15,8 @@ _DAEMON_GAUGES = {
     "minisgl_num_requests_waiting": ("Requests queued in the daemon's scheduler", lambda s: s["waiting"]),
     "minisgl_num_requests_running": ("Requests being prefilled or decoded by the daemon", lambda s: s["running"]),
     "minisgl_kv_cache_usage_ratio": (
-        "Fraction of KV pages held by running requests", lambda s: s["req_pages"] / max(1, s["total_pages"])
+        "Fraction of KV pages held by running requests",
+        lambda s: s["req_pages"] / max(1, s["total_pages"]),
     ),
     "minisgl_kv_cache_total_pages": ("KV pages in the pool", lambda s: s["total_pages"]),
     "minisgl_kv_cache_free_pages": ("Free KV pages", lambda s: s["free_pages"]),
@@ -29,9 +30,7 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
-        self.requests = Counter(
-            "minisgl_requests", "Finished HTTP requests", m + ["endpoint", "status"], registry=r
-        )
+        self.requests = Counter("minisgl_requests", "Finished HTTP requests", m + ["endpoint", "status"], registry=r)
         self.in_flight = Gauge("minisgl_requests_in_flight", "HTTP requests being served", m, registry=r)
         self.prompt_tokens = Counter("minisgl_prompt_tokens", "Prompt tokens processed", m, registry=r)
         self.generation_tokens = Counter("minisgl_generation_tokens", "Tokens generated", m, registry=r)
@@ -42,16 +41,21 @@ class ServerMetrics:
             "minisgl_time_to_first_token_seconds", "Time to first token", m, buckets=_LATENCY_BUCKETS, registry=r
         )
         self.tpot = Histogram(
-            "minisgl_time_per_output_token_seconds", "Time per output token after the first", m,
-            buckets=_TPOT_BUCKETS, registry=r,
+            "minisgl_time_per_output_token_seconds",
+            "Time per output token after the first",
+            m,
+            buckets=_TPOT_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
             "minisgl_e2e_request_latency_seconds", "Request latency", m, buckets=_LATENCY_BUCKETS, registry=r
         )
         self.daemon = {name: Gauge(name, help_text, m, registry=r) for name, (help_text, _) in _DAEMON_GAUGES.items()}
         self.cache_hit_rate = Gauge(
-            "minisgl_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens (since start)",
-            m, registry=r,
+            "minisgl_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache / prompt tokens (since start)",
+            m,
+            registry=r,
         )
         self.model_name = model_name
         self._prompt_total = self._cached_total = 0

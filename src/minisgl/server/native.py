@@ -22,23 +22,50 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
 from minisgl.server.streams import (
-    close_stream, first_item, gather_all, json_object, merge_streams, unless_disconnected,
+    close_stream,
+    first_item,
+    gather_all,
+    json_object,
+    merge_streams,
+    unless_disconnected,
 )
 
 # SGLang sampling_params key -> SamplingParams field
 _PARAMS = {
-    "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "temperature": "temperature", "top_p": "top_p",
-    "top_k": "top_k", "min_p": "min_p", "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty", "stop": "stop",
-    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
-    "n": "n", "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf", "logit_bias": "logit_bias",
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "n": "n",
+    "json_schema": "json_schema",
+    "regex": "regex",
+    "ebnf": "ebnf",
+    "logit_bias": "logit_bias",
     "sampling_seed": "seed",
 }
 _OUTPUT_ONLY = {"no_stop_trim", "spaces_between_special_tokens"}  # how the text is shown, not how it is sampled
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 # GenerateReqInput fields this server reads; others are refused unless null/false (not silently ignored).
-_FIELDS = {"text", "input_ids", "sampling_params", "stream", "rid", "return_logprob", "top_logprobs_num",
-           "logprob_start_len", "return_text_in_logprobs"}
+_FIELDS = {
+    "text",
+    "input_ids",
+    "sampling_params",
+    "stream",
+    "rid",
+    "return_logprob",
+    "top_logprobs_num",
+    "logprob_start_len",
+    "return_text_in_logprobs",
+}
 
 
 def sampling_params(d: Any, logprobs: int | None, prompt_logprobs: int | None) -> tuple[SamplingParams, bool]:
@@ -75,8 +102,12 @@ def _prompts(body: dict[str, Any]) -> tuple[list[Any], bool]:
         raise InvalidRequestError("text must be a string or a non-empty list of strings")
     if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         return [ids], False
-    if (isinstance(ids, list) and ids and all(isinstance(p, list) and p for p in ids)
-            and all(isinstance(t, int) and not isinstance(t, bool) for p in ids for t in p)):
+    if (
+        isinstance(ids, list)
+        and ids
+        and all(isinstance(p, list) and p for p in ids)
+        and all(isinstance(t, int) and not isinstance(t, bool) for p in ids for t in p)
+    ):
         return list(ids), True
     raise InvalidRequestError("input_ids must be a non-empty list of token ids or a list of such lists")
 
@@ -142,7 +173,10 @@ class _Output:
                 self.text += matched  # SGLang's no_stop_trim: the stop string stays in the text
 
     def json(self, started: float) -> dict[str, Any]:
-        meta: dict[str, Any] = {"id": self.rid, "finish_reason": _finish_reason(self.reason, self.matched, len(self.ids))}
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": _finish_reason(self.reason, self.matched, len(self.ids)),
+        }
         if self.usage is not None:
             meta.update(prompt_tokens=self.usage.prompt_tokens, cached_tokens=self.usage.cached_tokens)
         meta["completion_tokens"] = len(self.ids)
@@ -150,13 +184,17 @@ class _Output:
             top, with_text = self.lp["top"], self.lp["text"]
             meta.update(_logprob_fields(self.token_logprobs, "output", top, with_text))
             if self.lp["start"] >= 0:
-                meta.update(_logprob_fields((self.prompt_logprobs or [])[self.lp["start"]:], "input", top, with_text))
+                meta.update(_logprob_fields((self.prompt_logprobs or [])[self.lp["start"] :], "input", top, with_text))
         meta["e2e_latency"] = round(time.perf_counter() - started, 6)
         return {"text": self.text, "output_ids": list(self.ids), "meta_info": meta}
 
 
-def native_router(server: Any, check_key: Callable[[Request], Awaitable[None]], fail: Callable[..., Response],
-                  error_event: Callable[[BaseException], str]) -> APIRouter:
+def native_router(
+    server: Any,
+    check_key: Callable[[Request], Awaitable[None]],
+    fail: Callable[..., Response],
+    error_event: Callable[[BaseException], str],
+) -> APIRouter:
     """SGLang's routes over `server` (app._Server), with the app's API-key check and error answers."""
     router = APIRouter()
 
@@ -179,8 +217,9 @@ def native_router(server: Any, check_key: Callable[[Request], Awaitable[None]], 
             if len(set(rids)) != k:
                 raise InvalidRequestError("rid must be unique per prompt")
             requests = []
-            for prompt, d, on, rid in zip(prompts, _per_prompt(body.get("sampling_params"), k, "sampling_params"),
-                                          want_lp, rids):
+            for prompt, d, on, rid in zip(
+                prompts, _per_prompt(body.get("sampling_params"), k, "sampling_params"), want_lp, rids
+            ):
                 lp = {"on": bool(on), "top": top, "start": start, "text": bool(body.get("return_text_in_logprobs"))}
                 params, no_trim = sampling_params(d, top if on else None, top if on and start >= 0 else None)
                 outs = [_Output(rid if params.n == 1 else f"{rid}-{i}", no_trim, lp) for i in range(params.n)]
@@ -189,8 +228,9 @@ def native_router(server: Any, check_key: Callable[[Request], Awaitable[None]], 
             if body.get("stream"):
                 streams = [server.client.stream(p, params, rid=rid) for p, params, rid, _ in requests]
                 return await _stream(streams, requests, many, started, timer)
-            results = await unless_disconnected(request, gather_all(
-                [server.client.generate(p, params, rid=rid) for p, params, rid, _ in requests]))
+            results = await unless_disconnected(
+                request, gather_all([server.client.generate(p, params, rid=rid) for p, params, rid, _ in requests])
+            )
         except BaseException as e:  # noqa: BLE001 - typed HTTP errors (fail re-raises cancellation)
             return fail(timer, e)
         answers, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
@@ -255,12 +295,19 @@ def native_router(server: Any, check_key: Callable[[Request], Awaitable[None]], 
     @router.get("/get_model_info", dependencies=[Depends(check_key)])
     async def get_model_info() -> Response:
         info = await server.info()
-        return JSONResponse({
-            "model_path": info.get("path") or info.get("name"), "tokenizer_path": info.get("path") or info.get("name"),
-            "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
-            "has_image_understanding": False, "has_audio_understanding": False, "model_type": info.get("model_type"),
-            "architectures": [info["architecture"]] if info.get("architecture") else None,
-        })
+        return JSONResponse(
+            {
+                "model_path": info.get("path") or info.get("name"),
+                "tokenizer_path": info.get("path") or info.get("name"),
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": info.get("model_type"),
+                "architectures": [info["architecture"]] if info.get("architecture") else None,
+            }
+        )
 
     @router.get("/get_server_info", dependencies=[Depends(check_key)])
     async def get_server_info() -> Response:
@@ -268,18 +315,24 @@ def native_router(server: Any, check_key: Callable[[Request], Awaitable[None]], 
 
         info = await server.info()
         stats = await server.client.stats()
-        return JSONResponse({
-            **(info.get("config") or {}), "served_model_name": server.model_name, "version": __version__,
-            "context_length": info.get("context_length"), "page_size": info.get("page_size"),  # the resolved one
-            "internal_states": [dict(stats)],
-        })
+        return JSONResponse(
+            {
+                **(info.get("config") or {}),
+                "served_model_name": server.model_name,
+                "version": __version__,
+                "context_length": info.get("context_length"),
+                "page_size": info.get("page_size"),  # the resolved one
+                "internal_states": [dict(stats)],
+            }
+        )
 
     @router.get("/health_generate")
     async def health_generate() -> Response:
         """Healthy when the daemon generates: one token of a one-token prompt (SGLang's deep health check)."""
         try:
-            await server.client.generate([0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-                                         timeout=20.0)
+            await server.client.generate(
+                [0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), timeout=20.0
+            )
         except Exception:  # noqa: BLE001 - whatever the cause, the server cannot serve now
             return Response(status_code=503)
         return Response(status_code=200)

@@ -27,8 +27,14 @@ from minisgl.tokenizer import flatten_message
 
 # Ollama option -> SamplingParams.from_openai key
 _OPTIONS = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
-    "stop": "stop", "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "stop": "stop",
+    "repeat_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
 
@@ -69,12 +75,19 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
         m = flatten_message(m, i)
         calls = m.get("tool_calls")
         if calls:
-            m = {**m, "tool_calls": [
-                {"type": "function", "function": {
-                    "name": c.get("function", {}).get("name"),
-                    "arguments": json.dumps(c.get("function", {}).get("arguments") or {}),
-                }} for c in calls
-            ]}
+            m = {
+                **m,
+                "tool_calls": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": c.get("function", {}).get("name"),
+                            "arguments": json.dumps(c.get("function", {}).get("arguments") or {}),
+                        },
+                    }
+                    for c in calls
+                ],
+            }
         out.append({k: v for k, v in m.items() if k not in ("images", "thinking")})
     return out
 
@@ -113,9 +126,13 @@ class _Clock:
         end = time.perf_counter_ns()
         first = self.first if self.first is not None else end
         return {
-            "done": True, "done_reason": done_reason or "stop", "total_duration": end - self.start,
-            "load_duration": 0, "prompt_eval_count": getattr(usage, "prompt_tokens", 0),
-            "prompt_eval_duration": first - self.start, "eval_count": getattr(usage, "completion_tokens", 0),
+            "done": True,
+            "done_reason": done_reason or "stop",
+            "total_duration": end - self.start,
+            "load_duration": 0,
+            "prompt_eval_count": getattr(usage, "prompt_tokens", 0),
+            "prompt_eval_duration": first - self.start,
+            "eval_count": getattr(usage, "completion_tokens", 0),
             "eval_duration": end - first,
         }
 
@@ -160,13 +177,25 @@ def ollama_router(
     def _loaded(body: dict[str, Any], piece: dict[str, Any]) -> Response:
         """Ollama's answer to a request with nothing to generate, its way to load a model (kept loaded here: the
         daemon serves other clients too)."""
-        return JSONResponse({"model": body.get("model") or model_name, "created_at": _now(), **piece, "done": True,
-                             "done_reason": "load"})
+        return JSONResponse(
+            {
+                "model": body.get("model") or model_name,
+                "created_at": _now(),
+                **piece,
+                "done": True,
+                "done_reason": "load",
+            }
+        )
 
-    async def _run(request: Request, prompt: Any, body: dict[str, Any], shape: Callable[..., dict[str, Any]]) -> Response:
+    async def _run(
+        request: Request, prompt: Any, body: dict[str, Any], shape: Callable[..., dict[str, Any]]
+    ) -> Response:
         """Run one request; stream NDJSON lines (Ollama's default) or answer with one object."""
-        kwargs = dict(sampling_params=sampling_params(body), response_format=response_format(body.get("format")),
-                      rid=f"ollama-{uuid.uuid4().hex}")
+        kwargs = dict(
+            sampling_params=sampling_params(body),
+            response_format=response_format(body.get("format")),
+            rid=f"ollama-{uuid.uuid4().hex}",
+        )
         if isinstance(prompt, list):
             kwargs["tools"] = body.get("tools") or None
             if body.get("think") is not None:
@@ -213,6 +242,7 @@ def ollama_router(
             except Exception as e:  # noqa: BLE001 - Ollama's error shape, with the status of the error's kind
                 err = api_error(e)
                 return _error(err.status, err.message)
+
         return wrapped
 
     @api.post("/chat")
@@ -245,8 +275,10 @@ def ollama_router(
         if body.get("suffix"):
             raise InvalidRequestError("suffix (fill-in-the-middle) is not supported")
         if body.get("context"):
-            raise InvalidRequestError("context (the deprecated token context of an earlier answer) is not supported: "
-                                      "send the conversation to /api/chat")
+            raise InvalidRequestError(
+                "context (the deprecated token context of an earlier answer) is not supported: "
+                "send the conversation to /api/chat"
+            )
         if not isinstance(body.get("system") or "", str):
             raise InvalidRequestError("system must be a string")
         if not prompt:  # Ollama's way to load a model: nothing to generate
@@ -267,11 +299,19 @@ def ollama_router(
         info = await server.info()
         details = {
             "format": "gguf" if str(info.get("path", "")).endswith(".gguf") else "safetensors",
-            "family": info.get("model_type") or "", "families": [info.get("model_type") or ""],
-            "parameter_size": "", "quantization_level": info.get("dtype") or "",
+            "family": info.get("model_type") or "",
+            "families": [info.get("model_type") or ""],
+            "parameter_size": "",
+            "quantization_level": info.get("dtype") or "",
         }
-        return {"name": model_name, "model": model_name, "modified_at": _now(), "size": 0, "digest": "",
-                "details": details}
+        return {
+            "name": model_name,
+            "model": model_name,
+            "modified_at": _now(),
+            "size": 0,
+            "digest": "",
+            "details": details,
+        }
 
     @api.post("/embed")
     @_route
@@ -294,11 +334,15 @@ def ollama_router(
             # Tokenized once here (concurrently); the daemon then embeds the ids as they are.
             inputs = [ids[:limit] for ids in await asyncio.gather(*(server.client.tokenize(t) for t in inputs))]
         out = await unless_disconnected(request, server.client.embed(inputs))
-        return JSONResponse({
-            "model": body.get("model") or model_name, "embeddings": [e.embedding for e in out],
-            "total_duration": int((time.perf_counter() - start) * 1e9), "load_duration": 0,
-            "prompt_eval_count": sum(e.prompt_tokens for e in out),
-        })
+        return JSONResponse(
+            {
+                "model": body.get("model") or model_name,
+                "embeddings": [e.embedding for e in out],
+                "total_duration": int((time.perf_counter() - start) * 1e9),
+                "load_duration": 0,
+                "prompt_eval_count": sum(e.prompt_tokens for e in out),
+            }
+        )
 
     @api.post("/embeddings")
     @_route
@@ -318,7 +362,9 @@ def ollama_router(
     @api.get("/ps")
     @_route
     async def ps(request: Request) -> Response:
-        return JSONResponse({"models": [{**await _model_entry(), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]})
+        return JSONResponse(
+            {"models": [{**await _model_entry(), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]}
+        )
 
     @api.post("/show")
     @_route
@@ -328,12 +374,21 @@ def ollama_router(
         arch = info.get("model_type") or "unknown"
         entry = await _model_entry()
         capabilities = ["completion"] + (["tools"] if info.get("has_chat_template") else [])
-        return JSONResponse({
-            "modelfile": "", "parameters": "", "template": "", "details": entry["details"],
-            "model_info": {"general.architecture": arch, f"{arch}.context_length": info.get("context_length"),
-                           f"{arch}.vocab_size": info.get("vocab_size")},
-            "capabilities": capabilities, "modified_at": entry["modified_at"],
-        })
+        return JSONResponse(
+            {
+                "modelfile": "",
+                "parameters": "",
+                "template": "",
+                "details": entry["details"],
+                "model_info": {
+                    "general.architecture": arch,
+                    f"{arch}.context_length": info.get("context_length"),
+                    f"{arch}.vocab_size": info.get("vocab_size"),
+                },
+                "capabilities": capabilities,
+                "modified_at": entry["modified_at"],
+            }
+        )
 
     @api.get("/version")
     async def version() -> Response:

@@ -7,9 +7,9 @@ OpenAI APIs keep working; fields they know but cannot honour raise InvalidReques
 from __future__ import annotations
 
 import time
-import uuid
 import types
 import typing
+import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
@@ -329,7 +329,11 @@ class EmbeddingRequest(_Request):
     def inputs(self) -> list[str | list[int]]:
         if self.dimensions is not None:
             raise InvalidRequestError("dimensions is not supported: the embedding has the model's hidden size")
-        items = [self.input] if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)) else self.input
+        items = (
+            [self.input]
+            if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int))
+            else self.input
+        )
         if not items or any(not x for x in items):
             raise InvalidRequestError("input must be a non-empty text or token list, or a non-empty list of them")
         return list(items)  # type: ignore[arg-type]

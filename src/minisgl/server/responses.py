@@ -40,7 +40,9 @@ class ResponsesRequest(_Request):
 
     def check(self) -> None:
         if self.tools:
-            raise InvalidRequestError("tools are not supported on /v1/responses: use /v1/chat/completions for tool calls")
+            raise InvalidRequestError(
+                "tools are not supported on /v1/responses: use /v1/chat/completions for tool calls"
+            )
         if self.tool_choice not in (None, "auto", "none"):
             raise InvalidRequestError(
                 f"tool_choice {self.tool_choice!r} needs tools, which /v1/responses does not support: "
@@ -49,7 +51,9 @@ class ResponsesRequest(_Request):
         if self.top_logprobs or "message.output_text.logprobs" in (self.include or []):
             raise InvalidRequestError("logprobs are not supported on /v1/responses: use /v1/chat/completions")
         if self.previous_response_id:
-            raise InvalidRequestError("previous_response_id is not supported: responses are not stored; send the whole input")
+            raise InvalidRequestError(
+                "previous_response_id is not supported: responses are not stored; send the whole input"
+            )
         if self.background:
             raise InvalidRequestError("background responses are not supported")
 
@@ -107,8 +111,10 @@ def _text_of(content: Any, i: int) -> str:
 
 def _usage(u: Any) -> dict[str, Any]:
     return {
-        "input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-        "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     }
 
@@ -127,22 +133,38 @@ class _Shape:
         content = [] if text is None else [self.part(text)]
         return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
 
-    def response(self, status: str, output: list[dict[str, Any]], usage: Any = None, finish: str | None = None) -> dict[str, Any]:
+    def response(
+        self, status: str, output: list[dict[str, Any]], usage: Any = None, finish: str | None = None
+    ) -> dict[str, Any]:
         b = self.body
         incomplete = status == "completed" and finish == "length"
         return {
-            "id": self.id, "object": "response", "created_at": self.created, "model": self.model,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "model": self.model,
             "status": "incomplete" if incomplete else status,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "output": output, "usage": _usage(usage) if usage is not None else None, "error": None,
-            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "temperature": b.temperature,
-            "top_p": b.top_p, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True,
-            "text": b.text or {"format": {"type": "text"}}, "metadata": {}, "previous_response_id": None,
+            "output": output,
+            "usage": _usage(usage) if usage is not None else None,
+            "error": None,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "temperature": b.temperature,
+            "top_p": b.top_p,
+            "tools": [],
+            "tool_choice": "auto",
+            "parallel_tool_calls": True,
+            "text": b.text or {"format": {"type": "text"}},
+            "metadata": {},
+            "previous_response_id": None,
         }
 
 
 def responses_router(
-    server: Any, check_key: Callable[[Request], Awaitable[None]], fail: Callable[[Any, BaseException], Response],
+    server: Any,
+    check_key: Callable[[Request], Awaitable[None]],
+    fail: Callable[[Any, BaseException], Response],
     error_event: Callable[[BaseException], dict[str, Any]],
 ) -> APIRouter:
     """POST /v1/responses over `server` (app._Server), with the app's API-key check and error answers."""
@@ -155,14 +177,16 @@ def responses_router(
         try:
             await server.check_model(body.model)
             body.check()
-            kwargs = dict(sampling_params=body.sampling_params(), response_format=body.response_format(),
-                          rid=shape.id)
+            kwargs = dict(sampling_params=body.sampling_params(), response_format=body.response_format(), rid=shape.id)
             messages = body.messages()
             if body.stream:
                 stream = server.client.stream(messages, **kwargs)
                 first = await first_item(stream)
-                return StreamingResponse(_events(shape, first, stream, timer, error_event),
-                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                return StreamingResponse(
+                    _events(shape, first, stream, timer, error_event),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
             out = await unless_disconnected(request, server.client.generate(messages, **kwargs))
         except BaseException as e:
             return fail(timer, e)
@@ -180,7 +204,10 @@ def _item_status(finish: str | None) -> str:
 
 
 async def _events(
-    shape: _Shape, first: tuple[Any, bool], stream: AsyncIterator[Any], timer: Any,
+    shape: _Shape,
+    first: tuple[Any, bool],
+    stream: AsyncIterator[Any],
+    timer: Any,
     error_event: Callable[[BaseException], dict[str, Any]],
 ) -> AsyncIterator[str]:
     """The Responses API's event stream for one message of text (no [DONE]: the stream ends after

@@ -183,9 +183,7 @@ class GrammarBackend:
 
     # ---- per request -----------------------------------------------------------------------
 
-    def new_state(
-        self, params: "SamplingParams", stop_token_ids: Iterable[int] | None = None
-    ) -> GrammarState | None:
+    def new_state(self, params: "SamplingParams", stop_token_ids: Iterable[int] | None = None) -> GrammarState | None:
         """A fresh matcher for one request (None when it has no constraint)."""
         compiled = self.compile(params)
         return None if compiled is None else GrammarState(compiled, stop_token_ids)

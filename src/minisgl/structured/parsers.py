@@ -122,8 +122,20 @@ class _Call:
     """One call being read: an incremental scan of its JSON object inside the parser's buffer."""
 
     __slots__ = (
-        "prefix", "start", "pos", "depth", "in_str", "esc", "end", "status",
-        "canon_name", "args_start", "args_end", "sent_to", "index", "id",
+        "prefix",
+        "start",
+        "pos",
+        "depth",
+        "in_str",
+        "esc",
+        "end",
+        "status",
+        "canon_name",
+        "args_start",
+        "args_end",
+        "sent_to",
+        "index",
+        "id",
     )
 
     def __init__(self, prefix: str, start: int) -> None:
@@ -197,7 +209,7 @@ class _Call:
         canon_args = self._canon_args(buf)
         if self.status == _COMPLETE:
             try:
-                obj = json.loads(buf[self.start:self.end])
+                obj = json.loads(buf[self.start : self.end])
             except json.JSONDecodeError:
                 obj = None
             if isinstance(obj, dict):
@@ -218,7 +230,7 @@ class _Call:
     def _canon_args(self, buf: str) -> str | None:
         if self.canon_name is None or self.args_end < 0:
             return None
-        text = buf[self.args_start:self.args_end]
+        text = buf[self.args_start : self.args_end]
         return text if _is_json_object(text) else None
 
     @property
@@ -295,7 +307,7 @@ class StreamingToolParser:
     def _emit_args(self, call: _Call, upto: int) -> None:
         if upto <= call.sent_to:
             return
-        fragment = self._buf[call.sent_to:upto]
+        fragment = self._buf[call.sent_to : upto]
         call.sent_to = upto
         last = self._out[-1].tool_call if self._out else None
         if last is not None and last.index == call.index and last.id is None:
@@ -337,7 +349,7 @@ class StreamingToolParser:
         result = call.decide(self._buf)
         if result is None and call.index < 0:
             self._emit_content(call.prefix)
-            self._buf = self._buf[call.start:]
+            self._buf = self._buf[call.start :]
             self._call = None
             return False
         if result is not None:
@@ -347,7 +359,7 @@ class StreamingToolParser:
             else:
                 self._emit_args(call, call.args_end)
         # A call whose header was streamed ends here even if it turned out broken (see module doc).
-        self._buf = self._buf[call.resume:] if status != _OPEN else ""
+        self._buf = self._buf[call.resume :] if status != _OPEN else ""
         self._call = None
         return True
 
@@ -372,15 +384,15 @@ class HermesToolParser(StreamingToolParser):
                 if i < 0:
                     keep = 0 if final else partial_suffix(buf, tag)
                     self._emit_content(buf[: len(buf) - keep])
-                    self._buf = buf[len(buf) - keep:]
+                    self._buf = buf[len(buf) - keep :]
                     return
                 if self._state == _TEXT:
                     self._emit_content(buf[:i])
-                    self._buf = buf[i + len(tag):]
+                    self._buf = buf[i + len(tag) :]
                     self._state, self._call = _CALL, _Call(start, -1)
                 else:
                     self._emit_content(buf[: i + len(tag)])
-                    self._buf = buf[i + len(tag):]
+                    self._buf = buf[i + len(tag) :]
                     self._state = _TEXT
             elif self._state == _CALL:
                 call = self._call
@@ -404,7 +416,7 @@ class HermesToolParser(StreamingToolParser):
                 j = _WS.match(buf).end()
                 rest = buf[j:]
                 if rest.startswith(end):
-                    self._buf, self._state = rest[len(end):], _TEXT
+                    self._buf, self._state = rest[len(end) :], _TEXT
                 elif rest and not end.startswith(rest):
                     self._buf, self._state = rest, _TEXT
                 elif final:

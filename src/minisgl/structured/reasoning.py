@@ -42,7 +42,7 @@ class ReasoningParser:
             if self.state == "start":
                 stripped = self.buf.lstrip()
                 if stripped.startswith(START):
-                    self.buf, self.state = stripped[len(START):], "reasoning"
+                    self.buf, self.state = stripped[len(START) :], "reasoning"
                 elif not stripped or START.startswith(stripped):
                     break  # whitespace, or the tag arriving: wait
                 else:
@@ -57,14 +57,14 @@ class ReasoningParser:
                 end = self.buf.find(END)
                 if end >= 0:
                     reasoning.append(self.buf[:end].rstrip())
-                    self.buf, self.state, self.closed = self.buf[end + len(END):], "content", True
+                    self.buf, self.state, self.closed = self.buf[end + len(END) :], "content", True
                     continue
                 # Hold back a tag that may be arriving and trailing whitespace (dropped if </think> follows).
                 keep = partial_suffix(self.buf, END)
-                head, tail = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                head, tail = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
                 body = head.rstrip()
                 reasoning.append(body)
-                self.buf = head[len(body):] + tail
+                self.buf = head[len(body) :] + tail
                 break
             else:
                 if not self.content_started:
