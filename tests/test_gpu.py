@@ -156,7 +156,7 @@ def make_prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
 
 def release_gpu() -> None:
     """Give a dropped engine's KV pool and graphs back (the forward context still points at them)."""
-    from minisgl.core import get_context
+    from minisgl.attention.context import get_context
 
     ctx = get_context()
     ctx.attn_backend = ctx.kv_pool = None

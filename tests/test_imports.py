@@ -1,11 +1,15 @@
 """Imports point one way: adapters -> the public `minisgl` API -> runtime -> engine -> kernels (issue 16).
 
-Read with `ast`, nothing is imported. Two graphs over src/minisgl and integrations/:
+Read with `ast`, nothing is imported. Graphs over src/minisgl and integrations/:
 - module level: what importing a module runs (imports in functions and under TYPE_CHECKING left out);
-- all: the module-level imports plus those inside functions (the lazy ones a call runs).
-Neither graph may hold a loop, and no edge of the second may point up a layer. Names loaded through
-importlib by string (minisgl.__getattr__'s _LAZY, a plugin's "module:Class" reference) are a
-facade, not an edge: the module naming them does not depend on the code behind them.
+- run time: those plus the imports inside functions (the lazy ones a call runs);
+- all: every import anywhere in a module, those under `if TYPE_CHECKING:` (the ones a type checker
+  follows) included.
+No graph may hold a loop (a loop of type-only or lazy imports still ties the modules into one knot),
+and no edge of the run-time graph may point up a layer. An edge goes to the module an import names:
+relative imports are resolved, and `from pkg import name` points at pkg.name where that is a module.
+Names loaded through importlib by string (minisgl.__getattr__'s _LAZY, a plugin's "module:Class"
+reference) are a facade, not an edge: the module naming them does not depend on the code behind them.
 Adapters (integrations/*) import from minisgl only the names in `minisgl.__all__` (the error classes
 included: `minisgl` re-exports them).
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -39,9 +44,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ADAPTER_EXCEPTIONS: set[tuple[str, str, str]] = set()
 
 
-def _modules() -> dict[str, Path]:
+def _modules(sources: Sequence[Path] = SOURCES) -> dict[str, Path]:
     mods = {}
-    for base in SOURCES:
+    for base in sources:
         for path in base.rglob("*.py"):
             parts = list(path.relative_to(base).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -56,13 +61,17 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.Module, module: str, is_pkg: bool, lazy: bool) -> list[tuple[str, str | None, int]]:
-    """(module, name or None, line) of each import; lazy: also those inside functions and classes."""
+def _imports(
+    tree: ast.Module, module: str, is_pkg: bool, lazy: bool, type_checking: bool | None = None
+) -> list[tuple[str, str | None, int]]:
+    """(module, name or None, line) of each import; lazy: also those in functions, type_checking (default:
+    lazy) also those under TYPE_CHECKING."""
+    type_checking = lazy if type_checking is None else type_checking
     found: list[tuple[str, str | None, int]] = []
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child.test):
+            if not type_checking and isinstance(child, ast.If) and _is_type_checking(child.test):
                 for stmt in child.orelse:
                     visit_stmt(stmt)
                 continue
@@ -87,12 +96,12 @@ def _imports(tree: ast.Module, module: str, is_pkg: bool, lazy: bool) -> list[tu
 
 
 class Graph:
-    def __init__(self, lazy: bool) -> None:
-        self.modules = _modules()
+    def __init__(self, lazy: bool, sources: Sequence[Path] = SOURCES, type_checking: bool | None = None) -> None:
+        self.modules = _modules(sources)
         self.edges: dict[str, dict[str, int]] = {}  # module -> {imported module: line}
         self.names: dict[str, list[tuple[str, str | None, int]]] = {}
         for mod, path in self.modules.items():
-            imports = _imports(ast.parse(path.read_text()), mod, path.name == "__init__.py", lazy)
+            imports = _imports(ast.parse(path.read_text()), mod, path.name == "__init__.py", lazy, type_checking)
             self.names[mod] = imports
             deps: dict[str, int] = {}
             for target, name, line in imports:
@@ -137,9 +146,12 @@ def layer_of(module: str) -> int | None:
     return None if best is None else best[1]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["module-level", "with-lazy"])
+@pytest.fixture(
+    scope="module", params=[(False, False), (True, False), (True, True)], ids=["module-level", "run-time", "all"]
+)
 def graph(request: pytest.FixtureRequest) -> Graph:
-    return Graph(lazy=request.param)
+    lazy, type_checking = request.param
+    return Graph(lazy=lazy, type_checking=type_checking)
 
 
 def test_no_import_loops(graph: Graph) -> None:
@@ -155,7 +167,8 @@ def test_every_module_has_a_layer() -> None:
     assert [m for m in _modules() if layer_of(m) is None] == []
 
 
-def test_imports_point_down(graph: Graph) -> None:
+def test_imports_point_down() -> None:
+    graph = Graph(lazy=True, type_checking=False)  # a type-only import may name a type from above
     upward = [
         f"{mod} ({LAYERS[layer_of(mod)][0]}) imports {dep} ({LAYERS[layer_of(dep)][0]}) at line {line}"
         for mod, deps in sorted(graph.edges.items())
@@ -196,7 +209,32 @@ def test_the_checks_catch_violations() -> None:
         "def f():\n    from .sib import x\n"
     )
     assert [t for t, _, _ in _imports(tree, "pkg.mod", False, lazy=False)] == ["os", "typing"]
-    assert [t for t, _, _ in _imports(tree, "pkg.mod", False, lazy=True)] == ["os", "typing", "pkg.sib"]
+    assert [t for t, _, _ in _imports(tree, "pkg.mod", False, lazy=True)] == ["os", "typing", "a.b", "pkg.sib"]
+
+
+def _write_package(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_a_circle_through_a_type_checking_and_a_function_import_is_found(tmp_path):
+    """pkg.a -> pkg.sub.b (in a function, relative) -> pkg.c (TYPE_CHECKING, `from pkg import c`) -> pkg.a."""
+    _write_package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "def f():\n    from .sub import b\n",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import c\n",
+            "pkg/c.py": "import os\nimport pkg.a\n",
+        },
+    )
+    assert find_cycle(Graph(lazy=True, sources=[tmp_path]).edges) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
+    assert find_cycle(Graph(lazy=False, sources=[tmp_path]).edges) is None  # invisible at import time
+    (tmp_path / "pkg/a.py").write_text("X = 1\n")  # the circle broken
+    assert find_cycle(Graph(lazy=True, sources=[tmp_path]).edges) is None
 
 
 def test_adapters_do_not_reach_into_the_engine():

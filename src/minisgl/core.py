@@ -1,4 +1,4 @@
-"""The nouns everything shares: SamplingParams, Req, Batch and the forward Context."""
+"""The nouns everything shares: SamplingParams, Req and Batch."""
 
 from __future__ import annotations
 
@@ -6,17 +6,13 @@ import copy
 import enum
 import json
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 from minisgl.errors import GrammarError, InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
-
-    from minisgl.attention.base import AttentionBackend
-    from minisgl.kvcache.pool import KVPool
 
 
 @dataclass
@@ -388,31 +384,6 @@ class Batch:
     @property
     def is_decode(self) -> bool:
         return self.phase is Phase.DECODE
-
-
-@dataclass
-class Context:
-    """What a model's attention layers need during a forward: the batch, the backend, the pool."""
-
-    attn_backend: "AttentionBackend | None" = None
-    kv_pool: "KVPool | None" = None
-    batch: Batch | None = None
-
-    @contextmanager
-    def forward_batch(self, batch: Batch) -> Iterator[Batch]:
-        assert self.batch is None, "forward passes do not nest"
-        self.batch = batch
-        try:
-            yield batch
-        finally:
-            self.batch = None
-
-
-_GLOBAL_CTX = Context()
-
-
-def get_context() -> Context:
-    return _GLOBAL_CTX
 
 
 def flatten(xs: Sequence[Sequence[int]]) -> list[int]:

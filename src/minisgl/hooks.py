@@ -1,7 +1,9 @@
 """The pluggy hook specification (project name "minisgl").
 
 Built-in architectures and attention backends register through these same hooks
-(minisgl.builtin_plugin), so the core has one path for everything. Third-party plugins are
+(minisgl.builtin_plugin), so the core has one path for everything: the plugin manager
+(minisgl.plugins) calls the registration hooks and fills minisgl.models.registry and
+minisgl.attention.registry. Third-party plugins are
 modules exposed in the "minisgl" entry-point group; each process that needs them loads them.
 """
 

@@ -1,60 +1,48 @@
 """The process-wide plugin manager: built-ins first, then the "minisgl" entry-point group.
 
-A registry names implementations, it does not import them: an architecture may be registered as
-a "module:attribute" reference (as entry points are), loaded here on first use. The built-ins do
-so, which keeps plugins -> builtin_plugin free of any import of the models that use the registry.
+When it starts it calls the registration hooks and fills the architecture and attention backend
+registries (minisgl.models.registry, minisgl.attention.registry); the registries import nothing
+of the plugins, so whoever looks a model or backend up starts the manager first.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any, Callable
 
 import pluggy
 
-from minisgl import hooks
+from minisgl import builtin_plugin, hooks
+from minisgl.attention import registry as attention_registry
+from minisgl.models import registry as model_registry
 
 
 @functools.lru_cache(maxsize=None)
 def get_plugin_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(hooks.PROJECT)
     pm.add_hookspecs(hooks)
-    from minisgl import builtin_plugin
-
     pm.register(builtin_plugin, name="minisgl.builtin")
     pm.load_setuptools_entrypoints(hooks.PROJECT)
+    # pluggy calls the last registered first; register in reverse so later registrations win.
+    for models in reversed(pm.hook.minisgl_register_architectures()):
+        for name, model in (models or {}).items():
+            model_registry.register_architecture(name, model)
+    for backends in reversed(pm.hook.minisgl_register_attention_backends()):
+        for name, factory in (backends or {}).items():
+            attention_registry.register_backend(name, factory)
     return pm
 
 
-def _merged(results: list[dict[str, Any]]) -> dict[str, Any]:
-    # pluggy calls the last registered first; merge so later registrations win.
-    merged: dict[str, Any] = {}
-    for result in reversed(results):
-        merged.update(result or {})
-    return merged
-
-
-def _load(ref: Any) -> Any:
-    """A registered object, or the one a "module:attribute" reference names."""
-    if not isinstance(ref, str):
-        return ref
-    module, _, attr = ref.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split(".") if attr else ():
-        obj = getattr(obj, part)
-    return obj
-
-
-@functools.lru_cache(maxsize=None)
 def architectures() -> dict[str, type]:
-    merged = _merged(get_plugin_manager().hook.minisgl_register_architectures())
-    return {name: _load(ref) for name, ref in merged.items()}
+    """Every registered architecture's model class, the plugins' included."""
+    get_plugin_manager()
+    return {name: model_registry.get_model_class(name) for name in model_registry.registered_architectures()}
 
 
-@functools.lru_cache(maxsize=None)
 def attention_backends() -> dict[str, Callable[..., Any]]:
-    return _merged(get_plugin_manager().hook.minisgl_register_attention_backends())
+    """Every registered attention backend's factory, the plugins' included."""
+    get_plugin_manager()
+    return attention_registry.registered_backends()
 
 
 def has_impl(hook_name: str) -> bool:

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minisgl.core import Batch, Phase, get_context
+from minisgl.attention.context import get_context
+from minisgl.core import Batch, Phase
 from minisgl.layers.embedding import ParallelLMHead
 
 if TYPE_CHECKING:

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
+from minisgl.attention.context import get_context
 from minisgl.config import EngineConfig
-from minisgl.core import Batch, Req, get_context
+from minisgl.core import Batch, Req
 from minisgl.errors import ConfigError
 from minisgl.kvcache.pool import FP8_DTYPES, KVPool
 from minisgl.layers.fused import FLASHINFER_HEAD_DIMS

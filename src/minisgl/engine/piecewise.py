@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from minisgl.core import Batch, Phase, get_context
+from minisgl.attention.context import get_context
+from minisgl.core import Batch, Phase
 
 if TYPE_CHECKING:
     from torch import nn

@@ -67,12 +67,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any, generation_config: Any = None, architecture: str | None = None) -> "ModelConfig":
-        """Read a transformers PretrainedConfig; raise UnknownArchitectureError if no model implements it."""
-        from minisgl.models.registry import get_model_class
-
-        archs = list(getattr(hf_config, "architectures", None) or [])
-        arch = architecture or (archs[0] if archs else "")
-        get_model_class(arch)  # fail early, naming what is registered
+        """Read a transformers PretrainedConfig (architecture: the name to run it as, else its first one)."""
+        arch = architecture or architecture_of(hf_config)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         num_heads = int(text.num_attention_heads)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
@@ -102,3 +98,9 @@ class ModelConfig:
             dtype=_as_dtype(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)),
             hf_config=hf_config,
         )
+
+
+def architecture_of(hf_config: Any) -> str:
+    """The first of a transformers config's ``architectures`` ("" if it names none)."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    return archs[0] if archs else ""

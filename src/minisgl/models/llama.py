@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from minisgl.core import get_context
+from minisgl.attention.context import get_context
 from minisgl.errors import ModelLoadError, WeightsError
 from minisgl.layers import (
     AttentionLayer,

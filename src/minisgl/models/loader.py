@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from minisgl import plugins
 from minisgl.errors import ModelLoadError, UnknownArchitectureError, UnknownModelError, WeightsError
-from minisgl.models.config import ModelConfig
+from minisgl.models.config import ModelConfig, architecture_of
 from minisgl.models.registry import get_model_class
 
 if TYPE_CHECKING:
@@ -217,10 +218,12 @@ def load_model(
         hf_config, generation_config = _read_configs(model_dir)
         architecture = None
         weights = iter_weights(model_dir)
+    architecture = architecture or architecture_of(hf_config)
+    plugins.get_plugin_manager()  # the plugins' architectures registered
+    cls = get_model_class(architecture)  # before reading the config: an unknown one fails naming the registered ones
     config = ModelConfig.from_hf(hf_config, generation_config, architecture=architecture)
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
-    cls = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(dtype):
         instance = cls(config)
     if load_format == "dummy":

@@ -1,16 +1,55 @@
-"""Architecture name -> model class, through the plugin hooks (built-ins register the same way)."""
+"""The architecture registry: a HF ``architectures`` name -> the model class that runs it.
+
+The plugin manager (minisgl.plugins) fills it from the minisgl_register_architectures hook; the
+built-ins below reach it through that same hook (minisgl.builtin_plugin). A model is registered as
+its class or as a "module:Class" reference (as entry points are), imported on first use, so the
+registry imports no model.
+"""
 
 from __future__ import annotations
 
-from minisgl import plugins
+import importlib
+from typing import Any
+
 from minisgl.errors import UnknownArchitectureError
+
+# The built-in architectures: adding one is one line here.
+BUILTIN_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "minisgl.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "minisgl.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "minisgl.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "minisgl.models.llama:LlamaForCausalLM",
+}
+
+_registered: dict[str, Any] = {}  # name -> class or "module:Class"
+
+
+def register_architecture(name: str, model: type | str) -> None:
+    """Register (or replace: the last registration of a name wins) the model class for an architecture."""
+    _registered[name] = model
+
+
+def registered_architectures() -> list[str]:
+    return sorted(_registered)
 
 
 def get_model_class(architecture: str) -> type:
-    registered = plugins.architectures()
-    if architecture not in registered:
+    if architecture not in _registered:
         raise UnknownArchitectureError(
             f"architecture {architecture!r} is not supported; registered architectures: "
-            f"{', '.join(sorted(registered))}. A plugin can add one via the minisgl_register_architectures hook."
+            f"{', '.join(registered_architectures())}. "
+            "A plugin can add one via the minisgl_register_architectures hook."
         )
-    return registered[architecture]
+    model = _registered[architecture]
+    if isinstance(model, str):
+        _registered[architecture] = model = load_reference(model)
+    return model
+
+
+def load_reference(ref: str) -> Any:
+    """The object a "module:attribute" reference names."""
+    module, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
