@@ -6,7 +6,7 @@ process (waiting for the step's tokens, then the host bookkeeping). Each forward
 the table shows host and device time per step kind; a cProfile of the run lists the host's hot spots.
 
     python3 tools/device/agents_profile.py --model <dir> --load-format dummy --device cuda -k 64 -t 6 \
-        --max-prefill-tokens 4096 [--cache naive] [--out $OUT/agents_profile.json]
+        --max-prefill-tokens 4096 [--cache naive] [--out out/agents_profile.json]
 
 Runs on the CPU too (a tiny model), for the host side.
 """

@@ -1,10 +1,10 @@
-"""Build every flashinfer JIT module minisgl uses, in parallel (a fresh GPU machine has none built).
+"""Build every flashinfer JIT module minisgl uses, in parallel (a fresh install has none built).
 
     python3 tools/device/gpu_warm.py [--fa3]
 
 Each build is triggered by a tiny call from its own thread; ninja runs outside the GIL, so the
-builds overlap. The cache lands in ~/.cache/flashinfer (FLASHINFER_WORKSPACE_BASE) and can be
-carried to the next machine (tools/device/gpu_check.sh does).
+builds overlap. The cache lands in ~/.cache/flashinfer (FLASHINFER_WORKSPACE_BASE); tools/device/gpu_check.sh
+packs it as OUT_DIR/fi_aot.tar.gz, which tools/device/env.sh restores on another machine (FLASHINFER_AOT).
 """
 
 from __future__ import annotations

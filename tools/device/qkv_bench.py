@@ -10,13 +10,28 @@ compared with the default shape's output (max abs difference); GB/s counts the b
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from attn_bench import graph_us  # noqa: E402
+
+def graph_us(fn, calls: int = 10, reps: int = 5) -> float:
+    """µs per call, replayed from a CUDA graph of `calls` calls."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (calls * reps)
 
 
 def main() -> None:
