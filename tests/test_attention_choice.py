@@ -6,7 +6,7 @@ check and then fails (32: "Invalid configuration", seen on the H100) or reads ou
 head_dim", seen on the H100). "auto" must then run torch-native attention (pages of one token, as on the CPU) and
 the rotary layer PyTorch's RoPE; naming a FlashInfer backend must be refused with a ConfigError before anything loads.
 The engine's own checks are exercised here without a GPU: an Engine shell with a CUDA device and FlashInfer
-reported importable; tests/test_warmup.py runs a head_dim-32 model end to end on the GPU machine.
+reported importable; tests/test_warmup.py runs a head_dim-32 model end to end on a GPU.
 """
 
 from __future__ import annotations

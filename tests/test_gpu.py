@@ -1,6 +1,6 @@
 """GPU paths against HF transformers and against each other (skipped without CUDA + flashinfer).
 
-Run on the device by tools/device/gpu_check.sh (tools/README.md). Two checkpoints, both engines loading the same bf16
+Run on a GPU by tools/device/gpu_check.sh (tools/README.md). Two checkpoints, both engines loading the same bf16
 weights: a Qwen3-shaped one with HF's own random init (8 layers, hidden 1024, 16 q / 8 kv heads of
 128, tied embeddings), and a small Qwen3 trained here, on the GPU, to continue periodic sequences
 (`copier_dir`): its predictions are confident, as a real model's are, so the strict top-1 and

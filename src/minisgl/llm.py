@@ -48,7 +48,7 @@ class _Sequence:
 
     Keeping every step's TokenOutput instead kept ~2 objects per generated token alive until the end, and
     Python's full garbage collections over that growing heap stopped the loop for ~0.3 s at a time: 0.64 s
-    of an 8.0 s, 134k-token batch on an H100 (docs/benchmarks.md, session 12).
+    of an 8.0 s, 134k-token batch on one H100.
     """
 
     __slots__ = ("token_ids", "logprobs", "last", "prompt_logprobs")

@@ -27,9 +27,9 @@ WORKSPACE_BYTES = 128 * 2**20
 def decode_uses_tensor_cores() -> bool:
     """FlashInfer's tensor-core decode (its prefill kernel) for every decode batch; MINISGL_DECODE_TENSOR_CORES=0:
     its CUDA-core kernel. On the throughput workload (H100, Qwen3-0.6B shape, GQA group 2) the tensor-core kernel
-    reads the KV faster over the run (tools/device/attn_workload.py: 4.91 s of decode attention against 5.14 s,
-    pages of 16 against pages of 1), and end to end it was 0.5-2% faster in every A/B (docs/benchmarks.md,
-    session 13), at the small batches too, where it reads slower but the step is short."""
+    reads the KV faster over the run (4.91 s of decode attention against 5.14 s, pages of 16 against pages of 1),
+    and end to end it was 0.5-2% faster in every A/B (docs/benchmarks.md), at the small batches too, where it reads
+    slower but the step is short."""
     return os.environ.get("MINISGL_DECODE_TENSOR_CORES", "1") != "0"
 
 
@@ -38,7 +38,7 @@ def graph_split_kv_below() -> int:
     larger ones run one chunk per request. FlashInfer's graph-mode plan always splits, since a graph's batch is
     captured before its lengths are known, so every replay pays the merge kernel and a float32 round trip of the
     output, while from ~32 requests (x 8 KV heads) up the requests alone fill the GPU: over the throughput
-    workload's batches one chunk per request read the KV 1.4% faster (tools/device/attn_workload.py, H100).
+    workload's batches one chunk per request read the KV 1.4% faster (one H100, docs/benchmarks.md).
     MINISGL_DECODE_SPLIT_KV_BELOW overrides (a large value: always split, as before)."""
     return int(os.environ.get("MINISGL_DECODE_SPLIT_KV_BELOW", "32"))
 

@@ -2,7 +2,7 @@
 
 A decode-only backend: `--attention-backend flashinfer,xqa` (or plain `xqa`, which means the same), and what
 "auto" picks for an fp8_e4m3 KV cache on an SM90 GPU when the page size is one XQA takes (16, 32, 64 or 128
-tokens). Why (tools/device/attn_bench.py on an H100, the throughput workload's shape, docs/benchmarks.md): over
+tokens). Why (measured on one H100 on the throughput workload's shape, docs/benchmarks.md): over
 an fp8 cache XQA's Hopper kernel reads ~2.5-2.75 TB/s where FlashInfer's decode reads ~1.4-1.8 (the throughput
 workload: ~24k tok/s against ~18k). Over a bf16 cache it reads 2.76-2.87 TB/s against FlashInfer's 2.70, which
 end to end is inside the run-to-run spread, and its batch-1 step is slower: bf16 keeps FlashInfer's decode.

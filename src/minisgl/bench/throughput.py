@@ -1,6 +1,6 @@
 """GPU benchmark: the offline workload of issue 8 on a Qwen3-0.6B-shaped model with dummy weights.
 
-    minisgl bench throughput --out $OUT/bench.json            # everything, a table at the end
+    minisgl bench throughput --out out/bench.json             # everything, a table at the end
     minisgl bench throughput run --model-dir D [--disable-overlap] [--disable-cuda-graph] [--latency]
     minisgl bench throughput hf --model-dir D
 
@@ -134,8 +134,7 @@ def timed_workload(llm: Any, sched: Any, work: tuple[list[list[int]], list[int]]
 class GcTimer:
     """Seconds Python's garbage collector ran inside the block, its collections by generation, its full
     (oldest-generation) ones and every pause over 10 ms: a full collection walks every live object (~0.3 s each
-    in an engine process on the H100 machine), and the loop that feeds the GPU stops meanwhile
-    (docs/benchmarks.md, session 12)."""
+    in an engine process on an H100 host), and the loop that feeds the GPU stops meanwhile."""
 
     def __init__(self) -> None:
         self.seconds, self._t0 = 0.0, 0.0

@@ -1,6 +1,6 @@
 """Tensor parallelism on a 2-GPU machine (issue 9): parity, throughput, two "nodes"; plus issue 7 / 10 GPU figures.
 
-    minisgl bench tp all --out-dir $OUT           # every stage, a table at the end (tools/device/gpu_tp_check.sh)
+    minisgl bench tp all --out-dir out            # every stage, a table at the end (tools/device/gpu_tp_check.sh)
     minisgl bench tp gen --model-dir D --tp 2 --out F [--teacher-force G] [--nnodes 2 --dist-init-addr A]
     minisgl bench tp bench --model-dir D --tp 2 [--num-requests 256] [--latency]
 
@@ -69,7 +69,7 @@ def write_config_dir(config: dict[str, Any], tok_dir: Path, prefix: str) -> Path
 
 
 def write_hf_checkpoint(tok_dir: Path, prefix: str, device: str, **shape: Any) -> Path:
-    """A Qwen3 checkpoint with HF's own random init (seed 0), saved in bf16 with the carried tokenizer."""
+    """A Qwen3 checkpoint with HF's own random init (seed 0), saved in bf16 with the tokenizer files of tok_dir."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -3,7 +3,7 @@
 The all-reduce is the process group's (NCCL on GPUs, gloo on the CPU). MINISGL_TP_ALLREDUCE=symm_mem (opt-in,
 one host) sends tensors up to 8 MB (a decode step's activations) through a buffer in PyTorch's symmetric memory
 instead: one-shot, every GPU reads its peers' buffers over NVLink and sums (the copy into the buffer inside the same
-kernel where this torch has it; a two-shot variant measured the same, session 17). Its kernels cannot be aborted:
+kernel where this torch has it; a two-shot variant measured the same on 2x H200). Its kernels cannot be aborted:
 with a peer dead they spin, and rank 0's watch then ends the process (distributed/launch.py).
 
 MINISGL_TP_ALLREDUCE=fused (opt-in, one host) goes further for the all-reduces that a residual RMSNorm follows

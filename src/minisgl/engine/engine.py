@@ -139,7 +139,7 @@ class Engine:
     def _piecewise_ok(self, max_tokens: int) -> bool:
         """Prefill runs in piecewise CUDA graphs on one CUDA GPU, with a graph-capable backend and a model that
         splits at attention (engine/piecewise.py). MINISGL_PIECEWISE_GRAPH=0 turns them off. Not under TP yet:
-        the pieces would capture the all-reduces, which has not been checked on a multi-GPU machine."""
+        the pieces would capture the all-reduces, which has not been checked on several GPUs."""
         import os
 
         from minisgl.distributed import get_tp_info
@@ -180,7 +180,7 @@ class Engine:
     def _page_size(self) -> int:
         """config.page_size, or when it is None ("auto"): 16 where FlashInfer (or XQA) attention runs on a CUDA GPU,
         1 elsewhere. On the throughput workload FlashInfer reads pages of 16 ~4% faster than single-token pages
-        (tools/device/attn_workload.py), and 16 is vLLM's default block size; the radix cache then shares
+        (one H100, docs/benchmarks.md), and 16 is vLLM's default block size; the radix cache then shares
         prefixes in whole pages of 16 tokens. CPU attention and FA3 prefill keep single-token pages."""
         if self.config.page_size is not None:
             return self.config.page_size

@@ -9,8 +9,8 @@ size fills the GPU. The second kernel picks each row's winner among its programs
 counter.
 
 Both run inside the decode graphs (engine/cuda_graph.py), so they cost the host nothing: a Triton launch
-from Python costs more host time than it saves GPU time at small batches (session 7 measured exactly that
-with an eager kernel). The noise is Philox-4x32 (Triton's), keyed by (seed + step, row, column): a step
+from Python costs more host time than it saves GPU time at small batches (an eager kernel measured exactly
+that on one H100, docs/benchmarks.md). The noise is Philox-4x32 (Triton's), keyed by (seed + step, row, column): a step
 counter on the GPU that the second kernel increments, so a replayed graph draws new numbers every step
 without the host writing anything, and every TP rank (same seed, same replays) draws the same tokens.
 Uniforms are u = (k + 0.5) / 2**23 (exact in float32, never 0 or 1), and -log2(u) is floored at 1e-7, so

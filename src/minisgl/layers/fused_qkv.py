@@ -192,6 +192,6 @@ def fused_qkv(
 
 def block_config(tokens: int) -> tuple[int, int]:
     """(tokens per program, warps): one token a program for a few tokens, else blocks of 8, so that a large batch
-    runs fewer, larger programs (H100, tools/device/qkv_bench.py: 16,384 tokens 318 -> 97 µs, 256 tokens 6.5 ->
+    runs fewer, larger programs (one H100, tools/device/qkv_bench.py: 16,384 tokens 318 -> 97 µs, 256 tokens 6.5 ->
     2.8 µs, 8 tokens 1.8 µs either way)."""
     return (1, 1) if tokens <= 32 else (8, 4)

@@ -1,9 +1,9 @@
 """Python's garbage collector in a process that hosts one scheduler for the rest of its life: the daemon's scheduler
 worker, a tensor-parallel rank, `minisgl bench agents`.
 
-`take_over()` collects, then moves every object alive after start-up (the engine, torch, transformers: ~466k on the
-H100 machine) out of the collector's reach, as vLLM's engine core does: a full collection had walked them all, ~0.3 s
-with the GPU's feed stopped (docs/benchmarks.md, session 12).
+`take_over()` collects, then moves every object alive after start-up (the engine, torch, transformers: ~466k on an
+H100 host) out of the collector's reach, as vLLM's engine core does: a full collection had walked them all, ~0.3 s
+with the GPU's feed stopped (measured on one H100).
 
 It also turns automatic collection off. CPython collects its young generation when 700 more containers were allocated
 than freed, wherever that happens: in the middle of a burst of submits or of a prefill admission, while the GPU waits

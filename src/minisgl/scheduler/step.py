@@ -55,7 +55,7 @@ def read_tokens(step: LaunchedStep) -> list[int] | None:
 # Warm-up prompts span this many pages and one more each: CUDA loads a kernel when it first runs (lazy module
 # loading, PyTorch's default), and some kernels have a variant for small inputs (index_select over at most 16
 # indices); a warm-up of 1-token prompts left the first real prefill over more pages to load the others, 15-35 ms of
-# host time with the GPU idle on the H100 machine (docs/benchmarks.md, session 21).
+# host time with the GPU idle on one H100.
 WARMUP_PAGES = 16
 
 
