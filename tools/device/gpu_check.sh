@@ -4,10 +4,11 @@
 #   bash tools/device/gpu_check.sh [OUT_DIR]        # OUT_DIR: first argument, or $OUT_DIR, default ${OUT:-./out}
 # Stages: STAGES="warm tests bench" (the default; also "extras"). warm builds every kernel (tools/device/gpu_warm.py)
 # and writes OUT_DIR/fi_aot.tar.gz (pass it as FLASHINFER_AOT next time to skip the builds). TESTS_K selects tests
-# (pytest -k); BENCH_ARGS go to `minisgl bench throughput`; extras runs `minisgl bench tp all`'s single-GPU stages
-# (EXTRAS, default "hfpatch,agents": the HF generate drop-in and the agents benchmark) within EXTRAS_DEADLINE
-# seconds, EXTRAS_ARGS passed on (e.g. --agents-prefill 4096,16384); HFPATCH_ARGS (may hold spaces, ";" separates
-# runs) becomes --hfpatch-args, e.g. HFPATCH_ARGS="--repeat 2;--prompt-set offline --output-len 256".
+# (pytest -k), TESTS_TIMEOUT bounds them (default 480 s). BENCH_ARGS go to `minisgl bench throughput`. extras runs
+# `minisgl bench tp all`'s single-GPU stages (EXTRAS, default "hfpatch,agents": the HF generate drop-in and the
+# agents benchmark) within EXTRAS_DEADLINE seconds, EXTRAS_ARGS passed on (e.g. --agents-prefill 4096,16384);
+# HFPATCH_ARGS (may hold spaces, ";" separates runs) becomes --hfpatch-args, e.g. HFPATCH_ARGS="--repeat 2;--prompt-set
+# offline --output-len 256".
 set -uo pipefail
 OUT_DIR=${1:-${OUT_DIR:-${OUT:-./out}}}
 mkdir -p "$OUT_DIR" && OUT_DIR=$(cd "$OUT_DIR" && pwd) || exit 1
@@ -27,7 +28,7 @@ if [[ $STAGES == *warm* ]]; then
   echo "warm done $(( $(date +%s) - t0 ))s"
 fi
 if [[ $STAGES == *tests* ]]; then
-  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_fused_qkv.py tests/test_warmup.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+  timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_fused_qkv.py tests/test_warmup.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
     | tee "$OUT_DIR/tests.log"
   echo "tests done $(( $(date +%s) - t0 ))s"
 fi
