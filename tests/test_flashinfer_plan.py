@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisgl.attention.flashinfer import _GraphPadding, graph_split_kv_below
+from minisgl.attention.flashinfer import _GraphPadding, graph_split_kv
 
 
 def plan_info(padded: int, split_kv: int = 0) -> list[int]:
@@ -43,8 +43,5 @@ def test_padding_refuses_a_plan_with_a_kv_split_or_another_layout():
         _GraphPadding(plan_info(12)[:14], 9)
 
 
-def test_split_threshold_reads_its_switch(monkeypatch):
-    monkeypatch.delenv("MINISGL_DECODE_SPLIT_KV_BELOW", raising=False)
-    assert graph_split_kv_below() == 32
-    monkeypatch.setenv("MINISGL_DECODE_SPLIT_KV_BELOW", "100000")
-    assert graph_split_kv_below() == 100000
+def test_decode_graphs_split_the_kv_below_32_rows_only():
+    assert [bs for bs in (1, 8, 31, 32, 64, 256) if graph_split_kv(bs)] == [1, 8, 31]

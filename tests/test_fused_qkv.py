@@ -20,11 +20,10 @@ def test_the_kernel_in_triton_interpreter_on_the_cpu():
 
 
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
-def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+def device(request: pytest.FixtureRequest):
     from minisgl.layers import fused_qkv
 
     interpreter_or_cuda(request.param)
-    monkeypatch.delenv("MINISGL_FUSED_QKV", raising=False)
     fused_qkv._kernel.cache_clear()
     yield request.param
     fused_qkv._kernel.cache_clear()  # the next user compiles it for its own device

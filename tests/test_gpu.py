@@ -14,13 +14,14 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from minisgl import env
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,12 +35,12 @@ ENGINE = dict(dtype="bfloat16", num_pages=40000, cuda_graph_max_bs=32, max_prefi
 
 
 def report(key: str, value: Any) -> None:
-    path = os.environ.get("MINISGL_GPU_REPORT")
-    if not path:
+    path = env.GPU_REPORT.get()
+    if path is None:
         return
-    data = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+    data = json.loads(path.read_text()) if path.exists() else {}
     data[key] = value
-    Path(path).write_text(json.dumps(data, indent=2))
+    path.write_text(json.dumps(data, indent=2))
 
 
 def hopper() -> bool:
@@ -47,9 +48,9 @@ def hopper() -> bool:
 
 
 def tokenizer_dir() -> Path:
-    env = os.environ.get("MINISGL_TOKENIZER_DIR")
-    if env:
-        return Path(env)
+    carried = env.TOKENIZER_DIR.get()
+    if carried is not None:
+        return carried
     from minisgl.models.loader import resolve_model
 
     return resolve_model("smollm2")
@@ -535,14 +536,14 @@ def test_piecewise_prefill_graphs_agree_with_the_eager_prefill(qwen3_dir, hf_fp3
 
 
 @pytest.mark.parametrize(
-    "page_size,backend,gmma",
-    [(1, "auto", "1"), (16, "flashinfer", "1"), (16, "flashinfer,xqa", "0"), (16, "auto", "1")],
+    "page_size,backend",
+    [(1, "auto"), (16, "flashinfer"), (16, "flashinfer,xqa"), (16, "auto")],
 )
-def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page_size, backend, gmma, monkeypatch):
+def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page_size, backend):
     """kv_cache_dtype="fp8_e4m3" on FlashInfer (fused KV store, CUDA graphs, overlap) against fp32 HF whose cache
     rounds K/V to fp8 the same way (tests/test_kv_fp8.py's RoundingCache), teacher-forced on our outputs. On Hopper,
-    pages of 16 under "auto" decode with XQA's fp8 kernel (attention/xqa.py: queries and softmax weights in fp8 too);
-    gmma="0" runs XQA's generic kernel (bf16 queries).
+    pages of 16 under "auto" (and "flashinfer,xqa") decode with XQA's fp8 kernel (attention/xqa.py: queries and
+    softmax weights in fp8 too).
 
     The bar is HF's own bf16 model with the same rounding cache: bf16 moves some K/V elements across an fp8
     rounding boundary (one fp8 step is ~6%, a bf16 one ~0.4%), so a bf16 engine with an fp8 cache sits further
@@ -554,7 +555,6 @@ def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page
 
     if "xqa" in backend and not hopper():
         pytest.skip("xqa is measured on Hopper only")
-    monkeypatch.setenv("MINISGL_XQA_FP8_GMMA", gmma)  # "0": XQA's generic kernel, bf16 queries
     prompts = make_prompts(seed=4)
     got, info = generate(
         qwen3_dir,
@@ -585,7 +585,7 @@ def test_fp8_kv_cache_matches_hf_with_the_same_rounding(qwen3_dir, hf_fp32, page
     hf_bf16_top1 = [r.argmax(-1).tolist() for r in rounding_cache_logits(hf_bf16.cuda().eval())]
     floor = parity(rows, hf_bf16_top1)  # HF bf16 vs HF fp32, both with the fp8 rounding cache
     plain = parity(teacher_forced(hf_fp32, prompts, got), got)  # against HF's full-precision cache, for the record
-    kernel = ("_xqa_fp8_gmma" if gmma == "1" else "_xqa_generic") if xqa else ""
+    kernel = "_xqa_fp8_gmma" if xqa else ""
     report(
         f"fp8_kv_page{page_size}_{backend}{kernel}",
         {"vs_hf_fp32_fp8_cache": metrics, "hf_bf16_vs_hf_fp32_fp8_cache": floor, "vs_hf_fp32_bf16_cache": plain},

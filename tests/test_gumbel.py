@@ -26,9 +26,8 @@ def test_the_kernels_in_triton_interpreter_on_the_cpu():
 
 
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
-def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+def device(request: pytest.FixtureRequest):
     interpreter_or_cuda(request.param)
-    monkeypatch.delenv("MINISGL_GRAPH_SAMPLING", raising=False)
     return request.param
 
 

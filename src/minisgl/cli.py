@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from dataclasses import fields
 from typing import Any
 
-from minisgl.config import EngineConfig
+from minisgl import env
+from minisgl.config import EngineConfig, default_of
 from minisgl.errors import MiniSGLError
 
 logger = logging.getLogger("minisgl")
@@ -37,7 +37,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                 type=_TYPES[kind],
                 default=argparse.SUPPRESS,
                 metavar=f.name.upper(),
-                help=f"default: {f.default}",
+                help=f"default: {default_of(f)}",
             )
 
 
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--idle-timeout",
         type=float,
-        default=float(os.environ.get("MINISGL_IDLE_TIMEOUT") or 0),
+        default=env.IDLE_TIMEOUT.get(),
         metavar="SECONDS",
         help="stop after this many seconds with no request (default: $MINISGL_IDLE_TIMEOUT, else never; "
         "auto-started daemons inherit the variable from the program that starts them)",

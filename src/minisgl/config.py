@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
+from minisgl import env
 from minisgl.errors import ConfigError
 
 CACHE_KINDS = ("radix", "naive")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's and SGLang's --kv-cache-dtype names
 # --reasoning-parser names (vLLM's and SGLang's); all of these models write <think>...</think>.
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
+TP_ALLREDUCES = ("nccl", "symm_mem", "fused")
+
+
+def _from_env(read: Any) -> Any:
+    """A field whose default comes from the environment (minisgl.env), read when the config is built."""
+    return field(default_factory=read)
+
+
+def default_of(f: Field) -> Any:
+    """An EngineConfig field's default (for those the environment gives, as it reads now)."""
+    return f.default_factory() if f.default is MISSING else f.default
 
 
 @dataclass(frozen=True)
@@ -33,11 +45,17 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of node 0's rendezvous (default: a free loopback port)
     dist_timeout: float = 120.0  # seconds before a silent rank is declared dead
+    # One host, opt-in: "symm_mem" all-reduces through symmetric memory, "fused" also fuses the residual RMSNorm
+    tp_allreduce: str = _from_env(env.TP_ALLREDUCE.get)
+    tp_fused_mb: int = _from_env(env.TP_FUSED_MB.get)  # tp_allreduce="fused": MB of each of its two slots
+    # Opt-in: the decode graphs sample each rank's vocabulary shard and gather only the winners
+    tp_vocab_sampling: bool = _from_env(env.TP_VOCAB_SAMPLING.get)
     attention_backend: str = "auto"  # "torch", "flashinfer", "fa3", or "PREFILL,DECODE"
+    disable_xqa: bool = _from_env(lambda: not env.XQA.get())  # "auto" keeps FlashInfer's decode for fp8 KV on Hopper
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
     # Prefill batches of up to this many tokens replay piecewise CUDA graphs (all but attention); 0: eager
-    piecewise_cuda_graph_max_tokens: int = 4096
+    piecewise_cuda_graph_max_tokens: int = _from_env(lambda: 4096 if env.PIECEWISE_GRAPH.get() else 0)
     disable_overlap: bool = False
     load_format: str = "auto"  # "auto" or "dummy" (random weights, for benchmarks)
     seed: int = 0
@@ -57,6 +75,10 @@ class EngineConfig:
                 f"piecewise_cuda_graph_max_tokens must be >= 0 (0: eager prefill), got "
                 f"{self.piecewise_cuda_graph_max_tokens!r}"
             )
+        if self.tp_allreduce not in TP_ALLREDUCES:
+            raise ConfigError(f"tp_allreduce must be one of {', '.join(TP_ALLREDUCES)}, got {self.tp_allreduce!r}")
+        if self.tp_fused_mb < 1:
+            raise ConfigError(f"tp_fused_mb must be >= 1, got {self.tp_fused_mb!r}")
         if self.max_running_requests < 1:
             raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests!r}")
         if self.tp < 1:

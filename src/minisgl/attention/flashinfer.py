@@ -9,7 +9,6 @@ graph-mode wrapper per captured batch size over shared fixed-size index buffers.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -24,23 +23,22 @@ if TYPE_CHECKING:
 WORKSPACE_BYTES = 128 * 2**20
 
 
-def decode_uses_tensor_cores() -> bool:
-    """FlashInfer's tensor-core decode (its prefill kernel) for every decode batch; MINISGL_DECODE_TENSOR_CORES=0:
-    its CUDA-core kernel. On the throughput workload (H100, Qwen3-0.6B shape, GQA group 2) the tensor-core kernel
-    reads the KV faster over the run (4.91 s of decode attention against 5.14 s, pages of 16 against pages of 1),
-    and end to end it was 0.5-2% faster in every A/B (docs/benchmarks.md), at the small batches too, where it reads
-    slower but the step is short."""
-    return os.environ.get("MINISGL_DECODE_TENSOR_CORES", "1") != "0"
+# Decode runs FlashInfer's tensor-core kernel (its prefill kernel) for every batch: on the throughput workload
+# (H100, Qwen3-0.6B shape, GQA group 2) it reads the KV faster over the run than the CUDA-core kernel (4.91 s of
+# decode attention against 5.14 s, pages of 16 against pages of 1) and was 0.5-2% faster end to end in every A/B
+# (docs/benchmarks.md), at the small batches too, where it reads slower but the step is short.
+
+# Decode graphs of fewer rows than this split each request's KV into chunks (merged by a second kernel); larger
+# ones run one chunk per request. FlashInfer's graph-mode plan always splits, since a graph's batch is captured
+# before its lengths are known, so every replay pays the merge kernel and a float32 round trip of the output,
+# while from ~32 requests (x 8 KV heads) up the requests alone fill the GPU: over the throughput workload's
+# batches one chunk per request read the KV 1.4% faster (one H100, docs/benchmarks.md).
+GRAPH_SPLIT_KV_BELOW = 32
 
 
-def graph_split_kv_below() -> int:
-    """Decode graphs of fewer rows than this split each request's KV into chunks (merged by a second kernel);
-    larger ones run one chunk per request. FlashInfer's graph-mode plan always splits, since a graph's batch is
-    captured before its lengths are known, so every replay pays the merge kernel and a float32 round trip of the
-    output, while from ~32 requests (x 8 KV heads) up the requests alone fill the GPU: over the throughput
-    workload's batches one chunk per request read the KV 1.4% faster (one H100, docs/benchmarks.md).
-    MINISGL_DECODE_SPLIT_KV_BELOW overrides (a large value: always split, as before)."""
-    return int(os.environ.get("MINISGL_DECODE_SPLIT_KV_BELOW", "32"))
+def graph_split_kv(bs: int) -> bool:
+    """Whether the decode graph of bs rows splits each request's KV (capture and every replay plan alike)."""
+    return bs < GRAPH_SPLIT_KV_BELOW
 
 
 class FlashInferMetadata(NamedTuple):
@@ -74,10 +72,7 @@ class FlashInferBackend(AttentionBackend):
         self.kv_dtype = kv_pool.dtype  # the pool's: fp8 with kv_cache_dtype="fp8_e4m3"
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=prefill_backend)
-        self.decode_tensor_cores = decode_uses_tensor_cores()
-        self.decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
-        )
+        self.decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         # plan() fills a pinned host buffer and queues its copy to the GPU without waiting. With
         # overlap scheduling the next batch is planned before the GPU has run that copy, so
         # consecutive plans alternate between two pinned buffers.
@@ -91,7 +86,6 @@ class FlashInferBackend(AttentionBackend):
         self._graph_indices: torch.Tensor | None = None
         self._graph_last_page_len: torch.Tensor | None = None
         self._dummy_page = 0
-        self._split_kv_below = graph_split_kv_below()
         self._graph_padding: dict[int, _GraphPadding] = {}  # graph batch sizes planned without a KV split
 
     # ------------------------------------------------------------------ metadata
@@ -219,24 +213,20 @@ class FlashInferBackend(AttentionBackend):
             self.workspace,
             "NHD",
             use_cuda_graph=True,
-            use_tensor_cores=self.decode_tensor_cores,
+            use_tensor_cores=True,
             paged_kv_indptr_buffer=self._graph_indptr[: bs + 1],
             paged_kv_indices_buffer=self._graph_indices,
             paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],
         )
         self._graph_wrappers[bs] = wrapper
         indices = torch.full((bs,), self._dummy_page, dtype=torch.int32, device=self.device)
-        split_kv = self._graph_split_kv(bs)
+        split_kv = graph_split_kv(bs)
         plan = (torch.arange(bs + 1, dtype=torch.int32), indices, torch.ones(bs, dtype=torch.int32))
         self._plan_decode(wrapper, *plan, split_kv=split_kv)
         if not split_kv:  # now that the plan's layout is known: plan again with the padded blocks filled
             self._graph_padding[bs] = _GraphPadding(wrapper._plan_info, bs)
             self._plan_decode(wrapper, *plan, split_kv=False, padding=self._graph_padding[bs])
         return FlashInferMetadata(wrapper)
-
-    def _graph_split_kv(self, bs: int) -> bool:
-        # a graph replays the kernels it captured, so capture and every replay of bs plan alike
-        return bs < self._split_kv_below or not self.decode_tensor_cores
 
     def prepare_replay(self, batch: "Batch", padded_bs: int) -> None:
         """Plan the graph wrapper of padded_bs for batch; rows past batch.size read the dummy page."""

@@ -12,13 +12,12 @@ page table on the GPU each step, so a CUDA graph replays it with nothing but buf
 fp8 KV numerics: XQA's Hopper fp8 kernel computes both products on fp8 tensor cores, so the queries (and the
 softmax weights) are rounded to fp8 as well as the cache, as TensorRT-LLM does, and vLLM and SGLang with their
 TensorRT-LLM kernels. tests/test_gpu.py scores it against fp32 HF with the same fp8 cache rounding, by the bar
-FlashInfer's fp8 decode meets. MINISGL_XQA_FP8_GMMA=0 runs XQA's generic kernel instead (queries stay bf16, the
-cache is upcast as it is read: FlashInfer's fp8 numerics, and no faster than FlashInfer).
+FlashInfer's fp8 decode meets. (XQA's generic kernel, which keeps the queries bf16 and upcasts the cache as it
+reads it, has FlashInfer's fp8 numerics and is no faster than FlashInfer.)
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -90,11 +89,7 @@ class XqaBackend(AttentionBackend):
         self.num_kv_heads = kv_pool.num_kv_heads
         self.head_dim = model_config.head_dim
         self.dtype = kv_pool.model_dtype
-        self.fp8_gmma = (
-            kv_pool.is_fp8
-            and torch.cuda.get_device_capability(self.device)[0] == 9
-            and os.environ.get("MINISGL_XQA_FP8_GMMA", "1") != "0"
-        )
+        self.fp8_gmma = kv_pool.is_fp8 and torch.cuda.get_device_capability(self.device)[0] == 9
         if kv_pool.is_fp8 and kv_pool.dtype != torch.float8_e4m3fn:
             raise ConfigError("the xqa decode kernel reads an fp8_e4m3 KV cache, not fp8_e5m2")
         self.module = get_xqa_module(

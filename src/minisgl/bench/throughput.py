@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -24,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from minisgl import env
 
 QWEN3_06B = dict(
     architectures=["Qwen3ForCausalLM"],
@@ -346,9 +347,9 @@ def print_table(r: dict[str, Any]) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("mode", nargs="?", default="all", choices=["all", "run", "hf"])
     p.add_argument("--model-dir", type=Path)
-    p.add_argument("--tokenizer-dir", default=os.environ.get("MINISGL_TOKENIZER_DIR", ".carry/tok"))
+    p.add_argument("--tokenizer-dir", default=str(env.TOKENIZER_DIR.get() or ".carry/tok"))
     p.add_argument("--out", default="bench.json")
-    p.add_argument("--report", default=os.environ.get("MINISGL_GPU_REPORT"))
+    p.add_argument("--report", default=env.GPU_REPORT.get())
     p.add_argument("--max-prefill-tokens", type=int, default=16384)
     p.add_argument("--page-size", type=int, default=None, help="default: 16 with FlashInfer on a GPU, else 1")
     p.add_argument("--attention-backend", default="auto")

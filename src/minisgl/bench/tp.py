@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl.bench.throughput import QWEN3_06B, decode_latency, timed_workload, workload
+from minisgl.env import TOKENIZER_DIR
 
 QWEN3_14B = dict(
     QWEN3_06B,
@@ -858,7 +859,7 @@ def cmd_all(args: argparse.Namespace) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("mode", choices=["all", "gen", "bench"])
     p.add_argument("--model-dir", type=Path)
-    p.add_argument("--tokenizer-dir", default=os.environ.get("MINISGL_TOKENIZER_DIR", ".carry/tok"))
+    p.add_argument("--tokenizer-dir", default=str(TOKENIZER_DIR.get() or ".carry/tok"))
     p.add_argument("--out-dir", default="tp-out")
     p.add_argument("--out")
     p.add_argument("--stages", default="parity,nodes,tput,kill,hfpatch,agents")

@@ -1,12 +1,12 @@
 """Tensor-parallel process group: rank/size and the two collectives the layers need.
 
-The all-reduce is the process group's (NCCL on GPUs, gloo on the CPU). MINISGL_TP_ALLREDUCE=symm_mem (opt-in,
+The all-reduce is the process group's (NCCL on GPUs, gloo on the CPU). tp_allreduce="symm_mem" (opt-in,
 one host) sends tensors up to 8 MB (a decode step's activations) through a buffer in PyTorch's symmetric memory
 instead: one-shot, every GPU reads its peers' buffers over NVLink and sums (the copy into the buffer inside the same
 kernel where this torch has it; a two-shot variant measured the same on 2x H200). Its kernels cannot be aborted:
 with a peer dead they spin, and rank 0's watch then ends the process (distributed/launch.py).
 
-MINISGL_TP_ALLREDUCE=fused (opt-in, one host) goes further for the all-reduces that a residual RMSNorm follows
+tp_allreduce="fused" (opt-in, one host) goes further for the all-reduces that a residual RMSNorm follows
 (every row-parallel projection of a decoder): the projection writes its partial sums into symmetric memory and one
 kernel per rank sums the ranks' rows, adds the residual and normalizes (distributed/reduce_norm.py). The layers ask
 for it with `RowParallelLinear(x, reduce=False)` and `RMSNorm.reduce_forward`; other all-reduces take NCCL's.
@@ -15,7 +15,6 @@ for it with `RowParallelLinear(x, reduce=False)` and `RMSNorm.reduce_forward`; o
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,16 +96,15 @@ class SymmMemAllReduce:
 
 
 _SYMM: SymmMemAllReduce | None = None
-_REDUCE_NORM: Any = None  # reduce_norm.SymmReduceNorm where MINISGL_TP_ALLREDUCE=fused
+_REDUCE_NORM: Any = None  # reduce_norm.SymmReduceNorm where tp_allreduce="fused"
 
 
-def setup_symm_mem(device: torch.device) -> None:
-    """After the process group exists, on every rank: the symmetric-memory all-reduce where it can run."""
+def setup_symm_mem(device: torch.device, choice: str, fused_mb: int) -> None:
+    """After the process group exists, on every rank: the symmetric-memory all-reduce where it can run.
+
+    choice and fused_mb: EngineConfig.tp_allreduce ("nccl", "symm_mem" or "fused") and tp_fused_mb."""
     global _SYMM, _REDUCE_NORM
     _SYMM = _REDUCE_NORM = None
-    choice = os.environ.get("MINISGL_TP_ALLREDUCE", "nccl")
-    if choice not in ("nccl", "symm_mem", "fused"):
-        raise ValueError(f"MINISGL_TP_ALLREDUCE must be nccl, symm_mem or fused, got {choice!r}")
     if choice == "symm_mem" and device.type == "cuda":
         _SYMM = SymmMemAllReduce(device)
         logger.info("tensor-parallel all-reduce up to %d MB through symmetric memory", SYMM_MEM_MAX_BYTES >> 20)
@@ -114,10 +112,11 @@ def setup_symm_mem(device: torch.device) -> None:
         from minisgl.distributed.reduce_norm import SymmReduceNorm
 
         # Each of its two slots holds one reduction: 8 MB takes decode's (batch 256 x 5,120 x bf16: 2.6 MB);
-        # MINISGL_TP_FUSED_MB=192 takes a 16k-token prefill chunk's too (bigger slots: less memory for the KV).
-        mb = int(os.environ.get("MINISGL_TP_FUSED_MB", str(SYMM_MEM_MAX_BYTES >> 20)))
-        _REDUCE_NORM = SymmReduceNorm(device, symm_mem_group(), _TP.rank, _TP.size, mb << 20)
-        logger.info("tensor-parallel all-reduce + residual + RMSNorm fused, up to %d MB, through symmetric memory", mb)
+        # tp_fused_mb=192 takes a 16k-token prefill chunk's too (bigger slots: less memory for the KV).
+        _REDUCE_NORM = SymmReduceNorm(device, symm_mem_group(), _TP.rank, _TP.size, fused_mb << 20)
+        logger.info(
+            "tensor-parallel all-reduce + residual + RMSNorm fused, up to %d MB, through symmetric memory", fused_mb
+        )
 
 
 def reset_symm_mem() -> None:
@@ -138,7 +137,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 def partial_out(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
     """Where a row-parallel projection's [rows, cols] partial sums go when the next norm reduces them in its kernel
-    (MINISGL_TP_ALLREDUCE=fused, and they fit); None: a plain tensor, reduced by all_reduce."""
+    (tp_allreduce="fused", and they fit); None: a plain tensor, reduced by all_reduce."""
     return _REDUCE_NORM.partial_out(rows, cols, dtype) if _REDUCE_NORM is not None else None
 
 

@@ -81,7 +81,7 @@ def init_distributed(config: EngineConfig, rank: int, store: Any) -> None:
     )
     set_tp_info(rank, config.tp)
     if use_cuda and config.nnodes == 1:  # one host: the GPUs reach each other's memory
-        setup_symm_mem(torch.device("cuda", torch.cuda.current_device()))
+        setup_symm_mem(torch.device("cuda", torch.cuda.current_device()), config.tp_allreduce, config.tp_fused_mb)
 
 
 def _bounded(fn: Any, timeout: float, what: str) -> bool:

@@ -17,7 +17,7 @@ and no second one after the reads. Each (program, peer) barrier flag goes 0 -> 1
 so CUDA graph replays need no counters; all ranks run the same sequence of forwards with the same row counts.
 
 Its spin-waits cannot be aborted: with a peer dead they spin, and rank 0's watch ends the process (launch.py).
-MINISGL_TP_ALLREDUCE=fused turns it on (distributed/__init__.py).
+EngineConfig(tp_allreduce="fused") turns it on (distributed/__init__.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the logits in the model's dtype, Triton) when the GPU has Triton: a batch whose 
 (no top-k/top-p/min-p, penalties, masks, logprobs or seeded generator) gets its next ids from the replay
 itself; any other batch leaves the rows' temperatures at -1 (the kernels skip them) and samples the logits.
 
-Under tensor parallelism with MINISGL_TP_VOCAB_SAMPLING=1 (opt-in) each rank samples its own shard of the vocabulary
+Under tensor parallelism with tp_vocab_sampling (opt-in) each rank samples its own shard of the vocabulary
 inside the graph and the ranks all-gather only each program's winner (a few KB) instead of the logits (a batch of
 256 on a 152k vocabulary: 78 MB in bf16, gathered, then copied twice); a batch sampled outside the graph gathers its
 logits after the replay.
@@ -18,7 +18,6 @@ logits after the replay.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +53,9 @@ class CudaGraphRunner:
         page_size: int,
         device: torch.device,
         seed: int = 0,
+        vocab_sampling: bool = False,
     ) -> None:
+        """vocab_sampling (EngineConfig.tp_vocab_sampling): under TP each rank samples its own vocabulary shard."""
         from minisgl.engine import gumbel
 
         self.model = model
@@ -73,12 +74,7 @@ class CudaGraphRunner:
         self.sampling = gumbel.Workspace(self.max_bs, vocab_size, device, seed) if gumbel.usable(device) else None
         lm_head = getattr(model, "lm_head", None)
         self.local_logits: torch.Tensor | None = None  # this rank's vocabulary shard, when it samples it itself
-        if (
-            self.sampling is not None
-            and isinstance(lm_head, ParallelLMHead)
-            and lm_head.tp_size > 1
-            and os.environ.get("MINISGL_TP_VOCAB_SAMPLING", "0") == "1"
-        ):
+        if self.sampling is not None and isinstance(lm_head, ParallelLMHead) and lm_head.tp_size > 1 and vocab_sampling:
             import torch.distributed as dist
 
             width = lm_head.weight.shape[0]

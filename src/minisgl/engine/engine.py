@@ -126,6 +126,7 @@ class Engine:
                 page_size=self.page_size,
                 device=self.device,
                 seed=config.seed,
+                vocab_sampling=config.tp_vocab_sampling,
             )
         self.prefill_graphs: Any = None
         max_tokens = min(config.piecewise_cuda_graph_max_tokens, config.max_prefill_tokens)
@@ -138,10 +139,8 @@ class Engine:
 
     def _piecewise_ok(self, max_tokens: int) -> bool:
         """Prefill runs in piecewise CUDA graphs on one CUDA GPU, with a graph-capable backend and a model that
-        splits at attention (engine/piecewise.py). MINISGL_PIECEWISE_GRAPH=0 turns them off. Not under TP yet:
-        the pieces would capture the all-reduces, which has not been checked on several GPUs."""
-        import os
-
+        splits at attention (engine/piecewise.py). Not under TP yet: the pieces would capture the all-reduces,
+        which has not been checked on several GPUs."""
         from minisgl.distributed import get_tp_info
         from minisgl.engine.piecewise import supports_piecewise
 
@@ -151,7 +150,6 @@ class Engine:
             and max_tokens > 0
             and getattr(self.attn_backend, "supports_cuda_graph", False)
             and get_tp_info().size == 1
-            and os.environ.get("MINISGL_PIECEWISE_GRAPH", "1") != "0"
             and supports_piecewise(self.model)
         )
 
@@ -242,14 +240,12 @@ class Engine:
 
     def _auto_xqa(self, backends: dict[str, Any], page_size: int | None = None) -> bool:
         """XQA decodes an fp8_e4m3 KV cache when "auto" is asked on a Hopper GPU whose page size it takes
-        (attention/xqa.py: ~1.5x FlashInfer's fp8 decode reads there). MINISGL_XQA=0 keeps FlashInfer's decode."""
-        import os
-
+        (attention/xqa.py: ~1.5x FlashInfer's fp8 decode reads there) unless disable_xqa keeps FlashInfer's decode."""
         from minisgl.attention.xqa import xqa_supported
 
         return (
             "xqa" in backends
-            and os.environ.get("MINISGL_XQA", "1") != "0"
+            and not self.config.disable_xqa
             and self.kv_dtype == torch.float8_e4m3fn
             and xqa_supported(self.device, page_size or self.page_size, self.model_config.head_dim)
         )

@@ -18,9 +18,8 @@ the noise is finite for every draw; on the GPU both logarithms are the hardware'
 since the noise, not the read, bounds the kernel.
 
 A row's temperature decides its mode: T > 0 draws, T = 0 takes the argmax, T < 0 leaves the row alone
-(its output is not written). MINISGL_GRAPH_SAMPLING=0 keeps the graphs to the logits (the sampler then
-samples them as it does an eager batch's). On Hopper and later both kernels launch with programmatic dependent
-launch (layers/fused.py: pdl_args; MINISGL_PDL=0 turns it off).
+(its output is not written). On Hopper and later both kernels launch with programmatic dependent launch
+(layers/fused.py: pdl_args).
 """
 
 from __future__ import annotations
@@ -162,8 +161,8 @@ if triton is not None:
 
 
 def _kernels() -> tuple[Any, Any] | None:
-    """(draw kernel, reduce kernel); None when Triton is missing or MINISGL_GRAPH_SAMPLING=0."""
-    if triton is None or os.environ.get("MINISGL_GRAPH_SAMPLING", "1") == "0":
+    """(draw kernel, reduce kernel); None when Triton is missing."""
+    if triton is None:
         return None
     return _draw_kernel, _reduce_kernel
 

@@ -12,7 +12,6 @@ with programmatic dependent launch where `pdl(device)`, as flashinfer launches i
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
@@ -53,10 +52,10 @@ def gdc() -> tuple[Any, Any]:
 @functools.cache
 def pdl(device: torch.device) -> bool:
     """Launch Triton kernels on this device with programmatic dependent launch: a CUDA device of compute capability
-    9 or later, Triton with the controls, and MINISGL_PDL not 0. Such a kernel calls gdc_wait() before its first
+    9 or later and Triton with the controls. Such a kernel calls gdc_wait() before its first
     load or store (the previous kernel's writes are complete and visible after it) and gdc_launch_dependents() right
     after, so its own launch and the next kernel's overlap the kernels before them."""
-    if device.type != "cuda" or os.environ.get("MINISGL_PDL", "1") == "0" or gdc()[0] is None:
+    if device.type != "cuda" or gdc()[0] is None:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 

@@ -8,18 +8,17 @@ once (the unfused path rounds after the norm too). At batch 1 each of the five l
 per layer, about a seventh of a Qwen3-0.6B decode step on an H100 (docs/benchmarks.md).
 
 Used when the attention backend lets the layer store the KV itself (`kv_pool_for`), the tensors
-are fp16/bf16 on CUDA and Triton imports; MINISGL_FUSED_QKV=0 turns it off.
+are fp16/bf16 on CUDA and Triton imports.
 
 On Hopper and later the kernel is launched with programmatic dependent launch (PDL), as FlashInfer launches its
 norms, activations and attention: it waits for the QKV projection at its first instruction (`gdc_wait`, before any
 load or store) and lets attention launch at once, so the two launches overlap the kernels before them instead of
-following them (`layers/fused.py: pdl_args`). MINISGL_PDL=0 launches it plainly.
+following them (`layers/fused.py: pdl_args`).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
@@ -32,9 +31,7 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # pool dtypes whose stores satu
 
 @functools.cache
 def _kernel() -> Any:
-    """The Triton kernel, compiled on first use; None when Triton is missing or the switch is off."""
-    if os.environ.get("MINISGL_FUSED_QKV", "1") == "0":
-        return None
+    """The Triton kernel, compiled on first use; None when Triton is missing."""
     try:
         import triton
         import triton.language as tl

@@ -6,12 +6,11 @@ layer holds a slice of the input features and all-reduces its partial sums.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl import env
 from minisgl.distributed import all_reduce, get_tp_info, partial_out
 from minisgl.errors import WeightsError
 
@@ -35,7 +34,7 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 def _onednn_available() -> bool:
-    if os.environ.get("MINISGL_ONEDNN") == "0":  # force F.linear (what a CPU without the kernels runs)
+    if not env.ONEDNN.get():  # force F.linear (what a CPU without the kernels runs)
         return False
     try:
         return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from minisgl import plugins
+from minisgl import env, plugins
 from minisgl.errors import ModelLoadError, UnknownArchitectureError, UnknownModelError, WeightsError
 from minisgl.models.config import ModelConfig, architecture_of
 from minisgl.models.registry import get_model_class
@@ -39,8 +39,7 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken
 
 
 def cache_root() -> Path:
-    root = os.environ.get("MINISGL_CACHE_DIR")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "minisgl"
+    base = env.CACHE_DIR.get() or Path.home() / ".cache" / "minisgl"
     return base / "models"
 
 

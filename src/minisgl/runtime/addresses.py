@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
+from minisgl import env
 from minisgl.config import EngineConfig
 from minisgl.errors import ConfigError
 
@@ -19,12 +20,10 @@ MAX_IPC_PATH = 100
 
 def runtime_dir() -> Path:
     """$MINISGL_RUNTIME_DIR, else $XDG_RUNTIME_DIR/minisgl, else ~/.cache/minisgl/run (created 0700)."""
-    if os.environ.get("MINISGL_RUNTIME_DIR"):
-        path = Path(os.environ["MINISGL_RUNTIME_DIR"])
-    elif os.environ.get("XDG_RUNTIME_DIR"):
-        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "minisgl"
-    else:
-        path = Path.home() / ".cache" / "minisgl" / "run"
+    path = env.RUNTIME_DIR.get()
+    if path is None:
+        xdg = os.environ.get("XDG_RUNTIME_DIR")
+        path = Path(xdg) / "minisgl" if xdg else Path.home() / ".cache" / "minisgl" / "run"
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path, 0o700)
     return path

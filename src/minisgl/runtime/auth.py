@@ -20,6 +20,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from minisgl import env
 from minisgl.errors import ConfigError
 
 logger = logging.getLogger("minisgl")
@@ -28,8 +29,8 @@ ZAP_DOMAIN = "minisgl"
 
 
 def curve_dir() -> Path:
-    if os.environ.get("MINISGL_CURVE_DIR"):
-        return Path(os.environ["MINISGL_CURVE_DIR"])
+    if (path := env.CURVE_DIR.get()) is not None:
+        return path
     base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
     return base / "minisgl" / "curve"
 
@@ -104,8 +105,8 @@ class ClientCurve(NamedTuple):
         cls, client_key: str | os.PathLike | None, server_key: str | os.PathLike | None
     ) -> "ClientCurve | None":
         """From arguments, else $MINISGL_CURVE_CLIENT_KEY/_SERVER_KEY; None when neither is set."""
-        client_key = client_key or os.environ.get("MINISGL_CURVE_CLIENT_KEY")
-        server_key = server_key or os.environ.get("MINISGL_CURVE_SERVER_KEY")
+        client_key = client_key or env.CURVE_CLIENT_KEY.get()
+        server_key = server_key or env.CURVE_SERVER_KEY.get()
         if not client_key and not server_key:
             return None
         if not client_key or not server_key:

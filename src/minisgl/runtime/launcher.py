@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from minisgl.config import EngineConfig
+from minisgl.config import EngineConfig, default_of
 from minisgl.errors import DaemonError, DaemonNotRunningError, DaemonTimeoutError
 from minisgl.runtime.addresses import daemon_name, default_address, parse_address, runtime_dir
 from minisgl.runtime.auth import ClientCurve
@@ -60,7 +60,7 @@ def engine_flags(config: EngineConfig) -> list[str]:
     for f in fields(EngineConfig):
         if f.name in ("model", "extra"):
             continue
-        value, default = getattr(config, f.name), f.default
+        value, default = getattr(config, f.name), default_of(f)
         if value == default or value is None:
             continue
         flag = "--" + f.name.replace("_", "-")

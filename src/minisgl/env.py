@@ -1,0 +1,204 @@
+"""Every MINISGL_* environment variable, declared once with its type, default and what it does.
+
+The only module that reads os.environ for minisgl's own settings. A variable is read when its value is asked
+for (`env.RUNTIME_DIR.get()`), not at import, so a variable set later (a test's monkeypatch) takes effect. The
+engine settings among them only give EngineConfig's defaults (minisgl.config): an `LLM(...)` keyword or a
+`minisgl serve --flag` overrides them. An empty value counts as unset. `python -m minisgl.env` prints the table of
+the README's "Environment variables" section.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Generic, TypeVar
+
+from minisgl.errors import ConfigError
+
+T = TypeVar("T")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _bool(raw: str) -> bool:
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise ValueError(f"not a boolean: use one of {', '.join(_TRUE + _FALSE)}")
+
+
+def _path(raw: str) -> Path:
+    return Path(raw).expanduser()
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    """One variable: read and parsed on each get(); the default where it is unset or empty."""
+
+    name: str
+    kind: str  # the type as the table shows it
+    default: T
+    parse: Callable[[str], T]
+    doc: str
+    choices: tuple[str, ...] = ()
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name, "")
+        if raw == "":
+            return self.default
+        if self.choices and raw not in self.choices:
+            raise ConfigError(f"${self.name} must be one of {', '.join(self.choices)}, got {raw!r}")
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ConfigError(f"${self.name}={raw!r} is not a valid {self.kind} ({e}): fix or unset it") from e
+
+
+VARIABLES: list[EnvVar[Any]] = []
+
+
+def _declare(name: str, kind: str, default: T, parse: Callable[[str], T], doc: str, **kw: Any) -> EnvVar[T]:
+    var = EnvVar(name, kind, default, parse, doc, **kw)
+    VARIABLES.append(var)
+    return var
+
+
+# Where things live.
+RUNTIME_DIR = _declare(
+    "MINISGL_RUNTIME_DIR",
+    "path",
+    None,
+    _path,
+    "daemons' sockets and registry files (else `$XDG_RUNTIME_DIR/minisgl`, else `~/.cache/minisgl/run`)",
+)
+CACHE_DIR = _declare(
+    "MINISGL_CACHE_DIR",
+    "path",
+    None,
+    _path,
+    "cache root: GGUF models converted once go to `<dir>/models` (else `~/.cache/minisgl/models`)",
+)
+CURVE_DIR = _declare(
+    "MINISGL_CURVE_DIR",
+    "path",
+    None,
+    _path,
+    "CURVE key directory of `minisgl keys` and CURVE daemons (else `~/.config/minisgl/curve`)",
+)
+CURVE_CLIENT_KEY = _declare(
+    "MINISGL_CURVE_CLIENT_KEY",
+    "path",
+    None,
+    _path,
+    "clients: this client's CURVE secret key file (with `MINISGL_CURVE_SERVER_KEY`: talk to a CURVE daemon)",
+)
+CURVE_SERVER_KEY = _declare(
+    "MINISGL_CURVE_SERVER_KEY", "path", None, _path, "clients: the CURVE daemon's public key file"
+)
+ADDRESS = _declare(
+    "MINISGL_ADDRESS",
+    "str",
+    None,
+    str,
+    "the daemon address `ChatMiniSGL` and `MiniSGLEmbeddings` use by default (read through LangChain's `from_env`)",
+)
+API_KEY = _declare(
+    "MINISGL_API_KEY",
+    "str",
+    None,
+    str,
+    "`ChatMiniSGL`'s `api_key` as a LangChain secret: `langchain_core.load` reads it from this variable",
+)
+IDLE_TIMEOUT = _declare(
+    "MINISGL_IDLE_TIMEOUT",
+    "float",
+    0.0,
+    float,
+    "`minisgl serve`: stop after this many seconds without a request (0: never; `--idle-timeout` overrides); "
+    "auto-started daemons inherit it",
+)
+
+# Engine settings: EngineConfig's defaults.
+XQA = _declare(
+    "MINISGL_XQA",
+    "bool",
+    True,
+    _bool,
+    '`attention_backend="auto"` decodes an fp8_e4m3 KV cache on Hopper with XQA; 0 keeps FlashInfer\'s decode '
+    "(`EngineConfig.disable_xqa`)",
+)
+PIECEWISE_GRAPH = _declare(
+    "MINISGL_PIECEWISE_GRAPH",
+    "bool",
+    True,
+    _bool,
+    "CUDA: prefill replays piecewise CUDA graphs; 0 runs it eager (`piecewise_cuda_graph_max_tokens` defaults to 0)",
+)
+TP_ALLREDUCE = _declare(
+    "MINISGL_TP_ALLREDUCE",
+    "str",
+    "nccl",
+    str,
+    "TP on one host (opt-in): `symm_mem` all-reduces up to 8 MB through symmetric memory, `fused` (not yet measured "
+    "on two GPUs) also fuses the residual add and RMSNorm that follow into it (`EngineConfig.tp_allreduce`)",
+    choices=("nccl", "symm_mem", "fused"),
+)
+TP_FUSED_MB = _declare(
+    "MINISGL_TP_FUSED_MB",
+    "int",
+    8,
+    int,
+    "`tp_allreduce=fused`: MB of each of its two symmetric-memory slots (`EngineConfig.tp_fused_mb`)",
+)
+TP_VOCAB_SAMPLING = _declare(
+    "MINISGL_TP_VOCAB_SAMPLING",
+    "bool",
+    False,
+    _bool,
+    "TP (opt-in, not yet measured on two GPUs): the decode graphs sample each rank's vocabulary shard and gather "
+    "only the winners (`EngineConfig.tp_vocab_sampling`)",
+)
+ONEDNN = _declare(
+    "MINISGL_ONEDNN",
+    "bool",
+    True,
+    _bool,
+    "CPU: 0 runs linears with `F.linear` instead of oneDNN's packed kernels (what a CPU without them runs)",
+)
+
+# Tests and benchmarks.
+TOKENIZER_DIR = _declare(
+    "MINISGL_TOKENIZER_DIR",
+    "path",
+    None,
+    _path,
+    "tests and GPU benchmarks: a directory with SmolLM2's tokenizer files, used instead of the hub",
+)
+GPU_REPORT = _declare(
+    "MINISGL_GPU_REPORT",
+    "path",
+    None,
+    _path,
+    "`tests/test_gpu.py` and `minisgl bench throughput`: also write the figures as JSON to this file",
+)
+
+
+def markdown_table() -> str:
+    """The README's table of variables."""
+    rows = ["| variable | type | default | what it does |", "| --- | --- | --- | --- |"]
+    for var in VARIABLES:
+        kind = " \\| ".join(f"`{c}`" for c in var.choices) if var.choices else var.kind
+        default = "unset" if var.default is None else f"`{_shown(var.default)}`"
+        rows.append(f"| `{var.name}` | {kind} | {default} | {var.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+def _shown(value: Any) -> str:
+    return ("1" if value else "0") if isinstance(value, bool) else str(value)
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")
