@@ -222,7 +222,7 @@ def test_remote_access_needs_an_authorized_client_key(tmp_path: Path) -> None:
 
 
 def test_a_failed_start_up_names_its_error_for_the_spawning_client(runtime_dir: Path) -> None:
-    from minisgl.runtime.daemon import startup_failure
+    from minisgl.runtime.protocol import startup_failure
 
     result = _serve("--address", "ipc://relative.sock")
     assert result.returncode == 1

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any, Union
 
@@ -134,16 +135,50 @@ class _Inboxes:
         return []
 
 
-class SyncConnection:
-    """Blocking; for one thread at a time (the sync Client keeps one per thread)."""
+class _Connection(ABC):
+    """What both connections are: a DEALER socket with its monitor, the inboxes of the requests in flight and the
+    link's state; subclasses say how an inbox is made, filled and waited on."""
 
-    def __init__(self, ctx: zmq.Context, address: str, curve: ClientCurve | None = None) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, curve: ClientCurve | None) -> None:
         self.address = address
         self.sock = _socket(ctx, address, curve)
         self.monitor = _monitor(self.sock)
         self.sock.connect(address)
         self.inboxes = _Inboxes()
         self.link = _Link(address)
+
+    def forget(self, rid: str) -> None:
+        self.inboxes.boxes.pop(rid, None)
+
+    def send(self, msg: Message) -> None:
+        """Send without waiting (safe in a finally block of a cancelled task)."""
+        if self.sock.closed:
+            _closed_send(msg)
+            return
+        self.sock.send(encode(msg))
+
+    def _deliver(self, msg: Message) -> None:
+        for box, reply in self.inboxes.route(msg):
+            self._put(box, reply)
+
+    @abstractmethod
+    def _put(self, box: Any, reply: Reply) -> None:
+        """Hand reply to the request waiting on box."""
+
+    def _timed_out(self, timeout: float) -> DaemonTimeoutError:
+        return DaemonTimeoutError(f"no reply from the daemon at {self.address} within {timeout:.1f}s")
+
+    def _close_sockets(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
+class SyncConnection(_Connection):
+    """Blocking; for one thread at a time (the sync Client keeps one per thread)."""
+
+    def __init__(self, ctx: zmq.Context, address: str, curve: ClientCurve | None = None) -> None:
+        super().__init__(ctx, address, curve)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -159,15 +194,6 @@ class SyncConnection:
             self._events()
         self.link.check()
         self.inboxes.claim(rid, deque())
-
-    def forget(self, rid: str) -> None:
-        self.inboxes.boxes.pop(rid, None)
-
-    def send(self, msg: Message) -> None:
-        if self.sock.closed:
-            _closed_send(msg)
-            return
-        self.sock.send(encode(msg))
 
     def next(self, rid: str, timeout: float | None) -> Reply:
         """The next reply for rid (opened before its request was sent); DaemonTimeoutError after timeout s."""
@@ -187,8 +213,11 @@ class SyncConnection:
                 self._drain()  # replies that arrived before the event come first
                 self._events()
             elif deadline is not None and _now() >= deadline:
-                raise DaemonTimeoutError(f"no reply from the daemon at {self.address} within {timeout:.1f}s")
+                raise self._timed_out(timeout)  # type: ignore[arg-type]
         return box.popleft()
+
+    def _put(self, box: deque, reply: Reply) -> None:
+        box.append(reply)
 
     def _drain(self) -> None:
         while True:
@@ -196,33 +225,24 @@ class SyncConnection:
                 raw = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            for box, reply in self.inboxes.route(_decode_reply(raw)):
-                box.append(reply)
+            self._deliver(_decode_reply(raw))
 
     def _events(self) -> None:
         """Follow the monitor's waiting events; a lost connection fails the requests waiting now."""
         while self.monitor.poll(0):
             error = self.link.on_event(recv_monitor_message(self.monitor))
             if error is not None:
-                for box, reply in self.inboxes.route(error):
-                    box.append(reply)
+                self._deliver(error)
 
     def close(self) -> None:
-        self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self._close_sockets()
 
 
-class AsyncConnection:
+class AsyncConnection(_Connection):
     """asyncio: one reader task feeds per-request queues, so any number of requests share the socket."""
 
     def __init__(self, address: str, curve: ClientCurve | None = None) -> None:
-        self.address = address
-        self.sock = _socket(zmq.asyncio.Context.instance(), address, curve)
-        self.monitor = _monitor(self.sock)
-        self.sock.connect(address)
-        self.inboxes = _Inboxes()
-        self.link = _Link(address)
+        super().__init__(zmq.asyncio.Context.instance(), address, curve)
         self._connected = asyncio.Event()
         self._connected.set()
         self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
@@ -240,16 +260,6 @@ class AsyncConnection:
         self.link.check()
         self.inboxes.claim(rid, asyncio.Queue())
 
-    def forget(self, rid: str) -> None:
-        self.inboxes.boxes.pop(rid, None)
-
-    def send(self, msg: Message) -> None:
-        """Send without waiting (safe in a finally block of a cancelled task)."""
-        if self.sock.closed:
-            _closed_send(msg)
-            return
-        self.sock.send(encode(msg))
-
     async def next(self, rid: str, timeout: float | None) -> Reply:
         box: asyncio.Queue = self.inboxes.boxes[rid]
         if not box.empty() or timeout is None:
@@ -257,34 +267,30 @@ class AsyncConnection:
         try:
             return await asyncio.wait_for(box.get(), timeout)
         except asyncio.TimeoutError:
-            raise DaemonTimeoutError(f"no reply from the daemon at {self.address} within {timeout:.1f}s") from None
+            raise self._timed_out(timeout) from None
+
+    def _put(self, box: asyncio.Queue, reply: Reply) -> None:
+        box.put_nowait(reply)
 
     async def _read(self) -> None:
         while True:
-            raw = await self.sock.recv()
-            for box, reply in self.inboxes.route(_decode_reply(raw)):
-                box.put_nowait(reply)
+            self._deliver(_decode_reply(await self.sock.recv()))
 
     async def _watch(self) -> None:
         while True:
             frames = await self.monitor.recv_multipart()
             error = self.link.on_event(parse_monitor_message(frames))
             (self._connected.clear if self.link.lost else self._connected.set)()
-            if error is None:
-                continue
-            await asyncio.sleep(0)  # let the reader hand out replies that arrived before the event
-            for box, reply in self.inboxes.route(error):
-                box.put_nowait(reply)
+            if error is not None:
+                await asyncio.sleep(0)  # let the reader hand out replies that arrived before the event
+                self._deliver(error)
 
     async def close(self) -> None:
-        for box, reply in self.inboxes.route(Error("", "DaemonError", CLOSED)):  # requests still read fail now
-            box.put_nowait(reply)
+        self._deliver(Error("", "DaemonError", CLOSED))  # requests still read fail now
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self._close_sockets()
 
 
 def _decode_reply(raw: bytes) -> Message:

@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
+from minisgl.server.state import ServerState, check_key, error_event, fail, server_of, sse_response
 from minisgl.server.streams import (
     close_stream,
     first_item,
@@ -189,152 +190,167 @@ class _Output:
         return {"text": self.text, "output_ids": list(self.ids), "meta_info": meta}
 
 
-def native_router(
-    server: Any,
-    check_key: Callable[[Request], Awaitable[None]],
-    fail: Callable[..., Response],
-    error_event: Callable[[BaseException], str],
-) -> APIRouter:
-    """SGLang's routes over `server` (app._Server), with the app's API-key check and error answers."""
-    router = APIRouter()
+router = APIRouter()
 
-    @router.post("/generate", dependencies=[Depends(check_key)])
-    async def generate(request: Request) -> Response:
-        timer = server.metrics.request("generate")
-        started = time.perf_counter()
-        try:
-            body = await json_object(request)
-            unknown = sorted(k for k, v in body.items() if k not in _FIELDS and v not in (None, False))
-            if unknown:
-                raise InvalidRequestError(f"unsupported fields for this server: {unknown}")
-            prompts, batch = _prompts(body)
-            k = len(prompts)
-            want_lp = _per_prompt(body.get("return_logprob") or False, k, "return_logprob")
-            top = _int(body.get("top_logprobs_num"), 0, "top_logprobs_num", lo=0)
-            start = _int(body.get("logprob_start_len"), -1, "logprob_start_len", lo=-1)
-            rids = _per_prompt(body.get("rid"), k, "rid")
-            rids = [r or f"gen-{uuid.uuid4().hex}" for r in rids]
-            if len(set(rids)) != k:
-                raise InvalidRequestError("rid must be unique per prompt")
-            requests = []
-            for prompt, d, on, rid in zip(
-                prompts, _per_prompt(body.get("sampling_params"), k, "sampling_params"), want_lp, rids
-            ):
-                lp = {"on": bool(on), "top": top, "start": start, "text": bool(body.get("return_text_in_logprobs"))}
-                params, no_trim = sampling_params(d, top if on else None, top if on and start >= 0 else None)
-                outs = [_Output(rid if params.n == 1 else f"{rid}-{i}", no_trim, lp) for i in range(params.n)]
-                requests.append((prompt, params, rid, outs))
-            many = batch or any(params.n > 1 for _, params, _, _ in requests)
-            if body.get("stream"):
-                streams = [server.client.stream(p, params, rid=rid) for p, params, rid, _ in requests]
-                return await _stream(streams, requests, many, started, timer)
-            results = await unless_disconnected(
-                request, gather_all([server.client.generate(p, params, rid=rid) for p, params, rid, _ in requests])
-            )
-        except BaseException as e:  # noqa: BLE001 - typed HTTP errors (fail re-raises cancellation)
-            return fail(timer, e)
-        answers, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
-        for (_, params, _, outs), result in zip(requests, results):
-            for out, o in zip(outs, result.outputs):
-                out.usage = result.usage
-                out.prompt_logprobs = result.prompt_logprobs
-                kept = await _kept_stop_token(out, params, o.finish_reason, o.matched_stop)
-                out.add(o.text + kept, o.token_ids, o.logprobs, o.finish_reason, o.matched_stop)
-                answers.append(out.json(started))
-            prompt_tokens += result.usage.prompt_tokens
-            completion_tokens += result.usage.completion_tokens
-            cached += result.usage.cached_tokens
-        timer.done(200, prompt_tokens, completion_tokens, cached)
-        return JSONResponse(answers if many else answers[0])
+_Request = tuple[Any, SamplingParams, str, "list[_Output]"]  # prompt, params, rid, one _Output per sample
 
-    async def _kept_stop_token(out: _Output, params: Any, reason: str | None, matched: Any) -> str:
-        """SGLang's no_stop_trim keeps the text of the stop token that ended the answer (the daemon leaves it out)."""
-        if out.no_stop_trim and reason == "stop" and isinstance(matched, int):
-            return await server.client.detokenize([matched], skip_special_tokens=params.skip_special_tokens)
-        return ""
 
-    async def _stream(streams: list[Any], requests: list[Any], many: bool, started: float, timer: Any) -> Response:
-        merged = merge_streams(streams)
-        first, _ = await first_item(merged)  # an error before any output is an HTTP error, not a 200
-        offsets = [0]
-        for _, _, _, outs in requests[:-1]:
-            offsets.append(offsets[-1] + len(outs))
+def _requests(body: dict[str, Any]) -> tuple[list[_Request], bool]:
+    """The requests of a GenerateReqInput body (one per prompt) and whether the answer is a list."""
+    unknown = sorted(k for k, v in body.items() if k not in _FIELDS and v not in (None, False))
+    if unknown:
+        raise InvalidRequestError(f"unsupported fields for this server: {unknown}")
+    prompts, batch = _prompts(body)
+    k = len(prompts)
+    want_lp = _per_prompt(body.get("return_logprob") or False, k, "return_logprob")
+    top = _int(body.get("top_logprobs_num"), 0, "top_logprobs_num", lo=0)
+    start = _int(body.get("logprob_start_len"), -1, "logprob_start_len", lo=-1)
+    rids = _per_prompt(body.get("rid"), k, "rid")
+    rids = [r or f"gen-{uuid.uuid4().hex}" for r in rids]
+    if len(set(rids)) != k:
+        raise InvalidRequestError("rid must be unique per prompt")
+    requests = []
+    for prompt, d, on, rid in zip(
+        prompts, _per_prompt(body.get("sampling_params"), k, "sampling_params"), want_lp, rids
+    ):
+        lp = {"on": bool(on), "top": top, "start": start, "text": bool(body.get("return_text_in_logprobs"))}
+        params, no_trim = sampling_params(d, top if on else None, top if on and start >= 0 else None)
+        outs = [_Output(rid if params.n == 1 else f"{rid}-{i}", no_trim, lp) for i in range(params.n)]
+        requests.append((prompt, params, rid, outs))
+    return requests, batch or any(params.n > 1 for _, params, _, _ in requests)
 
-        async def events() -> AsyncIterator[str]:
-            item, totals = first, [0, 0, 0]
-            try:
-                while item is not None:
-                    i, chunk = item
-                    out = requests[i][3][chunk.index]
-                    if chunk.prompt_logprobs is not None:
-                        out.prompt_logprobs = chunk.prompt_logprobs
-                    if chunk.usage is not None:  # the request's last chunk: every sequence of it has its usage
-                        for o in requests[i][3]:
-                            o.usage = chunk.usage
-                        totals = [a + b for a, b in zip(totals, chunk.usage)]
-                    kept = await _kept_stop_token(out, requests[i][1], chunk.finish_reason, chunk.matched_stop)
-                    out.add(chunk.text + kept, chunk.token_ids, chunk.logprobs, chunk.finish_reason, chunk.matched_stop)
-                    payload = out.json(started)
-                    if many:
-                        payload["index"] = offsets[i] + chunk.index
-                    yield f"data: {json.dumps(payload)}\n\n"
-                    item = await anext(merged, None)
-                yield "data: [DONE]\n\n"
-                timer.done(200, totals[0], totals[1], totals[2])
-            except Exception as e:  # noqa: BLE001 - after the first event an error travels in the stream
-                timer.done(500)
-                yield error_event(e)
-            except BaseException:
-                timer.done(499)  # the HTTP client went away: closing the stream below aborts the request
-                raise
-            finally:
-                await close_stream(merged)
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    @router.get("/get_model_info", dependencies=[Depends(check_key)])
-    async def get_model_info() -> Response:
-        info = await server.info()
-        return JSONResponse(
-            {
-                "model_path": info.get("path") or info.get("name"),
-                "tokenizer_path": info.get("path") or info.get("name"),
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": "default",
-                "has_image_understanding": False,
-                "has_audio_understanding": False,
-                "model_type": info.get("model_type"),
-                "architectures": [info["architecture"]] if info.get("architecture") else None,
-            }
+@router.post("/generate", dependencies=[Depends(check_key)])
+async def generate(request: Request) -> Response:
+    server = server_of(request)
+    timer = server.metrics.request("generate")
+    started = time.perf_counter()
+    try:
+        body = await json_object(request)
+        requests, many = _requests(body)
+        if body.get("stream"):
+            streams = [server.client.stream(p, params, rid=rid) for p, params, rid, _ in requests]
+            return await _stream(server, streams, requests, many, started, timer)
+        results = await unless_disconnected(
+            request, gather_all([server.client.generate(p, params, rid=rid) for p, params, rid, _ in requests])
         )
+    except BaseException as e:  # noqa: BLE001 - typed HTTP errors (fail re-raises cancellation)
+        return fail(timer, e)
+    answers, totals = [], [0, 0, 0]
+    for (_, params, _, outs), result in zip(requests, results):
+        for out, o in zip(outs, result.outputs):
+            out.usage = result.usage
+            out.prompt_logprobs = result.prompt_logprobs
+            kept = await _kept_stop_token(server, out, params, o.finish_reason, o.matched_stop)
+            out.add(o.text + kept, o.token_ids, o.logprobs, o.finish_reason, o.matched_stop)
+            answers.append(out.json(started))
+        totals = [a + b for a, b in zip(totals, result.usage)]
+    timer.done(200, *totals)
+    return JSONResponse(answers if many else answers[0])
 
-    @router.get("/get_server_info", dependencies=[Depends(check_key)])
-    async def get_server_info() -> Response:
-        from minisgl import __version__
 
-        info = await server.info()
-        stats = await server.client.stats()
-        return JSONResponse(
-            {
-                **(info.get("config") or {}),
-                "served_model_name": server.model_name,
-                "version": __version__,
-                "context_length": info.get("context_length"),
-                "page_size": info.get("page_size"),  # the resolved one
-                "internal_states": [dict(stats)],
-            }
+async def _kept_stop_token(server: ServerState, out: _Output, params: Any, reason: str | None, matched: Any) -> str:
+    """SGLang's no_stop_trim keeps the text of the stop token that ended the answer (the daemon leaves it out)."""
+    if out.no_stop_trim and reason == "stop" and isinstance(matched, int):
+        return await server.client.detokenize([matched], skip_special_tokens=params.skip_special_tokens)
+    return ""
+
+
+async def _stream(
+    server: ServerState, streams: list[Any], requests: list[_Request], many: bool, started: float, timer: Any
+) -> Response:
+    merged = merge_streams(streams)
+    first, _ = await first_item(merged)  # an error before any output is an HTTP error, not a 200
+    return sse_response(_events(server, merged, first, requests, many, started, timer))
+
+
+async def _events(
+    server: ServerState,
+    merged: Any,
+    first: Any,
+    requests: list[_Request],
+    many: bool,
+    started: float,
+    timer: Any,
+) -> AsyncIterator[str]:
+    """SGLang's stream: per chunk, the sequence's answer so far; a batch's events carry their sequence's index."""
+    offsets = [0]
+    for _, _, _, outs in requests[:-1]:
+        offsets.append(offsets[-1] + len(outs))
+    item, totals = first, [0, 0, 0]
+    try:
+        while item is not None:
+            i, chunk = item
+            out = requests[i][3][chunk.index]
+            if chunk.prompt_logprobs is not None:
+                out.prompt_logprobs = chunk.prompt_logprobs
+            if chunk.usage is not None:  # the request's last chunk: every sequence of it has its usage
+                for o in requests[i][3]:
+                    o.usage = chunk.usage
+                totals = [a + b for a, b in zip(totals, chunk.usage)]
+            kept = await _kept_stop_token(server, out, requests[i][1], chunk.finish_reason, chunk.matched_stop)
+            out.add(chunk.text + kept, chunk.token_ids, chunk.logprobs, chunk.finish_reason, chunk.matched_stop)
+            payload = out.json(started)
+            if many:
+                payload["index"] = offsets[i] + chunk.index
+            yield f"data: {json.dumps(payload)}\n\n"
+            item = await anext(merged, None)
+        yield "data: [DONE]\n\n"
+        timer.done(200, totals[0], totals[1], totals[2])
+    except Exception as e:  # noqa: BLE001 - after the first event an error travels in the stream
+        timer.done(500)
+        yield error_event(e)
+    except BaseException:
+        timer.done(499)  # the HTTP client went away: closing the stream below aborts the request
+        raise
+    finally:
+        await close_stream(merged)
+
+
+@router.get("/get_model_info", dependencies=[Depends(check_key)])
+async def get_model_info(request: Request) -> Response:
+    info = await server_of(request).info()
+    return JSONResponse(
+        {
+            "model_path": info.get("path") or info.get("name"),
+            "tokenizer_path": info.get("path") or info.get("name"),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": info.get("model_type"),
+            "architectures": [info["architecture"]] if info.get("architecture") else None,
+        }
+    )
+
+
+@router.get("/get_server_info", dependencies=[Depends(check_key)])
+async def get_server_info(request: Request) -> Response:
+    from minisgl import __version__
+
+    server = server_of(request)
+    info = await server.info()
+    stats = await server.client.stats()
+    return JSONResponse(
+        {
+            **(info.get("config") or {}),
+            "served_model_name": server.model_name,
+            "version": __version__,
+            "context_length": info.get("context_length"),
+            "page_size": info.get("page_size"),  # the resolved one
+            "internal_states": [dict(stats)],
+        }
+    )
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Healthy when the daemon generates: one token of a one-token prompt (SGLang's deep health check)."""
+    try:
+        await server_of(request).client.generate(
+            [0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), timeout=20.0
         )
-
-    @router.get("/health_generate")
-    async def health_generate() -> Response:
-        """Healthy when the daemon generates: one token of a one-token prompt (SGLang's deep health check)."""
-        try:
-            await server.client.generate(
-                [0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), timeout=20.0
-            )
-        except Exception:  # noqa: BLE001 - whatever the cause, the server cannot serve now
-            return Response(status_code=503)
-        return Response(status_code=200)
-
-    return router
+    except Exception:  # noqa: BLE001 - whatever the cause, the server cannot serve now
+        return Response(status_code=503)
+    return Response(status_code=200)

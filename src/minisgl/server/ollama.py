@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
+from minisgl.server.state import ServerState, api_error, check_key, server_of
 from minisgl.server.streams import ClientDisconnected, close_stream, first_item, json_object, unless_disconnected
 from minisgl.tokenizer import flatten_message
 
@@ -156,248 +157,258 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def ollama_router(
-    server: Any, check_key: Callable[[Request], Awaitable[None]], api_error: Callable[[BaseException], Any]
-) -> APIRouter:
-    """The /api routes over `server` (app._Server: the daemon client, the model's name and facts), with the
-    app's API-key check and error mapping."""
-    api = APIRouter(prefix="/api", dependencies=[Depends(check_key)])
-    model_name = server.model_name
-
-    async def _body(request: Request) -> dict[str, Any]:
-        body = await json_object(request)
-        model = body.get("model")
-        if model and model != model_name:
-            names = {model, model.removesuffix(":latest")}  # Ollama's tag defaults to "latest": "m" is "m:latest"
-            info = await server.info()
-            if not names & {model_name, info.get("name"), info.get("path")}:
-                raise _NotFound(f"model '{model}' not found: this server serves '{model_name}'")
-        return body
-
-    def _loaded(body: dict[str, Any], piece: dict[str, Any]) -> Response:
-        """Ollama's answer to a request with nothing to generate, its way to load a model (kept loaded here: the
-        daemon serves other clients too)."""
-        return JSONResponse(
-            {
-                "model": body.get("model") or model_name,
-                "created_at": _now(),
-                **piece,
-                "done": True,
-                "done_reason": "load",
-            }
-        )
-
-    async def _run(
-        request: Request, prompt: Any, body: dict[str, Any], shape: Callable[..., dict[str, Any]]
-    ) -> Response:
-        """Run one request; stream NDJSON lines (Ollama's default) or answer with one object."""
-        kwargs = dict(
-            sampling_params=sampling_params(body),
-            response_format=response_format(body.get("format")),
-            rid=f"ollama-{uuid.uuid4().hex}",
-        )
-        if isinstance(prompt, list):
-            kwargs["tools"] = body.get("tools") or None
-            if body.get("think") is not None:
-                kwargs["chat_template_kwargs"] = {"enable_thinking": bool(body["think"])}
-        clock = _Clock()
-        base = {"model": body.get("model") or model_name}
-        if body.get("stream", True):
-            stream = server.client.stream(prompt, **kwargs)
-            first, _ = await first_item(stream)  # an error before any output is an HTTP error, not a 200
-
-            async def lines() -> AsyncIterator[bytes]:
-                from minisgl.client import merge_tool_calls
-
-                chunk, calls = first, []  # tool calls go out whole, on the last line (Ollama sends no fragments)
-                try:
-                    while chunk is not None:
-                        clock.token()
-                        last = chunk.usage is not None
-                        merge_tool_calls(calls, chunk.tool_calls or [])
-                        piece = shape(chunk.text, chunk.reasoning, _tool_calls(calls) if last else None)
-                        done = clock.stats(chunk.usage, chunk.finish_reason) if last else {"done": False}
-                        yield (json.dumps({**base, "created_at": _now(), **piece, **done}) + "\n").encode()
-                        chunk = await anext(stream, None)
-                except Exception as e:  # noqa: BLE001 - after the first line an error travels in the stream
-                    yield (json.dumps({"error": str(api_error(e).message)}) + "\n").encode()
-                finally:
-                    await close_stream(stream)
-
-            return StreamingResponse(lines(), media_type="application/x-ndjson")
-        # Streamed underneath too: the first chunk's time splits prompt evaluation from generation (eval_duration).
-        whole = _gather(server.client.stream(prompt, **kwargs), clock)
-        text, reasoning, calls, last = await unless_disconnected(request, whole)
-        piece = shape(text, reasoning, _tool_calls(calls))
-        return JSONResponse({**base, "created_at": _now(), **piece, **clock.stats(last.usage, last.finish_reason)})
-
-    def _route(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-        async def wrapped(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except _NotFound as e:
-                return _error(404, str(e))
-            except ClientDisconnected:  # nobody reads the answer; the request was aborted
-                return Response(status_code=499)
-            except Exception as e:  # noqa: BLE001 - Ollama's error shape, with the status of the error's kind
-                err = api_error(e)
-                return _error(err.status, err.message)
-
-        return wrapped
-
-    @api.post("/chat")
-    @_route
-    async def chat(request: Request) -> Response:
-        body = await _body(request)
-        if not body.get("messages"):  # no messages: Ollama's way to load a model
-            return _loaded(body, {"message": {"role": "assistant", "content": ""}})
-        messages = chat_messages(body.get("messages"))
-
-        def shape(text: str, reasoning: str, calls: list[dict[str, Any]] | None) -> dict[str, Any]:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if reasoning:
-                message["thinking"] = reasoning
-            if calls:
-                message["tool_calls"] = calls
-            return {"message": message}
-
-        return await _run(request, messages, body, shape)
-
-    @api.post("/generate")
-    @_route
-    async def generate(request: Request) -> Response:
-        body = await _body(request)
-        prompt = body.get("prompt") or ""
-        if not isinstance(prompt, str):
-            raise InvalidRequestError("prompt must be a string")
-        if body.get("images"):
-            raise InvalidRequestError("images are not supported (text only)")
-        if body.get("suffix"):
-            raise InvalidRequestError("suffix (fill-in-the-middle) is not supported")
-        if body.get("context"):
-            raise InvalidRequestError(
-                "context (the deprecated token context of an earlier answer) is not supported: "
-                "send the conversation to /api/chat"
-            )
-        if not isinstance(body.get("system") or "", str):
-            raise InvalidRequestError("system must be a string")
-        if not prompt:  # Ollama's way to load a model: nothing to generate
-            return _loaded(body, {"response": ""})
-        info = await server.info()
-        if body.get("raw") or not info.get("has_chat_template"):
-            target: Any = prompt
-        else:
-            system = body.get("system")
-            target = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-
-        def shape(text: str, reasoning: str, calls: list[dict[str, Any]] | None) -> dict[str, Any]:
-            return {"response": text, **({"thinking": reasoning} if reasoning else {})}
-
-        return await _run(request, target, body, shape)
-
-    async def _model_entry() -> dict[str, Any]:
-        info = await server.info()
-        details = {
-            "format": "gguf" if str(info.get("path", "")).endswith(".gguf") else "safetensors",
-            "family": info.get("model_type") or "",
-            "families": [info.get("model_type") or ""],
-            "parameter_size": "",
-            "quantization_level": info.get("dtype") or "",
-        }
-        return {
-            "name": model_name,
-            "model": model_name,
-            "modified_at": _now(),
-            "size": 0,
-            "digest": "",
-            "details": details,
-        }
-
-    @api.post("/embed")
-    @_route
-    async def embed(request: Request) -> Response:
-        body = await _body(request)
-        inputs = body.get("input")
-        if isinstance(inputs, str):
-            inputs = [inputs]
-        if not isinstance(inputs, list) or not inputs or not all(isinstance(x, str) and x for x in inputs):
-            raise InvalidRequestError("input must be a non-empty string or a list of non-empty strings")
-        truncate = body.get("truncate", True)
-        if not isinstance(truncate, bool):
-            raise InvalidRequestError("truncate must be true or false")
-        if body.get("dimensions") is not None:
-            raise InvalidRequestError("dimensions is not supported: the embedding has the model's hidden size")
-        start = time.perf_counter()
-        if truncate:  # Ollama's default: an input longer than the context is cut to fit, not refused
-            info, stats = await server.info(), await server.client.stats()  # the KV pool may hold less than a context
-            limit = min(int(info["context_length"]), stats["total_pages"] * int(info.get("page_size") or 1)) - 1
-            # Tokenized once here (concurrently); the daemon then embeds the ids as they are.
-            inputs = [ids[:limit] for ids in await asyncio.gather(*(server.client.tokenize(t) for t in inputs))]
-        out = await unless_disconnected(request, server.client.embed(inputs))
-        return JSONResponse(
-            {
-                "model": body.get("model") or model_name,
-                "embeddings": [e.embedding for e in out],
-                "total_duration": int((time.perf_counter() - start) * 1e9),
-                "load_duration": 0,
-                "prompt_eval_count": sum(e.prompt_tokens for e in out),
-            }
-        )
-
-    @api.post("/embeddings")
-    @_route
-    async def embeddings(request: Request) -> Response:  # Ollama's older route: one prompt, one vector
-        body = await _body(request)
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise InvalidRequestError("prompt must be a non-empty string")
-        out = await unless_disconnected(request, server.client.embed(prompt))
-        return JSONResponse({"embedding": out[0].embedding})
-
-    @api.get("/tags")
-    @_route
-    async def tags(request: Request) -> Response:
-        return JSONResponse({"models": [await _model_entry()]})
-
-    @api.get("/ps")
-    @_route
-    async def ps(request: Request) -> Response:
-        return JSONResponse(
-            {"models": [{**await _model_entry(), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]}
-        )
-
-    @api.post("/show")
-    @_route
-    async def show(request: Request) -> Response:
-        await _body(request)
-        info = await server.info()
-        arch = info.get("model_type") or "unknown"
-        entry = await _model_entry()
-        capabilities = ["completion"] + (["tools"] if info.get("has_chat_template") else [])
-        return JSONResponse(
-            {
-                "modelfile": "",
-                "parameters": "",
-                "template": "",
-                "details": entry["details"],
-                "model_info": {
-                    "general.architecture": arch,
-                    f"{arch}.context_length": info.get("context_length"),
-                    f"{arch}.vocab_size": info.get("vocab_size"),
-                },
-                "capabilities": capabilities,
-                "modified_at": entry["modified_at"],
-            }
-        )
-
-    @api.get("/version")
-    async def version() -> Response:
-        from minisgl import __version__
-
-        return JSONResponse({"version": __version__})
-
-    return api
+router = APIRouter(prefix="/api", dependencies=[Depends(check_key)])
 
 
 class _NotFound(Exception):
     pass
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    """The JSON body; a model other than the served one is a 404 (Ollama's "model not found")."""
+    body = await json_object(request)
+    model, server = body.get("model"), server_of(request)
+    if model and model != server.model_name:
+        names = {model, model.removesuffix(":latest")}  # Ollama's tag defaults to "latest": "m" is "m:latest"
+        info = await server.info()
+        if not names & {server.model_name, info.get("name"), info.get("path")}:
+            raise _NotFound(f"model '{model}' not found: this server serves '{server.model_name}'")
+    return body
+
+
+def _loaded(model: str, piece: dict[str, Any]) -> Response:
+    """Ollama's answer to a request with nothing to generate, its way to load a model (kept loaded here: the
+    daemon serves other clients too)."""
+    return JSONResponse({"model": model, "created_at": _now(), **piece, "done": True, "done_reason": "load"})
+
+
+_Shape = Callable[[str, str, "list[dict[str, Any]] | None"], dict[str, Any]]
+
+
+async def _run(request: Request, prompt: Any, body: dict[str, Any], shape: _Shape) -> Response:
+    """Run one request; stream NDJSON lines (Ollama's default) or answer with one object."""
+    server = server_of(request)
+    kwargs = dict(
+        sampling_params=sampling_params(body),
+        response_format=response_format(body.get("format")),
+        rid=f"ollama-{uuid.uuid4().hex}",
+    )
+    if isinstance(prompt, list):
+        kwargs["tools"] = body.get("tools") or None
+        if body.get("think") is not None:
+            kwargs["chat_template_kwargs"] = {"enable_thinking": bool(body["think"])}
+    clock = _Clock()
+    base = {"model": body.get("model") or server.model_name}
+    if body.get("stream", True):
+        stream = server.client.stream(prompt, **kwargs)
+        first, _ = await first_item(stream)  # an error before any output is an HTTP error, not a 200
+        return StreamingResponse(_lines(stream, first, base, shape, clock), media_type="application/x-ndjson")
+    # Streamed underneath too: the first chunk's time splits prompt evaluation from generation (eval_duration).
+    whole = _gather(server.client.stream(prompt, **kwargs), clock)
+    text, reasoning, calls, last = await unless_disconnected(request, whole)
+    piece = shape(text, reasoning, _tool_calls(calls))
+    return JSONResponse({**base, "created_at": _now(), **piece, **clock.stats(last.usage, last.finish_reason)})
+
+
+async def _lines(stream: Any, first: Any, base: dict[str, Any], shape: _Shape, clock: _Clock) -> AsyncIterator[bytes]:
+    """The NDJSON lines of a streamed answer; tool calls go out whole, on the last line (Ollama sends no fragments)."""
+    from minisgl.client import merge_tool_calls
+
+    chunk, calls = first, []
+    try:
+        while chunk is not None:
+            clock.token()
+            last = chunk.usage is not None
+            merge_tool_calls(calls, chunk.tool_calls or [])
+            piece = shape(chunk.text, chunk.reasoning, _tool_calls(calls) if last else None)
+            done = clock.stats(chunk.usage, chunk.finish_reason) if last else {"done": False}
+            yield (json.dumps({**base, "created_at": _now(), **piece, **done}) + "\n").encode()
+            chunk = await anext(stream, None)
+    except Exception as e:  # noqa: BLE001 - after the first line an error travels in the stream
+        yield (json.dumps({"error": str(api_error(e).message)}) + "\n").encode()
+    finally:
+        await close_stream(stream)
+
+
+def _route(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """Ollama's error shape ({"error": message}) with the status of the error's kind."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except _NotFound as e:
+            return _error(404, str(e))
+        except ClientDisconnected:  # nobody reads the answer; the request was aborted
+            return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 - Ollama's error shape, with the status of the error's kind
+            err = api_error(e)
+            return _error(err.status, err.message)
+
+    return wrapped
+
+
+def _chat_shape(text: str, reasoning: str, calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning:
+        message["thinking"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    return {"message": message}
+
+
+def _generate_shape(text: str, reasoning: str, calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+    return {"response": text, **({"thinking": reasoning} if reasoning else {})}
+
+
+@router.post("/chat")
+@_route
+async def chat(request: Request) -> Response:
+    body = await _body(request)
+    if not body.get("messages"):  # no messages: Ollama's way to load a model
+        model = body.get("model") or server_of(request).model_name
+        return _loaded(model, {"message": {"role": "assistant", "content": ""}})
+    return await _run(request, chat_messages(body.get("messages")), body, _chat_shape)
+
+
+def _check_generate(body: dict[str, Any]) -> str:
+    """The prompt of an /api/generate body; the fields this server does not support are refused."""
+    prompt = body.get("prompt") or ""
+    if not isinstance(prompt, str):
+        raise InvalidRequestError("prompt must be a string")
+    if body.get("images"):
+        raise InvalidRequestError("images are not supported (text only)")
+    if body.get("suffix"):
+        raise InvalidRequestError("suffix (fill-in-the-middle) is not supported")
+    if body.get("context"):
+        raise InvalidRequestError(
+            "context (the deprecated token context of an earlier answer) is not supported: "
+            "send the conversation to /api/chat"
+        )
+    if not isinstance(body.get("system") or "", str):
+        raise InvalidRequestError("system must be a string")
+    return prompt
+
+
+@router.post("/generate")
+@_route
+async def generate(request: Request) -> Response:
+    body = await _body(request)
+    prompt, server = _check_generate(body), server_of(request)
+    if not prompt:  # Ollama's way to load a model: nothing to generate
+        return _loaded(body.get("model") or server.model_name, {"response": ""})
+    info = await server.info()
+    if body.get("raw") or not info.get("has_chat_template"):
+        target: Any = prompt
+    else:
+        system = body.get("system")
+        target = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return await _run(request, target, body, _generate_shape)
+
+
+async def _model_entry(server: ServerState) -> dict[str, Any]:
+    info = await server.info()
+    details = {
+        "format": "gguf" if str(info.get("path", "")).endswith(".gguf") else "safetensors",
+        "family": info.get("model_type") or "",
+        "families": [info.get("model_type") or ""],
+        "parameter_size": "",
+        "quantization_level": info.get("dtype") or "",
+    }
+    name = server.model_name
+    return {"name": name, "model": name, "modified_at": _now(), "size": 0, "digest": "", "details": details}
+
+
+def _embed_inputs(body: dict[str, Any]) -> tuple[list[str], bool]:
+    """An /api/embed body's inputs and whether to truncate them."""
+    inputs = body.get("input")
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(x, str) and x for x in inputs):
+        raise InvalidRequestError("input must be a non-empty string or a list of non-empty strings")
+    truncate = body.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise InvalidRequestError("truncate must be true or false")
+    if body.get("dimensions") is not None:
+        raise InvalidRequestError("dimensions is not supported: the embedding has the model's hidden size")
+    return inputs, truncate
+
+
+@router.post("/embed")
+@_route
+async def embed(request: Request) -> Response:
+    body = await _body(request)
+    inputs, truncate = _embed_inputs(body)
+    server = server_of(request)
+    start = time.perf_counter()
+    if truncate:  # Ollama's default: an input longer than the context is cut to fit, not refused
+        info, stats = await server.info(), await server.client.stats()  # the KV pool may hold less than a context
+        limit = min(int(info["context_length"]), stats["total_pages"] * int(info.get("page_size") or 1)) - 1
+        # Tokenized once here (concurrently); the daemon then embeds the ids as they are.
+        inputs = [ids[:limit] for ids in await asyncio.gather(*(server.client.tokenize(t) for t in inputs))]
+    out = await unless_disconnected(request, server.client.embed(inputs))
+    return JSONResponse(
+        {
+            "model": body.get("model") or server.model_name,
+            "embeddings": [e.embedding for e in out],
+            "total_duration": int((time.perf_counter() - start) * 1e9),
+            "load_duration": 0,
+            "prompt_eval_count": sum(e.prompt_tokens for e in out),
+        }
+    )
+
+
+@router.post("/embeddings")
+@_route
+async def embeddings(request: Request) -> Response:  # Ollama's older route: one prompt, one vector
+    body = await _body(request)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise InvalidRequestError("prompt must be a non-empty string")
+    out = await unless_disconnected(request, server_of(request).client.embed(prompt))
+    return JSONResponse({"embedding": out[0].embedding})
+
+
+@router.get("/tags")
+@_route
+async def tags(request: Request) -> Response:
+    return JSONResponse({"models": [await _model_entry(server_of(request))]})
+
+
+@router.get("/ps")
+@_route
+async def ps(request: Request) -> Response:
+    entry = await _model_entry(server_of(request))
+    return JSONResponse({"models": [{**entry, "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]})
+
+
+@router.post("/show")
+@_route
+async def show(request: Request) -> Response:
+    await _body(request)
+    server = server_of(request)
+    info = await server.info()
+    arch = info.get("model_type") or "unknown"
+    entry = await _model_entry(server)
+    capabilities = ["completion"] + (["tools"] if info.get("has_chat_template") else [])
+    return JSONResponse(
+        {
+            "modelfile": "",
+            "parameters": "",
+            "template": "",
+            "details": entry["details"],
+            "model_info": {
+                "general.architecture": arch,
+                f"{arch}.context_length": info.get("context_length"),
+                f"{arch}.vocab_size": info.get("vocab_size"),
+            },
+            "capabilities": capabilities,
+            "modified_at": entry["modified_at"],
+        }
+    )
+
+
+@router.get("/version")
+async def version() -> Response:
+    from minisgl import __version__
+
+    return JSONResponse({"version": __version__})

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
 from minisgl.server.protocol import _Request, now
+from minisgl.server.state import api_error, check_key, fail, server_of, sse_response
 from minisgl.server.streams import close_stream, first_item, unless_disconnected
 
 
@@ -161,41 +162,36 @@ class _Shape:
         }
 
 
-def responses_router(
-    server: Any,
-    check_key: Callable[[Request], Awaitable[None]],
-    fail: Callable[[Any, BaseException], Response],
-    error_event: Callable[[BaseException], dict[str, Any]],
-) -> APIRouter:
-    """POST /v1/responses over `server` (app._Server), with the app's API-key check and error answers."""
-    api = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+router = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
-    @api.post("/responses")
-    async def responses(body: ResponsesRequest, request: Request) -> Response:
-        timer = server.metrics.request("responses")
-        shape = _Shape(body, server.model_name)
-        try:
-            await server.check_model(body.model)
-            body.check()
-            kwargs = dict(sampling_params=body.sampling_params(), response_format=body.response_format(), rid=shape.id)
-            messages = body.messages()
-            if body.stream:
-                stream = server.client.stream(messages, **kwargs)
-                first = await first_item(stream)
-                return StreamingResponse(
-                    _events(shape, first, stream, timer, error_event),
-                    media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache"},
-                )
-            out = await unless_disconnected(request, server.client.generate(messages, **kwargs))
-        except BaseException as e:
-            return fail(timer, e)
-        o = out.outputs[0]
-        timer.done(200, out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.cached_tokens)
-        item = shape.message(o.text, _item_status(o.finish_reason))
-        return JSONResponse(shape.response("completed", [item], out.usage, o.finish_reason))
 
-    return api
+@router.post("/responses")
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    server = server_of(request)
+    timer = server.metrics.request("responses")
+    shape = _Shape(body, server.model_name)
+    try:
+        await server.check_model(body.model)
+        body.check()
+        kwargs = dict(sampling_params=body.sampling_params(), response_format=body.response_format(), rid=shape.id)
+        messages = body.messages()
+        if body.stream:
+            stream = server.client.stream(messages, **kwargs)
+            first = await first_item(stream)
+            return sse_response(_events(shape, first, stream, timer))
+        out = await unless_disconnected(request, server.client.generate(messages, **kwargs))
+    except BaseException as e:
+        return fail(timer, e)
+    o = out.outputs[0]
+    timer.done(200, out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.cached_tokens)
+    item = shape.message(o.text, _item_status(o.finish_reason))
+    return JSONResponse(shape.response("completed", [item], out.usage, o.finish_reason))
+
+
+def _error_fields(e: BaseException) -> dict[str, Any]:
+    """The fields of a Responses API "error" event."""
+    err = api_error(e)
+    return {"code": err.code or err.type, "message": err.message, "param": err.param}
 
 
 def _item_status(finish: str | None) -> str:
@@ -208,7 +204,6 @@ async def _events(
     first: tuple[Any, bool],
     stream: AsyncIterator[Any],
     timer: Any,
-    error_event: Callable[[BaseException], dict[str, Any]],
 ) -> AsyncIterator[str]:
     """The Responses API's event stream for one message of text (no [DONE]: the stream ends after
     response.completed, or after an error event). A response cut by max_output_tokens has status "incomplete" (and
@@ -247,7 +242,7 @@ async def _events(
             timer.done(200, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
     except Exception as e:  # noqa: BLE001 - after the first byte an error travels as an event
         status = 500
-        yield event("error", **error_event(e))
+        yield event("error", **_error_fields(e))
     except BaseException:
         status = 499  # the HTTP client went away: closing the stream below aborts the request
         raise

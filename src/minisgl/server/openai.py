@@ -1,0 +1,373 @@
+"""OpenAI's API: /v1/models, /v1/chat/completions, /v1/completions and /v1/embeddings.
+
+The routes validate the body (server/protocol.py), translate it into one Client call and translate the daemon's
+chunks back into OpenAI JSON (or SSE). Errors found before the first streamed byte are ordinary HTTP errors; after
+it they travel as an error event.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Sequence
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from minisgl.server.metrics import RequestTimer
+from minisgl.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    ModelCard,
+    ModelList,
+    TokenLogprob,
+    ToolCall,
+    TopLogprob,
+    Usage,
+    new_id,
+    now,
+)
+from minisgl.server.state import ServerState, api_error, check_key, error_event, fail, server_of, sse, sse_response
+from minisgl.server.streams import close_stream, first_item, gather_all, merge_streams, unless_disconnected
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+
+def _usage(u: Any) -> Usage:
+    """The OpenAI usage of a client Usage (prompt/completion/cached tokens); zeros when absent."""
+    if u is None:
+        return Usage.of(0, 0, 0)
+    return Usage.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+
+
+def _utf8(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(entries: Sequence[dict[str, Any]] | None) -> ChoiceLogprobs | None:
+    """The daemon's per-token logprobs ({token, logprob, top_logprobs: [{token, logprob}]}) in chat form."""
+    if not entries:
+        return None
+    content = [
+        TokenLogprob(
+            token=e["token"],
+            logprob=e["logprob"],
+            bytes=_utf8(e["token"]),
+            top_logprobs=[
+                TopLogprob(token=t["token"], logprob=t["logprob"], bytes=_utf8(t["token"]))
+                for t in e.get("top_logprobs") or []
+            ],
+        )
+        for e in entries
+    ]
+    return ChoiceLogprobs(content=content)
+
+
+def completion_logprobs(entries: Sequence[dict[str, Any]] | None, text_offset: int) -> CompletionLogprobs | None:
+    """The daemon's per-token logprobs in the legacy completions form; offsets start at text_offset."""
+    if not entries:
+        return None
+    out = CompletionLogprobs()
+    for e in entries:
+        out.tokens.append(e["token"])
+        out.token_logprobs.append(e["logprob"])
+        if e["logprob"] is None:  # an echoed prompt's first token: nothing predicts it
+            out.top_logprobs.append(None)
+        else:  # the alternatives and, as OpenAI's (up to logprobs + 1 entries), the token itself
+            top = {t["token"]: t["logprob"] for t in e.get("top_logprobs") or []}
+            top.setdefault(e["token"], e["logprob"])
+            out.top_logprobs.append(top)
+        out.text_offset.append(text_offset)
+        text_offset += len(e["token"])
+    return out
+
+
+def _chunk_json(chunk: ChatCompletionChunk | CompletionResponse, include_usage: bool) -> dict[str, Any]:
+    """OpenAI's chunk shape: deltas carry only the fields they set; usage is present iff asked for."""
+    d = chunk.model_dump()
+    for choice in d["choices"]:
+        if "delta" in choice:
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    if not include_usage:
+        d.pop("usage", None)
+    return d
+
+
+@router.get("/models")
+async def list_models(request: Request) -> ModelList:
+    server = server_of(request)
+    return ModelList(data=[ModelCard(id=server.model_name, max_model_len=await server.context_len())])
+
+
+@router.get("/models/{model:path}")
+async def get_model(model: str, request: Request) -> ModelCard:
+    server = server_of(request)
+    await server.check_model(model)
+    return ModelCard(id=server.model_name, max_model_len=await server.context_len())
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    server = server_of(request)
+    timer = server.metrics.request("chat")
+    try:
+        await server.check_model(body.model)
+        kwargs = dict(
+            sampling_params=body.to_sampling_params(),
+            tools=body.tools or None,
+            tool_choice=body.tool_choice,
+            response_format=body.response_format_dict(),
+            chat_template_kwargs=body.chat_template_kwargs,
+            parallel_tool_calls=body.parallel_tool_calls,
+        )
+        messages = body.chat_messages()
+        rid = new_id("chatcmpl")
+        if body.stream:
+            stream = server.client.stream(messages, rid=rid, **kwargs)
+            first = await first_item(stream)
+            return sse_response(_chat_events(server, body, rid, first, stream, timer))
+        out = await unless_disconnected(request, server.client.generate(messages, rid=rid, **kwargs))
+    except BaseException as e:
+        return fail(timer, e)
+    response = _chat_response(out, rid, server.model_name, body)
+    if body.prompt_logprobs is not None:
+        response.prompt_logprobs = out.prompt_logprobs  # the rendered chat prompt's tokens
+    u = response.usage
+    timer.done(200, u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens)
+    return JSONResponse(response.model_dump())
+
+
+@router.post("/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    server = server_of(request)
+    timer = server.metrics.request("embeddings")
+    try:
+        await server.check_model(body.model)
+        out = await unless_disconnected(request, server.client.embed(body.inputs()))
+    except BaseException as e:
+        return fail(timer, e)
+    data = [
+        EmbeddingData(
+            index=i, embedding=_base64_floats(e.embedding) if body.encoding_format == "base64" else e.embedding
+        )
+        for i, e in enumerate(out)
+    ]
+    tokens = sum(e.prompt_tokens for e in out)
+    timer.done(200, tokens, 0, 0)
+    response = EmbeddingResponse(
+        data=data, model=server.model_name, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+    )
+    return JSONResponse(response.model_dump())
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    server = server_of(request)
+    timer = server.metrics.request("completions")
+    try:
+        await server.check_model(body.model)
+        kwargs = dict(sampling_params=body.to_sampling_params(), response_format=body.response_format_dict())
+        prompts = body.prompts()
+        rid = new_id("cmpl")
+        rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        if body.stream:
+            streams = [server.client.stream(p, rid=r, **kwargs) for p, r in zip(prompts, rids)]
+            merged = merge_streams(streams)
+            first = await first_item(merged)
+            return sse_response(_completion_events(body, rid, server.model_name, first, merged, timer))
+        outs = await unless_disconnected(
+            request, gather_all([server.client.generate(p, rid=r, **kwargs) for p, r in zip(prompts, rids)])
+        )
+        # Echoed token-id prompts are decoded whole (as vLLM): token by token, a character split across
+        # tokens (an emoji) would come back as replacement characters.
+        echoes = None
+        if body.echo:
+            echoes = [p if isinstance(p, str) else await server.client.detokenize(p) for p in prompts]
+    except BaseException as e:
+        return fail(timer, e)
+    response = _completion_response(outs, rid, server.model_name, body, echoes)
+    u = response.usage or Usage()
+    timer.done(200, u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens)
+    return JSONResponse(response.model_dump())
+
+
+def _base64_floats(values: list[float]) -> str:
+    """OpenAI's encoding_format="base64": the vector as little-endian float32 bytes, base64-encoded."""
+    import base64
+    import struct
+
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+
+
+def _chat_finish(finish: str | None, body: ChatCompletionRequest) -> str | None:
+    """The daemon's finish reason ("tool_calls" when a call was made), as OpenAI's chat API reports it: a call
+    forced by a named tool_choice finishes with "stop" there (vLLM aligned with it too)."""
+    return "stop" if finish == "tool_calls" and isinstance(body.tool_choice, dict) else finish
+
+
+def _chat_response(out: Any, rid: str, model: str, body: ChatCompletionRequest) -> ChatCompletionResponse:
+    choices = []
+    for o in out.outputs:
+        calls = [ToolCall.model_validate(c) for c in o.tool_calls or []] or None
+        message = ChatMessage(
+            content=o.text if (o.text or not calls) else None, tool_calls=calls, reasoning_content=o.reasoning_content
+        )
+        choices.append(
+            ChatChoice(
+                index=o.index,
+                message=message,
+                logprobs=chat_logprobs(o.logprobs),
+                finish_reason=_chat_finish(o.finish_reason, body),
+            )
+        )
+    return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage(out.usage))
+
+
+def _completion_response(
+    outs: list[Any], rid: str, model: str, body: CompletionRequest, echoes: list[str] | None
+) -> CompletionResponse:
+    """One choice per prompt and sample; with echo each starts with its prompt's text, echoes[p] (and, with
+    logprobs, its prompt tokens' logprobs, offsets counted from the prompt's start)."""
+    choices = []
+    usage = Usage.of(0, 0, 0)
+    for p, out in enumerate(outs):
+        prompt_entries = out.prompt_logprobs or []
+        echoed = echoes[p] if echoes is not None else ""
+        for o in out.outputs:
+            entries = (
+                ([*prompt_entries, *(o.logprobs or [])] if body.echo else o.logprobs)
+                if body.logprobs is not None
+                else None
+            )
+            choices.append(
+                CompletionChoice(
+                    index=p * body.n + o.index,
+                    text=echoed + o.text,
+                    logprobs=completion_logprobs(entries, 0),
+                    finish_reason=o.finish_reason,
+                    prompt_logprobs=out.prompt_logprobs if body.prompt_logprobs is not None else None,
+                )
+            )
+        usage = usage + _usage(out.usage)
+    return CompletionResponse(id=rid, model=model, choices=choices, usage=usage)
+
+
+async def _chat_events(
+    server: ServerState,
+    body: ChatCompletionRequest,
+    rid: str,
+    first: tuple[Any, bool],
+    stream: AsyncIterator[Any],
+    timer: RequestTimer,
+) -> AsyncIterator[str]:
+    model, include_usage = server.model_name, body.include_usage
+    created = now()  # every chunk carries the stream's one timestamp, as OpenAI's
+    started: set[int] = set()
+    usage: Usage | None = None
+    status = 200
+
+    def event(choice: ChatChunkChoice) -> str:
+        piece = ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
+        return sse(_chunk_json(piece, include_usage))
+
+    try:
+        chunk, empty = first
+        while not empty:
+            timer.first_token()
+            index = int(chunk.index)
+            if index not in started:
+                started.add(index)
+                yield event(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+            tool_deltas, finish = chunk.tool_calls, _chat_finish(chunk.finish_reason, body)
+            logprobs = chat_logprobs(chunk.logprobs) if body.logprobs else None
+            if chunk.text or chunk.reasoning or tool_deltas or logprobs or finish:
+                delta = DeltaMessage(
+                    content=chunk.text or None,
+                    tool_calls=tool_deltas or None,
+                    reasoning_content=chunk.reasoning or None,
+                )
+                yield event(ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish))
+            if chunk.usage is not None:
+                usage = _usage(chunk.usage)
+            try:
+                chunk = await stream.__anext__()
+            except StopAsyncIteration:
+                empty = True
+        if include_usage:
+            final = ChatCompletionChunk(
+                id=rid, created=created, model=model, choices=[], usage=usage or Usage.of(0, 0, 0)
+            )
+            yield sse(_chunk_json(final, True))
+    except Exception as e:  # noqa: BLE001 - after the first byte an error can only travel in the stream
+        status = api_error(e).status
+        yield error_event(e)
+    except BaseException:
+        status = 499  # the HTTP client went away: closing the stream below aborts the request
+        raise
+    finally:
+        await close_stream(stream)
+        u = usage or Usage()
+        timer.done(status, u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens)
+    yield sse("[DONE]")
+
+
+async def _completion_events(
+    body: CompletionRequest,
+    rid: str,
+    model: str,
+    first: tuple[Any, bool],
+    merged: AsyncIterator[tuple[int, Any]],
+    timer: RequestTimer,
+) -> AsyncIterator[str]:
+    include_usage, created = body.include_usage, now()
+    usage = Usage.of(0, 0, 0)
+    offsets: dict[int, int] = {}
+    status = 200
+    try:
+        item, empty = first
+        while not empty:
+            timer.first_token()
+            p, chunk = item
+            index = p * body.n + int(chunk.index)
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(chunk.logprobs, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + len(chunk.text)
+            if chunk.text or logprobs or chunk.finish_reason:
+                choice = CompletionChoice(
+                    index=index, text=chunk.text, logprobs=logprobs, finish_reason=chunk.finish_reason
+                )
+                piece = CompletionResponse(id=rid, created=created, model=model, choices=[choice])
+                yield sse(_chunk_json(piece, include_usage))
+            if chunk.usage is not None:
+                usage = usage + _usage(chunk.usage)
+            try:
+                item = await merged.__anext__()
+            except StopAsyncIteration:
+                empty = True
+        if include_usage:
+            yield sse(
+                _chunk_json(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage), True)
+            )
+    except Exception as e:  # noqa: BLE001 - after the first byte an error can only travel in the stream
+        status = api_error(e).status
+        yield error_event(e)
+    except BaseException:
+        status = 499
+        raise
+    finally:
+        await close_stream(merged)
+        timer.done(status, usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens)
+    yield sse("[DONE]")

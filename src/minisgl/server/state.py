@@ -1,0 +1,183 @@
+"""What every router of the HTTP server shares: the app's state (the daemon client, model facts, metrics), the
+API-key check, and the HTTP form of errors (OpenAI's {"error": {...}} body with a status).
+
+Routers reach the state through `request.app.state.server` (`server_of`); nothing is captured in closures, so a
+route module needs only its router and the app that includes it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from minisgl.errors import (
+    ConfigError,
+    DaemonError,
+    InvalidRequestError,
+    OutOfMemoryError,
+    PromptTooLongError,
+    RequestAbortedError,
+    UnknownModelError,
+)
+from minisgl.server.metrics import RequestTimer, ServerMetrics
+from minisgl.server.protocol import ErrorInfo, ErrorResponse
+from minisgl.server.streams import ClientDisconnected
+
+logger = logging.getLogger("minisgl.server")
+
+_LOOPBACK_NAMES = ("localhost", "ip6-localhost")
+
+
+class APIError(Exception):
+    """An error with its HTTP status and OpenAI error type/code."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
+
+
+def api_error(e: BaseException) -> APIError:
+    """The HTTP form of an exception: 400 for bad requests, 503 when the daemon is unreachable, else 500."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, PromptTooLongError):
+        return APIError(400, str(e), "invalid_request_error", "context_length_exceeded")
+    if isinstance(e, (InvalidRequestError, OutOfMemoryError)):
+        return APIError(400, str(e), "invalid_request_error", type(e).__name__)
+    if isinstance(e, UnknownModelError):
+        return APIError(404, str(e), "invalid_request_error", "model_not_found", "model")
+    if isinstance(e, DaemonError):
+        return APIError(503, f"the minisgl daemon is unavailable: {e}", "service_unavailable", type(e).__name__)
+    if isinstance(e, RequestAbortedError):
+        return APIError(503, f"the request was aborted: {e}", "service_unavailable", type(e).__name__)
+    logger.exception("internal error", exc_info=e)
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error", type(e).__name__)
+
+
+def fail(timer: RequestTimer, e: BaseException) -> Response:
+    """The answer to a request that failed before its first byte (cancellation is re-raised, not answered)."""
+    if isinstance(e, ClientDisconnected):
+        timer.done(499)
+        return Response(status_code=499)
+    if not isinstance(e, Exception):  # cancellation and the like are not ours to answer
+        timer.done(499)
+        raise e
+    err = api_error(e)
+    timer.done(err.status)
+    return err.response()
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event of a JSON payload (or of a literal such as "[DONE]")."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def error_event(e: BaseException) -> str:
+    """An error after the first streamed byte: an SSE event with OpenAI's error body."""
+    err = api_error(e)
+    info = ErrorInfo(message=err.message, type=err.type, param=err.param, code=err.code or err.status)
+    return sse(ErrorResponse(error=info).model_dump())
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Binding anything but a loopback address needs an api_key (ConfigError otherwise)."""
+    if not is_loopback(host) and not api_key:
+        raise ConfigError(f"refusing to serve HTTP on {host!r} without an API key: pass --api-key (or bind 127.0.0.1)")
+
+
+def is_loopback(host: str) -> bool:
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class ServerState:
+    """What the routes share: the daemon client, the served model's name and facts, metrics, the API key."""
+
+    def __init__(
+        self,
+        client_address: str,
+        model_name: str,
+        api_key: str | None,
+        client_factory: Callable[[], Any] | None,
+    ) -> None:
+        self.client_address = client_address
+        self.model_name = model_name
+        self.api_key = api_key
+        self.metrics = ServerMetrics(model_name)
+        self._client_factory = client_factory
+        self.client: Any = None
+        self._info: dict[str, Any] | None = None
+
+    async def start(self) -> None:
+        # The client connects on first use, so the server can come up before the daemon is ready
+        # (/health says 503 until it is).
+        if self._client_factory is not None:
+            self.client = self._client_factory()
+        else:
+            from minisgl.client import AsyncClient
+
+            self.client = AsyncClient(model=self.model_name, address=self.client_address, auto_start=False)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    async def info(self) -> dict[str, Any]:
+        if self._info is None:
+            self._info = dict(await self.client.model_info())
+        return self._info
+
+    async def context_len(self) -> int:
+        return int((await self.info())["context_length"])
+
+    async def check_model(self, requested: str | None) -> None:
+        if not requested or requested == self.model_name:
+            return
+        info = await self.info()
+        if requested not in (info.get("name"), info.get("path")):
+            raise APIError(
+                404,
+                f"the model {requested!r} does not exist: this server serves {self.model_name!r}",
+                "invalid_request_error",
+                "model_not_found",
+                "model",
+            )
+
+
+def server_of(request: Request) -> ServerState:
+    """The app's shared state, as create_app set it."""
+    return request.app.state.server
+
+
+async def check_key(request: Request) -> None:
+    """A router dependency: with an API key set, the request needs `Authorization: Bearer <key>` (401 otherwise)."""
+    api_key = server_of(request).api_key
+    if api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(
+            401,
+            "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            "invalid_request_error",
+            "invalid_api_key",
+        )
