@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import time
+import uuid
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from typing import (
@@ -190,7 +191,7 @@ def run_async(op: Callable[Concatenate[Any, _P], Op[_R]]) -> Callable[Concatenat
 
 
 def new_rid() -> str:
-    return new_rid()
+    return uuid.uuid4().hex
 
 
 class ClientCore(ABC, Generic[_S]):
