@@ -229,6 +229,30 @@ def test_chat_without_max_tokens_may_use_the_whole_context():
     assert stand_in.calls[0]["params"].max_tokens is None
 
 
+def test_each_api_without_a_length_gets_that_apis_documented_default():
+    """The reference is each API's documentation: OpenAI's legacy completions default to 16 tokens, SGLang's
+    /generate to max_new_tokens 128; OpenAI chat, the Responses API and Ollama (num_predict -1) have no limit but
+    the context window. A completions null max_tokens is no limit too (vLLM)."""
+    stand_in = StandInClient()
+    chat = [{"role": "user", "content": "Hi"}]
+    requests = [
+        ("/v1/completions", {"prompt": "Hi"}, 16),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": None}, None),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 5}, 5),
+        ("/v1/chat/completions", {"messages": chat}, None),
+        ("/v1/responses", {"input": "Hi"}, None),
+        ("/api/chat", {"messages": chat, "stream": False}, None),
+        ("/api/chat", {"messages": chat, "stream": False, "options": {"num_predict": -1}}, None),
+        ("/api/chat", {"messages": chat, "stream": False, "options": {"num_predict": 7}}, 7),
+        ("/generate", {"text": "Hi", "stream": True}, 128),
+        ("/generate", {"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": 9}}, 9),
+    ]
+    with _app_client(stand_in) as http:
+        for path, body, _ in requests:
+            assert http.post(path, json=body).status_code == 200, (path, body)
+    assert [c["params"].max_tokens for c in stand_in.calls] == [expected for _, _, expected in requests]
+
+
 def test_chat_stream_is_sse_with_role_first_then_deltas_usage_and_done():
     with _app_client(StandInClient()) as http:
         r = http.post(

@@ -96,17 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     shell = sub.add_parser("shell", help="interactive chat with a model (/reset clears the history)")
     shell.add_argument("--system", help="a system prompt")
-    shell.add_argument("--max-tokens", type=int, default=512)
-    shell.add_argument("--temperature", type=float, default=0.7)
+    shell.add_argument("--max-tokens", type=int, help="default: 512 (API_DEFAULTS in minisgl.core)")
+    shell.add_argument("--temperature", type=float, help="default: 0.7")
     _add_client_flags(shell)
     add_engine_flags(shell)
 
     gen = sub.add_parser("generate", help="generate once, offline (in this process), and print the text")
     gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--max-tokens", type=int, help="default: 64 (API_DEFAULTS in minisgl.core)")
+    gen.add_argument("--temperature", type=float, help="default: 0 (greedy)")
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int)
     gen.add_argument("--seed", dest="sample_seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
@@ -245,6 +245,11 @@ def _duration(seconds: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def _given(**flags: Any) -> dict[str, Any]:
+    """The sampling flags given on the command line (an unset flag takes the command's default)."""
+    return {k: v for k, v in flags.items() if v is not None}
+
+
 def cmd_shell(args: argparse.Namespace) -> int:
     from minisgl.client import Client
     from minisgl.core import SamplingParams
@@ -257,7 +262,7 @@ def cmd_shell(args: argparse.Namespace) -> int:
         curve_server_key=args.curve_server_key,
         **engine_kwargs(args),
     ) as client:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        params = SamplingParams.for_api("shell", _given(max_tokens=args.max_tokens, temperature=args.temperature))
         return run_shell(client, system_prompt=args.system, sampling_params=params)
 
 
@@ -266,7 +271,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from minisgl.llm import LLM
 
     llm = LLM(args.model, **engine_kwargs(args))
-    params = SamplingParams(
+    given = _given(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -274,6 +279,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.sample_seed,
         stop=args.stop,
     )
+    params = SamplingParams.for_api("cli.generate", given)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:

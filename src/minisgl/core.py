@@ -147,19 +147,26 @@ class SamplingParams:
         return params
 
     @classmethod
-    def from_openai(cls, request: Mapping[str, Any]) -> "SamplingParams":
+    def for_api(cls, api: str, given: Mapping[str, Any]) -> "SamplingParams":
+        """Validated params of a request to `api` (a key of API_DEFAULTS): the fields given, over that API's own
+        defaults, over SamplingParams' defaults. The one place an edge's request becomes SamplingParams."""
+        return cls.from_dict({**API_DEFAULTS[api], **given})
+
+    @classmethod
+    def from_openai(cls, request: Mapping[str, Any], api: str = "openai.chat") -> "SamplingParams":
         """SamplingParams of an OpenAI-style request (chat or text completion, plus vLLM/SGLang extras).
 
         Keys that are not sampling parameters (model, messages, tools, ...) are ignored; None means
-        "not given". max_completion_tokens wins over max_tokens; without either, max_tokens is None: the
-        answer may run to the end of the context window (OpenAI's chat default), which the daemon
-        resolves. logprobs: True/False (chat, with top_logprobs alternatives) or a number of
-        alternatives (text completions).
+        "not given". max_completion_tokens wins over max_tokens; without either key, max_tokens is the API's
+        default (API_DEFAULTS: none for chat, so the answer may run to the end of the context window, which
+        the daemon resolves; 16 for legacy completions); a key given as None also means no limit (vLLM's null).
+        logprobs: True/False (chat, with top_logprobs alternatives) or a number of alternatives (text completions).
         """
         given = {k: v for k, v in request.items() if v is not None}
         d = {k: v for k, v in given.items() if k in _FIELD_NAMES}
         d.pop("max_tokens", None)
-        d["max_tokens"] = given.get("max_completion_tokens", given.get("max_tokens"))
+        if "max_completion_tokens" in request or "max_tokens" in request:
+            d["max_tokens"] = given.get("max_completion_tokens", given.get("max_tokens"))
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
         d.update(_guided_grammar(given))
@@ -168,7 +175,7 @@ class SamplingParams:
             if "top_logprobs" in given and not logprobs:
                 raise InvalidRequestError("top_logprobs needs logprobs=true")
             d["logprobs"] = int(given.get("top_logprobs") or 0) if logprobs else None
-        return cls.from_dict(d)
+        return cls.for_api(api, d)
 
     def for_prompt(self, prompt_len: int, context_length: int) -> "SamplingParams":
         """These params with an unset max_tokens resolved: the rest of the context window after the prompt."""
@@ -195,6 +202,20 @@ class SamplingParams:
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+
+# Each edge's API and the defaults that API defines, the only defaults an edge sets (SamplingParams.for_api); a field
+# not named takes SamplingParams' own default. max_tokens None: up to the end of the context window (the daemon
+# resolves it: SamplingParams.for_prompt).
+API_DEFAULTS: dict[str, dict[str, Any]] = {
+    "minisgl": {},  # Client, LLM: SamplingParams() as it is (max_tokens 16, as vLLM's SamplingParams)
+    "openai.chat": {"max_tokens": None},  # /v1/chat/completions, LangChain, LiteLLM: only the context limits it
+    "openai.completions": {"max_tokens": 16},  # OpenAI's legacy /v1/completions: 16 tokens
+    "openai.responses": {"max_tokens": None},  # /v1/responses: max_output_tokens unset is no limit
+    "ollama": {"max_tokens": None},  # /api/chat, /api/generate: num_predict -1, no limit
+    "sglang": {"max_tokens": 128},  # SGLang's /generate: max_new_tokens 128
+    "shell": {"max_tokens": 512, "temperature": 0.7},  # `minisgl shell`: a chat UI's answers
+    "cli.generate": {"max_tokens": 64, "temperature": 0.0},  # `minisgl generate`: one greedy answer
+}
 
 
 def _is_int(value: Any) -> bool:

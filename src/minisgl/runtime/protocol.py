@@ -48,7 +48,9 @@ class Generate(NamedTuple):
     prompt: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
-    params: dict[str, Any] | None = None  # SamplingParams.to_dict(); None: defaults
+    # SamplingParams.to_dict() (validated again by the daemon: the socket is a trust boundary); None: SamplingParams().
+    # Its keys are SamplingParams' fields: renaming or retyping one is a new PROTOCOL_VERSION.
+    params: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI-style tool definitions
     tool_choice: Any = None  # "auto" | "none" | "required" | {"type": "function", "function": {"name": ...}}
     response_format: dict[str, Any] | None = None  # OpenAI-style {"type": "json_object" | "json_schema" | "text", ...}

@@ -54,7 +54,6 @@ _PARAMS = {
     "sampling_seed": "seed",
 }
 _OUTPUT_ONLY = {"no_stop_trim", "spaces_between_special_tokens"}  # how the text is shown, not how it is sampled
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 # GenerateReqInput fields this server reads; others are refused unless null/false (not silently ignored).
 _FIELDS = {
     "text",
@@ -78,16 +77,13 @@ def sampling_params(d: Any, logprobs: int | None, prompt_logprobs: int | None) -
     if unknown:
         raise InvalidRequestError(f"unsupported sampling_params: {unknown}")
     params = {ours: d[theirs] for theirs, ours in _PARAMS.items() if d.get(theirs) is not None}
-    params.setdefault("max_tokens", DEFAULT_MAX_NEW_TOKENS)
-    if isinstance(params.get("stop"), str):
-        params["stop"] = [params["stop"]]
     if isinstance(params.get("json_schema"), str):
         try:
             params["json_schema"] = json.loads(params["json_schema"])
         except json.JSONDecodeError as e:
             raise InvalidRequestError(f"sampling_params.json_schema is not valid JSON: {e}") from None
     params["logprobs"], params["prompt_logprobs"] = logprobs, prompt_logprobs
-    return SamplingParams.from_dict(params), bool(d.get("no_stop_trim"))
+    return SamplingParams.for_api("sglang", params), bool(d.get("no_stop_trim"))
 
 
 def _prompts(body: dict[str, Any]) -> tuple[list[Any], bool]:

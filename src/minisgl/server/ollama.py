@@ -26,7 +26,7 @@ from minisgl.server.state import ServerState, api_error, check_key, server_of
 from minisgl.server.streams import ClientDisconnected, close_stream, first_item, json_object, unless_disconnected
 from minisgl.tokenizer import flatten_message
 
-# Ollama option -> SamplingParams.from_openai key
+# Ollama option -> SamplingParams field (num_predict apart: its negative values mean no limit)
 _OPTIONS = {
     "temperature": "temperature",
     "top_p": "top_p",
@@ -49,10 +49,8 @@ def sampling_params(body: dict[str, Any]) -> SamplingParams:
     if num_predict is not None and (isinstance(num_predict, bool) or not isinstance(num_predict, int)):
         raise InvalidRequestError(f"options.num_predict must be an integer (-1: no limit), got {num_predict!r}")
     if num_predict is not None and num_predict >= 0:  # -1 (infinite) and -2 (fill the context): to the context's end
-        if num_predict == 0:
-            raise InvalidRequestError("num_predict 0 generates nothing: give at least 1 (or -1 for no limit)")
         params["max_tokens"] = num_predict
-    return SamplingParams.from_openai(params)
+    return SamplingParams.for_api("ollama", params)
 
 
 def response_format(fmt: Any) -> dict[str, Any] | None:

@@ -111,7 +111,7 @@ class ChatCompletionRequest(_SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         """Without max_tokens the answer may run to the end of the context window (as OpenAI's): the
         daemon resolves the unset max_tokens."""
-        return SamplingParams.from_openai(dict(self))
+        return SamplingParams.from_openai(dict(self), api="openai.chat")
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The messages with OpenAI content parts flattened to text, as chat templates expect."""
@@ -129,7 +129,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for /v1/completions; null: up to the context's end (vLLM)
+    max_tokens: int | None = None  # unset: the API's default (16, API_DEFAULTS); null: up to the context's end (vLLM)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -145,11 +145,12 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported (leave it unset or equal to n)")
-        params = SamplingParams.from_openai(dict(self))
-        if self.echo and params.prompt_logprobs is None:
-            params.prompt_logprobs = 0 if self.logprobs is None else self.logprobs  # the prompt's tokens and logprobs
-            params.validate()
-        return params
+        request = dict(self)
+        if "max_tokens" not in self.model_fields_set:
+            del request["max_tokens"]  # OpenAI's default for this API applies (SamplingParams.for_api)
+        if self.echo and self.prompt_logprobs is None:
+            request["prompt_logprobs"] = 0 if self.logprobs is None else self.logprobs  # the prompt's tokens, logprobs
+        return SamplingParams.from_openai(request, api="openai.completions")
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt (text or token ids) per entry of a batched request."""

@@ -79,9 +79,8 @@ class ResponsesRequest(_Request):
         return out
 
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams.from_openai(
-            {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_output_tokens}
-        )
+        given = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_output_tokens}
+        return SamplingParams.from_openai(given, api="openai.responses")
 
     def response_format(self) -> dict[str, Any] | None:
         fmt = (self.text or {}).get("format")

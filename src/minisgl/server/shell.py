@@ -30,7 +30,7 @@ def run_shell(
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
     interactive = stdin.isatty() and stdout.isatty()
-    params = sampling_params or SamplingParams(temperature=0.7, top_p=0.9, max_tokens=512)
+    params = sampling_params or SamplingParams.for_api("shell", {})
     history: list[dict[str, str]] = []
 
     def say(text: str = "", end: str = "\n") -> None:
