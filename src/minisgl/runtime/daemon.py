@@ -30,7 +30,7 @@ from minisgl.config import EngineConfig
 from minisgl.errors import ConfigError, DaemonError, MiniSGLError
 from minisgl.runtime.addresses import Address, default_address, parse_address
 from minisgl.runtime.auth import ServerCurve, curve_dir
-from minisgl.runtime.protocol import (  # STARTUP_FAILED, startup_failure: also re-exported
+from minisgl.runtime.protocol import (
     CLIENT_MESSAGES,
     STARTUP_FAILED,
     Abort,
