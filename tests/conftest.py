@@ -4,7 +4,8 @@
 - tokenizer_dir: Path holding only SmolLM2's tokenizer (with its chat template); without the package, the
   files MINISGL_TOKENIZER_DIR names (a copy of them, on machines without the package).
 - tiny_model_dir: factory, tiny_model_dir(family) -> Path of a tiny random HF checkpoint for a family
-  in TINY_FAMILIES ("llama", "llama3" (llama3 rope scaling), "qwen2", "qwen3", "mistral"), built once
+  in TINY_FAMILIES ("llama", "llama3" (llama3 rope scaling), "qwen2", "qwen3", "mistral", and the mixtures of
+  experts "qwen3_moe" and "mixtral"), built once
   per session with fixed seeds, SmolLM2's tokenizer and a generation_config (eos from the tokenizer).
 - tiny_sharded_model_dir: the "llama" checkpoint saved in several safetensors shards with an index.
 - paged_runner: factory, paged_runner(model, model_config, page_size) -> PagedRunner that runs a
@@ -21,7 +22,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-TINY_FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+TINY_FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 
 
 @pytest.fixture(scope="session")
@@ -75,7 +76,7 @@ def tokenizer_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
 
 
 def _tiny_hf_config(family: str, vocab_size: int, bos: int, eos: int) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -144,6 +145,37 @@ def _tiny_hf_config(family: str, vocab_size: int, bos: int, eos: int) -> Any:
             num_attention_heads=4,
             num_key_value_heads=1,
             head_dim=16,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            **common,
+        )
+    if family == "qwen3_moe":  # 8 experts, top-2 not renormalised; layer 1 dense (mlp_only_layers)
+        return Qwen3MoeConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            **common,
+        )
+    if family == "mixtral":  # 8 experts, top-2 renormalised, in every layer
+        return MixtralConfig(
+            hidden_size=64,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
             sliding_window=None,
             tie_word_embeddings=False,
             **common,

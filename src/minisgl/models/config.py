@@ -63,6 +63,13 @@ class ModelConfig:
     hidden_act: str
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype  # the checkpoint's dtype (load_model replaces it by the dtype it runs in)
+    # Mixture of experts (0 experts: a dense model): each of moe_layers routes a token to num_experts_per_tok of
+    # num_experts SiLU-gated MLPs of width moe_intermediate_size; the other layers keep the dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    moe_layers: tuple[int, ...] = ()
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -96,6 +103,7 @@ class ModelConfig:
             hidden_act=str(getattr(text, "hidden_act", "silu")),
             eos_token_ids=eos,
             dtype=_as_dtype(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)),
+            **_moe_fields(text),
             hf_config=hf_config,
         )
 
@@ -104,3 +112,23 @@ def architecture_of(hf_config: Any) -> str:
     """The first of a transformers config's ``architectures`` ("" if it names none)."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     return archs[0] if archs else ""
+
+
+def _moe_fields(text: Any) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE / Qwen2-MoE (num_experts) or Mixtral (num_local_experts)
+    config; none for a dense one."""
+    experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
+    if experts == 0:
+        return {}
+    layers = int(text.num_hidden_layers)
+    dense = set(getattr(text, "mlp_only_layers", None) or ())
+    step = int(getattr(text, "decoder_sparse_step", None) or 1)
+    # Mixtral: every layer sparse, experts as wide as intermediate_size, weights always renormalised.
+    mixtral = getattr(text, "moe_intermediate_size", None) is None
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(text.num_experts_per_tok),
+        moe_intermediate_size=int(text.intermediate_size if mixtral else text.moe_intermediate_size),
+        norm_topk_prob=True if mixtral else bool(getattr(text, "norm_topk_prob", False)),
+        moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+    )

@@ -1,4 +1,5 @@
-"""Llama-family decoder: Llama, Mistral (dense), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k norm).
+"""Llama-family decoder: Llama, Mistral (dense), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k norm); the
+mixture-of-experts members (models/moe.py) swap the MLP of their sparse layers for layers/moe.py's FusedMoE.
 
 Protocol the engine relies on:
   forward(input_ids [T] int64, positions [T] int64) -> hidden [T, hidden_size]
@@ -29,6 +30,7 @@ from minisgl.layers import (
     VocabParallelEmbedding,
 )
 from minisgl.layers.fused_qkv import fused_qkv
+from minisgl.layers.moe import FusedMoE
 from minisgl.models.config import ModelConfig
 
 # HF checkpoint name fragment -> (our fused parameter fragment, shard id).
@@ -110,7 +112,17 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, rotary)
-        self.mlp = LlamaMLP(config)
+        self.mlp: nn.Module
+        if layer_id in config.moe_layers:
+            self.mlp = FusedMoE(
+                config.hidden_size,
+                config.moe_intermediate_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.norm_topk_prob,
+            )
+        else:
+            self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -186,19 +198,22 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def parameter_for(self, hf_name: str) -> tuple[str, int | str | tuple[int, int] | None]:
+        """(our parameter's name, shard id) of a checkpoint tensor: fused q/k/v and gate/up take a shard each."""
+        for hf_part, our_part, sid in _STACKED:
+            if hf_part in hf_name:
+                return hf_name.replace(hf_part, our_part), sid
+        return hf_name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
-        loaded: set[tuple[str, int | str | None]] = set()
+        loaded: set[tuple[str, int | str | tuple[int, int] | None]] = set()
         for hf_name, tensor in weights:
             if "rotary_emb.inv_freq" in hf_name:
                 continue  # derived from the config
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # the same tensor as embed_tokens
-            name, shard_id = hf_name, None
-            for hf_part, our_part, sid in _STACKED:
-                if hf_part in hf_name:
-                    name, shard_id = hf_name.replace(hf_part, our_part), sid
-                    break
+            name, shard_id = self.parameter_for(hf_name)
             param = params.get(name)
             if param is None:
                 raise WeightsError(

@@ -19,6 +19,8 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "minisgl.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "minisgl.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "minisgl.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "minisgl.models.moe:MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "minisgl.models.moe:MoeForCausalLM",
 }
 
 _registered: dict[str, Any] = {}  # name -> class or "module:Class"

@@ -1,0 +1,87 @@
+"""Mixture-of-experts MLP: a softmax router picks top_k of num_experts SiLU-gated MLPs per token.
+
+The experts' weights are stacked at load time: gate_up_proj [E, 2 * I, H] (gate rows, then up rows) and
+down_proj [E, H, I]. Under tensor parallelism each expert's intermediate dimension I is split across the
+ranks like the dense MLP's, so every rank holds every expert and a layer needs one all-reduce.
+
+On CUDA one fused path runs (layers/fused_moe.py: routing kernel, tokens grouped by expert on the GPU, two
+grouped GEMMs); elsewhere a plain loop over the experts that received tokens, in expert order like HF's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.errors import WeightsError
+from minisgl.layers.linear import ReplicatedLinear, copy_checked, divide
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] float32, expert ids [T, top_k]): the top_k of the softmax over the experts."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def experts_loop(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), one matmul pair per expert that received tokens."""
+    out = torch.zeros_like(x)
+    weights = weights.to(x.dtype)
+    counts = torch.bincount(ids.flatten(), minlength=gate_up.shape[0]).tolist()
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        token, slot = torch.where(ids == expert)
+        gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[expert])
+        out.index_add_(0, token, y * weights[token, slot, None])
+    return out
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer; forward(x [T, H]) -> [T, H] (this rank's partial sums if reduce=False)."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool
+    ) -> None:
+        super().__init__()
+        tp = get_tp_info()
+        self.tp_rank = tp.rank
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.inter = divide(intermediate_size, tp.size)
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)  # the router
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
+        self.gate_up_proj.weight_loader = self.weight_loader
+        self.down_proj.weight_loader = self.weight_loader
+        # One checkpoint tensor per (expert, projection): gate (0) and up (1) into gate_up, down into down_proj.
+        self.gate_up_proj.shard_ids = tuple((e, j) for e in range(num_experts) for j in (0, 1))
+        self.down_proj.shard_ids = tuple((e, 2) for e in range(num_experts))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        if not (isinstance(shard_id, tuple) and 0 <= shard_id[0] < self.num_experts):
+            raise WeightsError(f"expert weights load one (expert, projection) at a time, got shard {shard_id!r}")
+        expert, proj = shard_id
+        size = self.inter
+        if proj == 2:  # down [H, I]: this rank's columns
+            copy_checked(param[expert], loaded.narrow(1, self.tp_rank * size, size))
+        else:  # gate or up [I, H]: this rank's rows, into its half of gate_up
+            copy_checked(param[expert].narrow(0, proj * size, size), loaded.narrow(0, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        router_logits = self.gate(x)
+        if x.is_cuda:
+            from minisgl.layers.fused_moe import fused_moe
+
+            out = fused_moe(x, router_logits, self.gate_up_proj, self.down_proj, self.top_k, self.renormalize)
+        else:
+            weights, ids = route(router_logits, self.top_k, self.renormalize)
+            out = experts_loop(x, weights, ids, self.gate_up_proj, self.down_proj)
+        return all_reduce(out) if reduce else out
