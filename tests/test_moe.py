@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_llm import GREEDY, assert_parity, hf_greedy, make_prompts
 
 from minisgl import LLM
 from minisgl.models import load_model
+from test_llm import GREEDY, assert_parity, hf_greedy, make_prompts
 
 FAMILIES = ["qwen3_moe", "mixtral"]
 
