@@ -1,0 +1,196 @@
+"""The fused mixture-of-experts path of layers/moe.py on a GPU, in Triton.
+
+Per layer: one kernel routes (softmax over the experts, top-k, optional renormalisation); the (token, slot)
+pairs are grouped by expert on the GPU, each expert's group padded to a multiple of the GEMM's BLOCK_M
+(`align_by_expert`: no host sync, static shapes, so a decode step replays from a CUDA graph); a grouped GEMM
+computes every pair's gate_up row, SiLU-and-mul halves it, a second grouped GEMM computes the down projection
+scaled by the pair's routing weight, and the top_k rows of each token are summed.
+
+The grouped GEMM is the design of vLLM's / SGLang's fused_moe_kernel: a program owns BLOCK_M rows of one
+expert's group and BLOCK_N output features; blocks past the padded total exit at once. Its block sizes follow
+the expected rows per expert (tokens * top_k / experts): small for decode, where the layer reads nearly every
+expert's weights and is bound by memory, larger for prefill.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from minisgl.layers.activation import SiluAndMul
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def route_kernel(
+        logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr,
+    ):  # fmt: skip
+        token = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_E)
+        mask = offs < num_experts
+        x = tl.load(logits_ptr + token * stride_t + offs, mask=mask, other=-float("inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = tl.where(mask, p / tl.sum(p, axis=0), -1.0)
+        slots = tl.arange(0, BLOCK_TOP)
+        top_w = tl.zeros((BLOCK_TOP,), dtype=tl.float32)
+        top_i = tl.zeros((BLOCK_TOP,), dtype=tl.int32)
+        for k in tl.static_range(TOP_K):
+            best = tl.max(p, axis=0)
+            idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)  # the lowest index among ties, like topk
+            idx = tl.minimum(idx, num_experts - 1)  # a row of NaNs (a padded graph row) still names an expert
+            top_w = tl.where(slots == k, best, top_w)
+            top_i = tl.where(slots == k, idx, top_i)
+            p = tl.where(offs == idx, -1.0, p)
+        if RENORM:
+            top_w = top_w / tl.sum(top_w, axis=0)
+        tl.store(weights_ptr + token * TOP_K + slots, top_w, mask=slots < TOP_K)
+        tl.store(ids_ptr + token * TOP_K + slots, top_i, mask=slots < TOP_K)
+
+    @triton.jit
+    def gemm_kernel(
+        a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr,
+        N, K, num_pairs, num_rows_padded, stride_am, stride_be, stride_bn, stride_cm,
+        A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):  # fmt: skip
+        # c[pair] = a[pair // A_ROW_DIV] @ b[expert]^T (* weights[pair]) for the pairs of each row block.
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(num_rows_padded, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        group = pid // (GROUP_M * num_pid_n)
+        first_m = group * GROUP_M
+        group_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_m
+        pid_n = (pid % (GROUP_M * num_pid_n)) // group_m
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = pairs < num_pairs
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + expert * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            acc += tl.dot(a, b)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if MUL_WEIGHT:
+            acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+        out_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + out_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (out_n[None, :] < N))
+
+    return route_kernel, gemm_kernel
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] float32, expert ids [T, top_k] int32): layers/moe.py's route() in one kernel."""
+    tokens, num_experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if tokens:
+        block_e, block_top = max(16, 1 << (num_experts - 1).bit_length()), max(2, 1 << (top_k - 1).bit_length())
+        _kernels()[0][(tokens,)](
+            router_logits, weights, ids, num_experts, router_logits.stride(0), top_k, renormalize, block_e, block_top
+        )
+    return weights, ids
+
+
+def align_by_expert(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the (token, slot) pairs by expert, each group padded to a multiple of block_m, on the device.
+
+    Returns sorted_ids [R] (pair index token * top_k + slot, or num_pairs where padding), block_expert [R / block_m]
+    (the expert of each row block) and total [1] (the padded rows in use). R = num_pairs + min(num_pairs, experts)
+    * (block_m - 1) rounded up to block_m: the most the padding can need, known from the shapes alone.
+    """
+    flat = ids.flatten().long()
+    num_pairs = flat.numel()
+    rows = -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
+    padded_ends = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0)
+    order = torch.sort(flat, stable=True).indices
+    experts_sorted = flat[order]
+    # A pair's row: its expert's padded start + its rank among the expert's pairs.
+    group_starts = torch.cumsum(counts, 0) - counts
+    padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
+    dest = padded_starts[experts_sorted] + torch.arange(num_pairs, device=ids.device) - group_starts[experts_sorted]
+    sorted_ids = torch.full((rows,), num_pairs, dtype=torch.int32, device=ids.device)
+    sorted_ids[dest] = order.to(torch.int32)
+    block_starts = torch.arange(0, rows, block_m, device=ids.device)
+    block_expert = torch.searchsorted(padded_ends, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, block_expert.to(torch.int32), padded_ends[-1:]
+
+
+def block_config(tokens: int, top_k: int, num_experts: int) -> dict[str, int]:
+    """GEMM tiles by the expected rows per expert: decode's few rows read each expert's weights once."""
+    per_expert = tokens * top_k / num_experts
+    if per_expert <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    if per_expert <= 48:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    if per_expert <= 192:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def _grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    weights: torch.Tensor,
+    grouping: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    a_row_div: int,
+    mul_weight: bool,
+    config: dict[str, int],
+) -> None:
+    import triton
+
+    sorted_ids, block_expert, total = grouping
+    n, k = b.shape[1], b.shape[2]
+    grid = (triton.cdiv(sorted_ids.numel(), config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    _kernels()[1][grid](
+        a, b, out, weights, sorted_ids, block_expert, total, n, k, out.shape[0], sorted_ids.numel(),
+        a.stride(0), b.stride(0), b.stride(1), out.stride(0), a_row_div, mul_weight, **config,
+    )  # fmt: skip
+
+
+def fused_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """sum_k w[t, k] * down[e] @ silu_and_mul(gate_up[e] @ x[t]) over the top_k experts e of each token t.
+
+    x [T, H] (contiguous), gate_up [E, 2I, H], down [E, H, I]; returns [T, H] in x's dtype.
+    """
+    tokens, hidden = x.shape
+    num_experts, inter = gate_up.shape[0], down.shape[2]
+    weights, ids = route_topk(router_logits, top_k, renormalize)
+    if tokens == 0:
+        return torch.zeros_like(x)
+    config = block_config(tokens, top_k, num_experts)
+    grouping = align_by_expert(ids, num_experts, config["BLOCK_M"])
+    pairs = tokens * top_k
+    gate_up_out = torch.empty(pairs, 2 * inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, gate_up, gate_up_out, weights, grouping, top_k, False, config)
+    act = SiluAndMul()(gate_up_out)
+    down_out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, down, down_out, weights, grouping, 1, True, config)
+    return down_out.view(tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,69 @@
+"""The fused MoE Triton path (layers/fused_moe.py: routing kernel, grouping by expert, grouped GEMMs) against
+layers/moe.py's plain PyTorch loop over the experts.
+
+On a CUDA machine it runs compiled; on any machine with Triton it also runs in Triton's interpreter
+(TRITON_INTERPRET=1, numpy on the CPU) in a fresh process (see tests/triton_interpreter.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
+
+
+def test_the_kernels_in_triton_interpreter_on_the_cpu():
+    run_interpreter_cases(__file__, passed=4, timeout=600)
+
+
+@pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
+def device(request: pytest.FixtureRequest) -> str:
+    interpreter_or_cuda(request.param)
+    return request.param
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "renormalize"),
+    [(37, 8, 2, False), (5, 16, 4, True), (70, 6, 3, True)],
+    ids=["37-tokens-8-experts-top2", "5-tokens-16-experts-top4", "70-tokens-6-experts-top3"],
+)
+def test_fused_moe_matches_the_expert_loop(device, tokens, experts, top_k, renormalize):
+    """Same experts, same routing weights; float32 in the interpreter, bf16 on a GPU (tolerance to match)."""
+    from minisgl.layers.fused_moe import fused_moe, route_topk
+    from minisgl.layers.moe import experts_loop, route
+
+    hidden, inter = 64, 48
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g)
+    logits = torch.randn(tokens, experts, generator=g)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1
+    down = torch.randn(experts, hidden, inter, generator=g) * 0.1
+    ref_w, ref_ids = route(logits, top_k, renormalize)
+    ref = experts_loop(x, ref_w, ref_ids, gate_up, down)
+    to = dict(device=device, dtype=dtype)
+    w, ids = route_topk(logits.to(device), top_k, renormalize)
+    assert torch.equal(ids.cpu().long(), ref_ids)
+    torch.testing.assert_close(w.cpu(), ref_w, atol=1e-6, rtol=1e-5)
+    got = fused_moe(x.to(**to), logits.to(device), gate_up.to(**to), down.to(**to), top_k, renormalize)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float().cpu(), ref, atol=tol, rtol=tol)
+
+
+def test_grouping_pads_each_experts_rows_to_the_block(device):
+    """Every (token, slot) pair appears once, in its expert's block run; padding rows name no pair."""
+    from minisgl.layers.fused_moe import align_by_expert
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 8, (29, 2), generator=g).to(device=device, dtype=torch.int32)
+    sorted_ids, block_expert, total = (t.cpu() for t in align_by_expert(ids, 8, 16))
+    flat = ids.flatten().cpu()
+    used = sorted_ids[: int(total)]
+    pairs = used[used < flat.numel()]
+    assert sorted(pairs.tolist()) == list(range(flat.numel()))
+    for block in range(int(total) // 16):
+        rows = sorted_ids[block * 16 : (block + 1) * 16]
+        real = rows[rows < flat.numel()].long()
+        assert len(real) > 0 and (flat[real] == block_expert[block]).all()
+    assert sorted_ids.numel() % 16 == 0 and (sorted_ids[int(total) :] == flat.numel()).all()
