@@ -1,6 +1,7 @@
-"""GPU benchmark: the offline workload of issue 8 on a Qwen3-0.6B-shaped model with dummy weights.
+"""GPU benchmark: the offline workload of issue 8 on a model of a given shape with dummy weights.
 
     minisgl bench throughput --out out/bench.json             # everything, a table at the end
+    minisgl bench throughput --shape qwen3-30b-a3b --quick --skip-hf   # the mixture-of-experts shape
     minisgl bench throughput run --model-dir D [--disable-overlap] [--disable-cuda-graph] [--latency]
     minisgl bench throughput hf --model-dir D
 
@@ -46,6 +47,35 @@ QWEN3_06B = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+QWEN3_14B = dict(
+    QWEN3_06B,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=40,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=False,
+)
+QWEN3_30B_A3B = dict(
+    QWEN3_06B,
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    tie_word_embeddings=False,
+)
+SHAPES = {"qwen3-0.6b": QWEN3_06B, "qwen3-14b": QWEN3_14B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
 def workload(num: int = 256) -> tuple[list[list[int]], list[int]]:
@@ -55,9 +85,9 @@ def workload(num: int = 256) -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
-def write_model_dir(tokenizer_dir: Path) -> Path:
-    out = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-dummy-"))
-    (out / "config.json").write_text(json.dumps(QWEN3_06B, indent=2))
+def write_model_dir(tokenizer_dir: Path, shape: str = "qwen3-0.6b") -> Path:
+    out = Path(tempfile.mkdtemp(prefix=f"{shape}-dummy-"))
+    (out / "config.json").write_text(json.dumps(SHAPES[shape], indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out / name)
@@ -240,27 +270,42 @@ def hbm_bandwidth() -> float:
     return 2 * n * 20 / seconds
 
 
-def bandwidth_floor(bandwidth: float) -> dict[str, Any]:
-    c = QWEN3_06B
+def bandwidth_floor(bandwidth: float, c: dict[str, Any] = QWEN3_06B) -> dict[str, Any]:
+    """Seconds the decode steps of the workload need at least: the bytes every step must read (the dense weights,
+    the expert weights its batch routes to, the KV of every running request) over the HBM bandwidth."""
     kv_per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 2
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-    h, inter = c["hidden_size"], c["intermediate_size"]
-    per_layer = h * (q + 2 * kv) + q * h + h * 2 * inter + inter * h + 2 * h + 2 * c["head_dim"]
-    weight_bytes = 2 * (c["num_hidden_layers"] * per_layer + c["vocab_size"] * h + h)
+    h, layers = c["hidden_size"], c["num_hidden_layers"]
+    experts, top_k = c.get("num_experts", 0), c.get("num_experts_per_tok", 0)
+    mlp = 0 if experts else 3 * h * c["intermediate_size"]
+    per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * h + 2 * c["head_dim"] + h * experts  # router: h * experts
+    dense_bytes = 2 * (layers * per_layer + c["vocab_size"] * h + h)  # the LM head (the embedding is gathered)
+    expert_bytes = 2 * 3 * h * c.get("moe_intermediate_size", 0) * layers  # one expert of every layer
     prompts, max_tokens = workload()
     # decode step j (1..o-1) of a request reads the KV of its prompt and j generated tokens
     kv_tokens = sum((o - 1) * len(p) + (o - 1) * o // 2 for p, o in zip(prompts, max_tokens))
     decode_steps = max(max_tokens) - 1  # all 256 requests decode together
-    total = kv_tokens * kv_per_token + decode_steps * weight_bytes
+    # A step with b requests touches E (1 - (1 - k/E)^b) experts of a layer on average (uniform routing).
+    running = [sum(o - 1 > j for o in max_tokens) for j in range(decode_steps)]
+    touched = sum(experts * (1 - (1 - top_k / experts) ** b) for b in running) if experts else 0.0
+    total = kv_tokens * kv_per_token + decode_steps * dense_bytes + touched * expert_bytes
     seconds = total / bandwidth
-    return {
+    floor = {
         "hbm_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "kv_bytes_read_tb": round(kv_tokens * kv_per_token / 1e12, 2),
-        "weight_bytes_per_step_gb": round(weight_bytes / 1e9, 3),
+        "weight_bytes_per_step_gb": round(dense_bytes / 1e9, 3),
         "decode_steps": decode_steps,
         "floor_seconds": round(seconds, 3),
         "floor_output_tok_s": round(sum(max_tokens) / seconds, 1),
     }
+    if experts:
+        at_full = experts * (1 - (1 - top_k / experts) ** len(max_tokens))
+        floor.update(
+            expert_bytes_per_step_gb_at_256=round(at_full * expert_bytes / 1e9, 3),
+            expert_bytes_all_gb=round(experts * expert_bytes / 1e9, 3),
+            expert_bytes_read_tb=round(touched * expert_bytes / 1e12, 2),
+        )
+    return floor
 
 
 # ---------------------------------------------------------------------------- orchestration
@@ -280,13 +325,14 @@ def sub(model_dir: Path, *extra: str, timeout: int = 300) -> dict[str, Any]:
 def main_all(args: argparse.Namespace) -> None:
     import torch
 
-    model_dir = write_model_dir(Path(args.tokenizer_dir))
+    model_dir = write_model_dir(Path(args.tokenizer_dir), args.shape)
     results: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(),
         "date": time.strftime("%Y-%m-%d"),
+        "shape": args.shape,
         "max_prefill_tokens": args.max_prefill_tokens,
     }
-    results["floor"] = bandwidth_floor(hbm_bandwidth())
+    results["floor"] = bandwidth_floor(hbm_bandwidth(), SHAPES[args.shape])
     common = ["--max-prefill-tokens", str(args.max_prefill_tokens)]
     results["minisgl"] = sub(model_dir, "run", "--latency", *common)
     if not args.quick:
@@ -308,7 +354,8 @@ def main_all(args: argparse.Namespace) -> None:
 def print_table(r: dict[str, Any]) -> None:
     floor = r["floor"]["floor_output_tok_s"]
     main = r.get("minisgl", {})
-    print(f"\n## {r['gpu']}, {r['date']}, Qwen3-0.6B-shaped dummy bf16, 256 requests (issue 8 workload)")
+    shape = r.get("shape", "qwen3-0.6b")
+    print(f"\n## {r['gpu']}, {r['date']}, {shape}-shaped dummy bf16, 256 requests (issue 8 workload)")
     print(f"{'configuration':40s} {'output tok/s':>14s} {'seconds':>9s} {'of floor':>9s}")
     for key, name in (
         ("minisgl", "minisgl (overlap + CUDA graphs)"),
@@ -323,6 +370,13 @@ def print_table(r: dict[str, Any]) -> None:
         elif key in r:
             print(f"{name:40s} {r[key]}")
     print(f"{'bandwidth floor (decode KV + weights)':40s} {floor:14.1f} {r['floor']['floor_seconds']:9.2f}")
+    if "expert_bytes_all_gb" in r["floor"]:
+        f = r["floor"]
+        print(
+            f"MoE floor: experts touched per decode step {f['expert_bytes_per_step_gb_at_256']} GB at batch 256 "
+            f"(all experts {f['expert_bytes_all_gb']} GB; {f['expert_bytes_read_tb']} TB over the decode), dense "
+            f"weights {f['weight_bytes_per_step_gb']} GB per step, KV {f['kv_bytes_read_tb']} TB"
+        )
     if "decode_ms_per_token_bs1" in r.get("fp8_kv", {}):
         print(
             f"fp8 KV cache: batch-1 decode {r['fp8_kv']['decode_ms_per_token_bs1']} ms/token, "
@@ -347,6 +401,7 @@ def print_table(r: dict[str, Any]) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("mode", nargs="?", default="all", choices=["all", "run", "hf"])
     p.add_argument("--model-dir", type=Path)
+    p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES), help="all: the dummy model's shape")
     p.add_argument("--tokenizer-dir", default=str(env.TOKENIZER_DIR.get() or ".carry/tok"))
     p.add_argument("--out", default="bench.json")
     p.add_argument("--report", default=env.GPU_REPORT.get())

@@ -13,18 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from minisgl.bench.throughput import QWEN3_06B
-
-QWEN3_14B = dict(
-    QWEN3_06B,
-    hidden_size=5120,
-    intermediate_size=17408,
-    num_hidden_layers=40,
-    num_attention_heads=40,
-    num_key_value_heads=8,
-    head_dim=128,
-    tie_word_embeddings=False,
-)
+from minisgl.bench.throughput import QWEN3_06B, QWEN3_14B
 VOCAB = 49152
 PARITY_ENGINE = dict(num_pages=40000, cuda_graph_max_bs=32, max_prefill_tokens=8192)
 TOK_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
