@@ -5,7 +5,7 @@
   files MINISGL_TOKENIZER_DIR names (a copy of them, on machines without the package).
 - tiny_model_dir: factory, tiny_model_dir(family) -> Path of a tiny random HF checkpoint for a family
   in TINY_FAMILIES ("llama", "llama3" (llama3 rope scaling), "qwen2", "qwen3", "mistral", and the mixtures of
-  experts "qwen3_moe" and "mixtral"), built once
+  experts "qwen3_moe", "mixtral" and "qwen2_moe"), built once
   per session with fixed seeds, SmolLM2's tokenizer and a generation_config (eos from the tokenizer).
 - tiny_sharded_model_dir: the "llama" checkpoint saved in several safetensors shards with an index.
 - paged_runner: factory, paged_runner(model, model_config, page_size) -> PagedRunner that runs a
@@ -22,7 +22,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-TINY_FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+TINY_FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +76,15 @@ def tokenizer_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
 
 
 def _tiny_hf_config(family: str, vocab_size: int, bos: int, eos: int) -> Any:
-    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=vocab_size,
@@ -178,6 +186,22 @@ def _tiny_hf_config(family: str, vocab_size: int, bos: int, eos: int) -> Any:
             head_dim=32,
             sliding_window=None,
             tie_word_embeddings=False,
+            **common,
+        )
+    if family == "qwen2_moe":  # 8 experts top-2, a sigmoid-gated shared expert, q/k/v bias; every 2nd layer sparse
+        return Qwen2MoeConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            decoder_sparse_step=2,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
             **common,
         )
     raise ValueError(f"unknown tiny family {family!r}; choose from {TINY_FAMILIES}")

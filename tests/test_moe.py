@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral) on the CPU against HF transformers: config, logits, greedy
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE) on the CPU against HF transformers: config, logits, greedy
 generation with the radix cache and chunked prefill, and the experts' tensor-parallel shards."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from minisgl import LLM
 from minisgl.models import load_model
 from test_llm import GREEDY, assert_parity, hf_greedy, make_prompts
 
-FAMILIES = ["qwen3_moe", "mixtral"]
+FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe"]
 
 
 def test_model_config_reads_the_experts_and_the_sparse_layers(tiny_model_dir):
@@ -24,6 +24,8 @@ def test_model_config_reads_the_experts_and_the_sparse_layers(tiny_model_dir):
     mixtral = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir("mixtral")))
     assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (8, 2, 32)
     assert mixtral.moe_layers == (0, 1) and mixtral.norm_topk_prob and not mixtral.qk_norm
+    qwen2 = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir("qwen2_moe")))
+    assert qwen2.moe_layers == (1, 3) and qwen2.shared_expert_intermediate_size == 48 and qwen2.attention_bias
     dense = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir("qwen3")))
     assert dense.num_experts == 0 and dense.moe_layers == ()
 

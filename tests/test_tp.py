@@ -21,7 +21,7 @@ def tp1_tokens(model_dir) -> list[list[int]]:
 
 
 # mistral's tiny checkpoint has 1 KV head: with tp=2 the KV head is replicated on both ranks.
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"])
 def test_tp2_greedy_equals_tp1(tiny_model_dir, family):
     model_dir = tiny_model_dir(family)
     ref = tp1_tokens(model_dir)

@@ -16,7 +16,14 @@ from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.errors import WeightsError
-from minisgl.layers.linear import ReplicatedLinear, copy_checked, divide
+from minisgl.layers.activation import SiluAndMul
+from minisgl.layers.linear import (
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    copy_checked,
+    divide,
+)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,11 +52,32 @@ def experts_loop(
     return out
 
 
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's always-on expert: a SiLU-gated MLP (split across ranks like the dense one) whose output a
+    per-token sigmoid gate scales; forward returns this rank's partial sums."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)), reduce=False) * torch.sigmoid(gate)
+
+
 class FusedMoE(nn.Module):
-    """The routed experts of one layer; forward(x [T, H]) -> [T, H] (this rank's partial sums if reduce=False)."""
+    """The routed experts of one layer (and Qwen2-MoE's shared expert where shared_intermediate_size > 0);
+    forward(x [T, H]) -> [T, H] (this rank's partial sums if reduce=False)."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        shared_intermediate_size: int = 0,
     ) -> None:
         super().__init__()
         tp = get_tp_info()
@@ -64,6 +92,8 @@ class FusedMoE(nn.Module):
         # One checkpoint tensor per (expert, projection): gate (0) and up (1) into gate_up, down into down_proj.
         self.gate_up_proj.shard_ids = tuple((e, j) for e in range(num_experts) for j in (0, 1))
         self.down_proj.shard_ids = tuple((e, 2) for e in range(num_experts))
+        self.shared_expert = SharedExpert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False) if shared_intermediate_size else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         if not (isinstance(shard_id, tuple) and 0 <= shard_id[0] < self.num_experts):
@@ -84,4 +114,6 @@ class FusedMoE(nn.Module):
         else:
             weights, ids = route(router_logits, self.top_k, self.renormalize)
             out = experts_loop(x, weights, ids, self.gate_up_proj, self.down_proj)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + self.shared_expert(x, self.shared_expert_gate(x))
         return all_reduce(out) if reduce else out

@@ -70,6 +70,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
     moe_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert of this width, sigmoid-gated per token
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -115,8 +116,7 @@ def architecture_of(hf_config: Any) -> str:
 
 
 def _moe_fields(text: Any) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Qwen3-MoE / Qwen2-MoE (num_experts) or Mixtral (num_local_experts)
-    config; none for a dense one."""
+    """The mixture-of-experts fields of a Qwen3-MoE / Qwen2-MoE or Mixtral config; none for a dense one."""
     experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
     if experts == 0:
         return {}
@@ -131,4 +131,5 @@ def _moe_fields(text: Any) -> dict[str, Any]:
         moe_intermediate_size=int(text.intermediate_size if mixtral else text.moe_intermediate_size),
         norm_topk_prob=True if mixtral else bool(getattr(text, "norm_topk_prob", False)),
         moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        shared_expert_intermediate_size=int(getattr(text, "shared_expert_intermediate_size", None) or 0),
     )

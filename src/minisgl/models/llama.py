@@ -120,6 +120,7 @@ class LlamaDecoderLayer(nn.Module):
                 config.num_experts,
                 config.num_experts_per_tok,
                 config.norm_topk_prob,
+                config.shared_expert_intermediate_size,
             )
         else:
             self.mlp = LlamaMLP(config)

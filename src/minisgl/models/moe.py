@@ -1,4 +1,4 @@
-"""Mixture-of-experts members of the Llama family: Qwen3-MoE and Mixtral.
+"""Mixture-of-experts members of the Llama family: Qwen3-MoE, Mixtral and Qwen2-MoE (with its shared expert).
 
 The decoder is llama.py's (its sparse layers hold a layers/moe.py FusedMoE as their MLP); what differs is the
 checkpoint's names: each expert's projections are separate tensors, stacked here into the layer's

@@ -20,6 +20,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "minisgl.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "minisgl.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "minisgl.models.moe:MoeForCausalLM",
+    "Qwen2MoeForCausalLM": "minisgl.models.moe:MoeForCausalLM",
     "Qwen3MoeForCausalLM": "minisgl.models.moe:MoeForCausalLM",
 }
 
