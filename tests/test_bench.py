@@ -230,3 +230,26 @@ def test_throughput_timing_counts_the_garbage_collectors_time(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama")))
     res = timed_workload(llm, llm.scheduler, ([[11, 12, 13], [14, 15]], [5, 7]))
     assert res["output_tokens"] == 12 and res["gc_full"] >= 0 and res["gc_s"] >= 0
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-30b-a3b"])
+def test_throughput_floor_counts_the_weights_hf_builds_for_the_shape(shape):
+    """The bandwidth floor's bytes per decode step against the parameters transformers builds for the same config
+    (on the meta device): the experts' weights and everything else that a step reads (the LM head, not the
+    embedding, which is gathered)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from minisgl.bench.throughput import SHAPES, bandwidth_floor
+
+    config = AutoConfig.for_model(**{k: v for k, v in SHAPES[shape].items() if k != "architectures"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = dict(model.named_parameters())  # a tied LM head is listed once, as the embedding
+    experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
+    dense = sum(p.numel() for n, p in params.items() if ".experts." not in n)
+    if not config.tie_word_embeddings:
+        dense -= params["model.embed_tokens.weight"].numel()
+    floor = bandwidth_floor(1e12, SHAPES[shape])
+    assert floor["weight_bytes_per_step_gb"] == round(2 * dense / 1e9, 3)
+    assert floor.get("expert_bytes_all_gb", 0) == round(2 * experts / 1e9, 3)
