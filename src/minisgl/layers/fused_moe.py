@@ -23,7 +23,7 @@ from minisgl.layers.activation import SiluAndMul
 
 
 @functools.cache
-def _kernels() -> tuple[Any, ...]:
+def _route_kernel() -> Any:
     import triton
     import triton.language as tl
 
@@ -52,6 +52,14 @@ def _kernels() -> tuple[Any, ...]:
             top_w = top_w / tl.sum(top_w, axis=0)
         tl.store(weights_ptr + token * TOP_K + slots, top_w, mask=slots < TOP_K)
         tl.store(ids_ptr + token * TOP_K + slots, top_i, mask=slots < TOP_K)
+
+    return route_kernel
+
+
+@functools.cache
+def _gemm_kernel() -> Any:
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def gemm_kernel(
@@ -92,6 +100,14 @@ def _kernels() -> tuple[Any, ...]:
         c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + out_n[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (out_n[None, :] < N))
 
+    return gemm_kernel
+
+
+@functools.cache
+def _grouping_kernels() -> tuple[Any, Any, Any]:
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -123,7 +139,7 @@ def _kernels() -> tuple[Any, ...]:
         row = tl.atomic_add(cursor_ptr + tl.load(ids_ptr + offs, mask=mask, other=0), 1, mask=mask)
         tl.store(sorted_ids_ptr + row, offs, mask=mask)
 
-    return route_kernel, gemm_kernel, count_kernel, layout_kernel, scatter_kernel
+    return count_kernel, layout_kernel, scatter_kernel
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +149,7 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if tokens:
         block_e, block_top = max(16, 1 << (num_experts - 1).bit_length()), max(2, 1 << (top_k - 1).bit_length())
-        _kernels()[0][(tokens,)](
+        _route_kernel()[(tokens,)](
             router_logits, weights, ids, num_experts, router_logits.stride(0), top_k, renormalize, block_e, block_top
         )
     return weights, ids
@@ -150,7 +166,7 @@ def align_by_expert(
     kernels: count the pairs per expert, lay out the experts' runs, scatter each pair to its expert's next row (the
     order within an expert's run does not matter: the GEMM's rows are independent).
     """
-    _, _, count_kernel, layout_kernel, scatter_kernel = _kernels()
+    count_kernel, layout_kernel, scatter_kernel = _grouping_kernels()
     flat = ids.flatten()
     num_pairs = flat.numel()
     rows = -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m) * block_m
@@ -196,7 +212,7 @@ def _grouped_gemm(
     sorted_ids, block_expert, total = grouping
     n, k = b.shape[1], b.shape[2]
     grid = (triton.cdiv(sorted_ids.numel(), config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
-    _kernels()[1][grid](
+    _gemm_kernel()[grid](
         a, b, out, weights, sorted_ids, block_expert, total, n, k, out.shape[0], sorted_ids.numel(),
         a.stride(0), b.stride(0), b.stride(1), out.stride(0), a_row_div, mul_weight,
         "ieee" if a.dtype == torch.float32 else "tf32", **config,
