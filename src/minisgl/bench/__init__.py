@@ -17,7 +17,7 @@ SUBCOMMANDS = {  # name -> (module under minisgl.bench, one-line help)
     "agents": ("agents", "shared-prefix agent workload, radix vs naive"),
     "hf-generate": ("hf_generate", "HF model.generate, unpatched vs patched with transformers_minisgl"),
     "routing": ("routing", "cache-aware vs round-robin routing across two daemons behind a LiteLLM Router"),
-    "throughput": ("throughput", "GPU: issue 8's offline workload (256 requests, Qwen3-0.6B-shaped dummy model)"),
+    "throughput": ("throughput", "GPU: issue 8's offline workload (256 requests, dummy model of a --shape)"),
     "tp": ("tp", "GPU: tensor-parallel parity, TP=2 vs TP=1 throughput, two nodes (2 GPUs)"),
     "profile": ("profile", "where the time goes: CPU GEMMs, a CPU decode step, GPU decode steps"),
 }
