@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from minisgl.bench.throughput import QWEN3_06B
+from minisgl.bench.throughput import QWEN3_06B, QWEN3_14B
 from minisgl.bench.tp_support import (
     PARITY_ENGINE,
-    QWEN3_14B,
     VOCAB,
     agreement,
     free_port,

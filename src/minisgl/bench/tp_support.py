@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from minisgl.bench.throughput import QWEN3_06B, QWEN3_14B
 VOCAB = 49152
 PARITY_ENGINE = dict(num_pages=40000, cuda_graph_max_bs=32, max_prefill_tokens=8192)
 TOK_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
