@@ -73,8 +73,9 @@ def test_every_message_survives_the_codec() -> None:
         P.AddRequest("r", [1, 2], {"n": 1}, {"stop": []}),
         P.RequestMeta("r", {"n": 2}),
         P.TokenOutputs([out]),
-        P.WorkerInit({"context_length": 8}, b"\x00\x01"),
-        P.SchedulerReady({"x": 1}, b"tok", {"total_pages": 4}),
+        P.WorkerInit({"context_length": 8}, "/models/m"),
+        P.SchedulerReady({"x": 1}, {"total_pages": 4}),
+        P.TPOps(3, [["add", "r", [1, 2], {"n": 1}, False], ["abort", "r"], ["exit"]]),
         P.WorkerReady("tokenizer"),
         P.WorkerFailed("scheduler", "ModelLoadError", "no"),
     ]

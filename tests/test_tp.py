@@ -140,10 +140,13 @@ def test_a_step_stuck_after_a_rank_died_ends_the_process_loudly(tiny_model_dir):
     assert time.monotonic() - t0 < 90
 
 
-def test_two_nodes_on_one_machine_match_single_node(tiny_model_dir):
+def test_two_nodes_on_one_machine_match_single_node(tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir("qwen3")
     ref = tp1_tokens(model_dir)
     addr = f"127.0.0.1:{free_port()}"
+    secret = tmp_path / "tp.secret"  # the nodes authenticate each other with it
+    secret.write_text("a shared secret of two nodes\n")
+    secret.chmod(0o600)
     node1 = subprocess.Popen(
         [
             sys.executable,
@@ -164,12 +167,21 @@ def test_two_nodes_on_one_machine_match_single_node(tiny_model_dir):
             "cpu",
             "--dist-timeout",
             "60",
+            "--tp-secret-file",
+            str(secret),
         ],
         env={**os.environ},
     )
     try:
         with LLM(
-            str(model_dir), tp=2, nnodes=2, node_rank=0, dist_init_addr=addr, device="cpu", dist_timeout=60
+            str(model_dir),
+            tp=2,
+            nnodes=2,
+            node_rank=0,
+            dist_init_addr=addr,
+            device="cpu",
+            dist_timeout=60,
+            tp_secret_file=str(secret),
         ) as llm:
             got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         assert got == ref

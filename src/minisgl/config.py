@@ -50,6 +50,8 @@ class EngineConfig:
     tp_fused_mb: int = _from_env(env.TP_FUSED_MB.get)  # tp_allreduce="fused": MB of each of its two slots
     # Opt-in: the decode graphs sample each rank's vocabulary shard and gather only the winners
     tp_vocab_sampling: bool = _from_env(env.TP_VOCAB_SAMPLING.get)
+    # multi-node TP: a file (mode 600) with the secret every node shares (or MINISGL_TP_SECRET); distributed/auth.py
+    tp_secret_file: str | None = None
     attention_backend: str = "auto"  # "torch", "flashinfer", "fa3", or "PREFILL,DECODE"
     disable_xqa: bool = _from_env(lambda: not env.XQA.get())  # "auto" keeps FlashInfer's decode for fp8 KV on Hopper
     cuda_graph_max_bs: int = 256

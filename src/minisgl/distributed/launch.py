@@ -17,7 +17,6 @@ import datetime
 import json
 import logging
 import os
-import pickle
 import socket
 import subprocess
 import sys
@@ -29,11 +28,12 @@ import torch
 
 from minisgl.config import EngineConfig
 from minisgl.distributed import reset_symm_mem, set_tp_info, setup_symm_mem
+from minisgl.distributed.auth import PROOF_KEY, check_proofs, child_env, load_secret, post_challenge, sign, verify
 from minisgl.errors import MiniSGLError
 
 logger = logging.getLogger("minisgl")
 
-OPS_KEY = "minisgl/ops/{rank}"  # rank 0 -> rank: one pickled op list per step
+OPS_KEY = "minisgl/ops/{rank}"  # rank 0 -> rank: one signed TPOps message (msgpack) per step
 FAILED_KEY = "minisgl/failed"  # why the engine stops; set once by whoever sees a rank fail
 EXITED_KEY = "minisgl/exited"  # ranks that left cleanly after rank 0's "exit"
 WATCH_INTERVAL_S = 0.5  # how often rank 0 checks its ranks and ranks > 0 check on rank 0
@@ -53,11 +53,55 @@ def free_port() -> int:
 
 
 def connect_store(init_addr: str, is_master: bool, timeout: datetime.timedelta) -> Any:
-    """The TCPStore at init_addr ("host:port"): rank 0 hosts it, the others connect (retrying until timeout)."""
+    """The TCPStore at init_addr ("host:port"): rank 0 hosts it, the others connect (retrying until timeout).
+
+    Rank 0's store listens on that address only: left to itself, torch's TCPStore listens on every interface.
+    """
     import torch.distributed as dist
 
     host, _, port = init_addr.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=is_master, timeout=timeout, wait_for_workers=False)
+    host = host.strip("[]")
+    if not is_master:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    listener = _listen(host, int(port))
+    try:
+        store = dist.TCPStore(
+            host, int(port), is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=listener.fileno()
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the socket now
+    return store
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(addr)
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def set_failed(store: Any, secret: bytes, reason: str) -> None:
+    """Flag the engine as failed (every rank leaves); signed, so that nobody else can stop it."""
+    store.set(FAILED_KEY, sign(secret, reason.encode()))
+
+
+def read_failed(store: Any, secret: bytes) -> str | None:
+    """Why the engine stops, if a rank flagged a failure; a value not signed with the secret is ignored."""
+    if not store.check([FAILED_KEY]):
+        return None
+    reason = verify(secret, store.get(FAILED_KEY))
+    if reason is None:
+        logger.warning("ignored a failure flag in the tensor-parallel store that is not signed with the secret")
+        return None
+    return reason.decode(errors="replace")
 
 
 def init_distributed(config: EngineConfig, rank: int, store: Any) -> None:
@@ -136,10 +180,13 @@ def close_groups(clean: bool, timeout: float = 10.0) -> None:
     _bounded(abort, timeout, "abort")
 
 
-def spawn_worker(config: EngineConfig, rank: int, init_addr: str) -> subprocess.Popen:
-    """Start rank `rank` as `python -m minisgl.scheduler.tp` (no re-import of the caller's __main__)."""
+def spawn_worker(config: EngineConfig, rank: int, init_addr: str, secret: bytes) -> subprocess.Popen:
+    """Start rank `rank` as `python -m minisgl.scheduler.tp` (no re-import of the caller's __main__); the
+    secret goes in its environment, never on its command line."""
     payload = json.dumps(dataclasses.asdict(config))
-    return subprocess.Popen([sys.executable, "-m", "minisgl.scheduler.tp", payload, str(rank), init_addr])
+    return subprocess.Popen(
+        [sys.executable, "-m", "minisgl.scheduler.tp", payload, str(rank), init_addr], env=child_env(secret)
+    )
 
 
 # ---------------------------------------------------------------------------- ranks > 0
@@ -152,8 +199,9 @@ class RankZeroWatch:
     the exit is os._exit from here. Its own store connection: the main thread's blocks in a queue pop.
     """
 
-    def __init__(self, init_addr: str, timeout: datetime.timedelta, rank: int) -> None:
+    def __init__(self, init_addr: str, timeout: datetime.timedelta, rank: int, secret: bytes) -> None:
         self.rank = rank
+        self.secret = secret
         self.leaving = threading.Event()  # set on a clean exit: the store may close under us then
         self.client = connect_store(init_addr, False, timeout)
         threading.Thread(target=self._run, name="minisgl-tp-watch", daemon=True).start()
@@ -161,7 +209,7 @@ class RankZeroWatch:
     def _run(self) -> None:
         while not self.leaving.wait(WATCH_INTERVAL_S):
             try:
-                reason = self.client.get(FAILED_KEY).decode() if self.client.check([FAILED_KEY]) else None
+                reason = read_failed(self.client, self.secret)
             except Exception as e:  # noqa: BLE001 - rank 0 hosts the store: it is gone or frozen
                 reason = f"lost rank 0 ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             if reason is not None and not self.leaving.is_set():
@@ -188,8 +236,12 @@ class RankGroup:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         init_addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"
+        self.secret = load_secret(config)
         self.store = connect_store(init_addr, True, datetime.timedelta(seconds=config.dist_timeout))
-        self.workers = [spawn_worker(config, rank, init_addr) for rank in range(1, config.tp // config.nnodes)]
+        post_challenge(self.store)
+        self.seq = 0  # the next TPOps message's number
+        local = range(1, config.tp // config.nnodes)
+        self.workers = [spawn_worker(config, rank, init_addr, self.secret) for rank in local]
         self._failure: str | None = None
         self.step_started: float | None = None  # monotonic start of rank 0's step in flight (TPScheduler.step)
         self._fail_lock = threading.Lock()
@@ -239,7 +291,7 @@ class RankGroup:
                 "see the ranks' log lines above"
             )
         try:
-            return self.store.get(FAILED_KEY).decode() if self.store.check([FAILED_KEY]) else None
+            return read_failed(self.store, self.secret)
         except Exception:  # noqa: BLE001 - this process hosts the store: only a shutdown gets here
             return None
 
@@ -250,7 +302,7 @@ class RankGroup:
             self._failure = reason
         logger.error("%s; the engine stops", reason)
         try:
-            self.store.set(FAILED_KEY, reason)  # the other ranks (other nodes too) leave
+            set_failed(self.store, self.secret, reason)  # the other ranks (other nodes too) leave
         except Exception:  # noqa: BLE001 - the store is closing
             pass
         abort_communicators()
@@ -273,8 +325,24 @@ class RankGroup:
         if self._failure is not None:
             raise RankFailedError(f"{self._failure}; the engine stops")
 
+    def check_ranks(self) -> None:
+        """Before the process group forms: every other rank proved the secret (AuthError otherwise)."""
+        deadline = time.monotonic() + self.config.dist_timeout
+        proofs = [PROOF_KEY.format(rank=rank) for rank in range(1, self.config.tp)]
+        while not self.store.check(proofs):
+            self._raise_if_failed()  # a local rank that died before it answered
+            if time.monotonic() > deadline:
+                raise RankFailedError(
+                    f"not every tensor-parallel rank joined within dist_timeout ({self.config.dist_timeout:.0f}s)"
+                )
+            time.sleep(0.02)
+        check_proofs(self.store, self.secret, self.config.tp)
+
     def _send(self, ops: list[Any]) -> None:
-        payload = pickle.dumps(ops)
+        from minisgl.runtime.protocol import TPOps, encode
+
+        payload = sign(self.secret, encode(TPOps(self.seq, [list(op) for op in ops])))
+        self.seq += 1
         for rank in range(1, self.config.tp):
             self.store.queue_push(OPS_KEY.format(rank=rank), payload)
 
@@ -329,7 +397,8 @@ def run_node(config: EngineConfig) -> int:
     local = config.tp // config.nnodes
     first = config.node_rank * local
     assert config.dist_init_addr, "EngineConfig validation guarantees it"
-    workers = {rank: spawn_worker(config, rank, config.dist_init_addr) for rank in range(first, first + local)}
+    secret = load_secret(config)
+    workers = {rank: spawn_worker(config, rank, config.dist_init_addr, secret) for rank in range(first, first + local)}
     logger.info(
         "node %d: ranks %d..%d started, following node 0 at %s",
         config.node_rank,
@@ -344,17 +413,19 @@ def run_node(config: EngineConfig) -> int:
                 codes[rank] = w.returncode
                 if w.returncode != 0:
                     _report_failure(
-                        config, f"tensor-parallel rank {rank} on node {config.node_rank} exited (code {w.returncode})"
+                        config,
+                        secret,
+                        f"tensor-parallel rank {rank} on node {config.node_rank} exited (code {w.returncode})",
                     )
         time.sleep(WATCH_INTERVAL_S / 5)
     return max(codes.values(), key=abs)
 
 
-def _report_failure(config: EngineConfig, reason: str) -> None:
+def _report_failure(config: EngineConfig, secret: bytes, reason: str) -> None:
     assert config.dist_init_addr
     try:
         store = connect_store(config.dist_init_addr, False, datetime.timedelta(seconds=5))
         if not store.check([FAILED_KEY]):
-            store.set(FAILED_KEY, reason)
+            set_failed(store, secret, reason)
     except Exception:  # noqa: BLE001 - rank 0 is gone: nobody to tell
         pass

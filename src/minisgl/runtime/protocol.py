@@ -239,18 +239,40 @@ class TokenOutputs(NamedTuple):
         return cls([TokenOutput(*item) for item in fields[0]])
 
 
+# One op: [kind, *fields]; the kinds a rank > 0 applies and how many fields each has (scheduler/tp.py).
+TP_OP_FIELDS = {"add": 4, "abort": 1, "reset_prefix_cache": 0, "profile": 2, "exit": 0}
+
+
+@_message("tp_ops")
+class TPOps(NamedTuple):
+    """Rank 0 -> a tensor-parallel rank > 0, through the rendezvous store: one step's ops, in order; seq counts
+    the steps from 0, so that a replayed message is refused."""
+
+    seq: int
+    ops: list[list[Any]]
+
+    @classmethod
+    def from_wire(cls, fields: list[Any]) -> "TPOps":
+        seq, ops = fields
+        if not isinstance(seq, int) or not isinstance(ops, list):
+            raise ValueError("expected [seq, ops]")
+        for op in ops:
+            if not isinstance(op, list) or not op or TP_OP_FIELDS.get(op[0]) != len(op) - 1:
+                raise ValueError(f"not a tensor-parallel op: {str(op)[:80]}")
+        return cls(seq, ops)
+
+
 @_message("worker_init")
 class WorkerInit(NamedTuple):
     """What the tokenizer and detokenizer workers need from the loaded model."""
 
     model_info: dict[str, Any]
-    tokenizer: bytes  # the scheduler's tokenizer, pickled: the workers use exactly what the engine loaded
+    tokenizer_dir: str  # where the scheduler loaded its tokenizer from: the workers load the same files
 
 
 @_message("scheduler_ready")
 class SchedulerReady(NamedTuple):
     model_info: dict[str, Any]
-    tokenizer: bytes
     stats: dict[str, Any]
 
 
@@ -288,6 +310,7 @@ Message = Union[
     AddRequest,
     RequestMeta,
     TokenOutputs,
+    TPOps,
     WorkerInit,
     SchedulerReady,
     WorkerReady,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -83,9 +82,8 @@ def run_scheduler(config: EngineConfig, endpoints: Endpoints, log_level: int) ->
     inbox = pull(ctx, endpoints.scheduler)
     detokenizer = push(ctx, endpoints.detokenizer)
     info = model_info(sched, config)
-    tokenizer = pickle.dumps(sched.tokenizer)
-    detokenizer.send(encode(WorkerInit(info, tokenizer)))
-    frontend.send(encode(SchedulerReady(info, tokenizer, sched.stats())))
+    detokenizer.send(encode(WorkerInit(info, str(sched.engine.model_dir))))
+    frontend.send(encode(SchedulerReady(info, sched.stats())))
     logger.info("scheduler ready in %.1fs", time.perf_counter() - t0)
     collector.take_over()
     exit_code = 0

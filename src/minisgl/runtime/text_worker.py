@@ -13,7 +13,6 @@ costs nothing measurable (docs/benchmarks.md, "Text worker: one process vs two")
 from __future__ import annotations
 
 import logging
-import pickle
 import sys
 from typing import Callable
 
@@ -39,6 +38,7 @@ from minisgl.runtime.protocol import (
 )
 from minisgl.runtime.tokenizer_worker import RequestPreparer
 from minisgl.runtime.transport import Endpoints, ParentWatch, preload_tokenizer_modules, pull, push, worker_setup
+from minisgl.tokenizer import load_tokenizer
 
 logger = logging.getLogger("minisgl")
 
@@ -122,7 +122,7 @@ class TextWorker:
             assert self.detokenizer is not None, "the scheduler sends WorkerInit first"
             self.detokenizer.add_request(msg.rid, msg.detok)
         elif isinstance(msg, WorkerInit):
-            tokenizer = pickle.loads(msg.tokenizer)
+            tokenizer = load_tokenizer(msg.tokenizer_dir)
             self.preparer = RequestPreparer(tokenizer, msg.model_info)
             self.detokenizer = Detokenizer(tokenizer)
             self.frontend.send(encode(WorkerReady("text")))

@@ -109,5 +109,5 @@ def worker_setup(log_level: int) -> None:
 
 
 def preload_tokenizer_modules() -> None:
-    """Import what unpickling a HF tokenizer needs while the scheduler is still loading the model."""
+    """Import what loading a HF tokenizer needs while the scheduler is still loading the model."""
     from transformers import PreTrainedTokenizerFast  # noqa: F401

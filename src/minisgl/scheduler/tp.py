@@ -13,7 +13,6 @@ import datetime
 import json
 import logging
 import os
-import pickle
 import sys
 import time
 from typing import Any
@@ -22,10 +21,10 @@ import torch
 
 from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams, TokenOutput
+from minisgl.distributed.auth import load_secret, prove, verify
 from minisgl.distributed.launch import (
     EXIT_WAIT_S,
     EXITED_KEY,
-    FAILED_KEY,
     OPS_KEY,
     RankGroup,
     RankZeroWatch,
@@ -33,6 +32,7 @@ from minisgl.distributed.launch import (
     connect_store,
     init_distributed,
     leave,
+    set_failed,
 )
 from minisgl.distributed.profile import active_profiler, apply_profile_op
 
@@ -61,6 +61,7 @@ class TPScheduler(RankGroup):
         self._ops: list[Any] = []
         self._closed = False
         try:
+            self.check_ranks()  # no collective runs with a process that does not hold the secret
             init_distributed(config, 0, self.store)
             self.sched = Scheduler(config)
         except Exception as e:
@@ -157,15 +158,34 @@ def _apply(sched: Any, ops: list[Any], rank: int) -> None:
             apply_profile_op(op, rank)
 
 
-def _next_ops(store: Any, key: str) -> list[Any]:
-    """Block until rank 0 sends the next step's ops; an idle rank 0 is not a failure (the watch decides)."""
-    import torch.distributed as dist
+class _OpsInbox:
+    """A rank's queue of rank 0's TPOps: only signed messages, in sequence, are applied."""
 
-    while True:
-        try:
-            return pickle.loads(store.queue_pop(key))
-        except dist.DistStoreError:  # the store's timeout: rank 0 is idle
-            continue
+    def __init__(self, store: Any, key: str, secret: bytes) -> None:
+        self.store, self.key, self.secret = store, key, secret
+        self.seq = 0
+
+    def next(self) -> list[Any]:
+        """Block until rank 0 sends the next step's ops; an idle rank 0 is not a failure (the watch decides)."""
+        import torch.distributed as dist
+
+        from minisgl.runtime.protocol import ProtocolError, TPOps, decode
+
+        while True:
+            try:
+                blob = self.store.queue_pop(self.key)
+            except dist.DistStoreError:  # the store's timeout: rank 0 is idle
+                continue
+            payload = verify(self.secret, blob)
+            try:
+                msg = decode(payload) if payload is not None else None
+            except ProtocolError:
+                msg = None
+            if not isinstance(msg, TPOps) or msg.seq != self.seq:
+                logger.warning("ignored a message in the tensor-parallel store that rank 0 did not send")
+                continue
+            self.seq += 1
+            return msg.ops
 
 
 def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
@@ -175,16 +195,18 @@ def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
 
     logging.basicConfig(level=logging.WARNING, format=f"[minisgl tp{rank}] %(levelname)s %(message)s")
     timeout = datetime.timedelta(seconds=config.dist_timeout)
+    secret = load_secret(config)
     store = connect_store(init_addr, False, timeout)
-    watch = RankZeroWatch(init_addr, timeout, rank)
-    key = OPS_KEY.format(rank=rank)
+    watch = RankZeroWatch(init_addr, timeout, rank, secret)
+    inbox = _OpsInbox(store, OPS_KEY.format(rank=rank), secret)
     try:
+        prove(store, secret, rank)
         init_distributed(config, rank, store)
         sched = Scheduler(config)
         collector.take_over()
         while True:
             t0 = time.perf_counter()
-            ops = _next_ops(store, key)
+            ops = inbox.next()
             t1 = time.perf_counter()
             if ops and ops[0][0] == "exit":
                 watch.leaving.set()
@@ -202,7 +224,7 @@ def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
     except Exception as e:  # noqa: BLE001 - any failure ends this rank, and so the engine
         reason = f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}"
         try:
-            store.set(FAILED_KEY, reason)  # rank 0 stops at once instead of on its next collective
+            set_failed(store, secret, reason)  # rank 0 stops at once instead of on its next collective
         except Exception:  # noqa: BLE001 - rank 0 hosts the store: rank 0 is what failed
             reason = f"tensor-parallel rank {rank} stops: lost rank 0 (its store at {init_addr} is gone)"
         leave(1, reason)

@@ -1,0 +1,101 @@
+"""The ranks of one tensor-parallel engine prove a shared secret to each other through the rendezvous store.
+
+The store (torch's TCPStore) has no access control of its own: anyone who reaches its port can read and write
+keys. So every control message rank 0 puts there is HMAC-signed and numbered, a rank > 0 proves the secret
+before rank 0 lets the process group form, and the messages themselves are typed msgpack (never pickle).
+
+The secret never travels on argv (where `ps` shows it): rank 0 of a one-node engine makes a fresh one and hands
+it to its ranks in their environment; a multi-node run gives every node the same one in MINISGL_TP_SECRET or in
+a file only its owner can read (EngineConfig.tp_secret_file, `--tp-secret-file`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import Any
+
+from minisgl.config import EngineConfig
+from minisgl.errors import ConfigError
+
+SECRET_ENV = "MINISGL_TP_SECRET"
+NONCE_KEY = "minisgl/auth/nonce"  # rank 0's fresh challenge for this engine
+PROOF_KEY = "minisgl/auth/proof/{rank}"  # rank's HMAC of the challenge
+_SIG_BYTES = hashlib.sha256().digest_size
+
+
+class AuthError(ConfigError):
+    """A rank or a message in the rendezvous store does not carry the engine's shared secret."""
+
+
+def load_secret(config: EngineConfig) -> bytes:
+    """The engine's shared secret: MINISGL_TP_SECRET, else tp_secret_file, else (one node only) a fresh one."""
+    if os.environ.get(SECRET_ENV):
+        return os.environ[SECRET_ENV].encode()
+    if config.tp_secret_file:
+        return _read_secret_file(Path(config.tp_secret_file).expanduser())
+    if config.nnodes > 1:
+        raise AuthError(
+            "multi-node tensor parallelism needs a shared secret on every node: set MINISGL_TP_SECRET "
+            "or give --tp-secret-file (a file only you can read, e.g. `openssl rand -hex 32 > f; chmod 600 f`)"
+        )
+    return secrets.token_hex(32).encode()
+
+
+def _read_secret_file(path: Path) -> bytes:
+    try:
+        mode = path.stat().st_mode
+        secret = path.read_bytes().strip()
+    except OSError as e:
+        raise AuthError(f"cannot read the tensor-parallel secret file {path}: {e}") from e
+    if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise AuthError(f"the tensor-parallel secret file {path} is readable by others: chmod 600 {path}")
+    if len(secret) < 16:
+        raise AuthError(f"the tensor-parallel secret in {path} is too short: use at least 16 characters")
+    return secret
+
+
+def child_env(secret: bytes) -> dict[str, str]:
+    """The environment of a rank process: this one's, plus the secret."""
+    return {**os.environ, SECRET_ENV: secret.decode()}
+
+
+def sign(secret: bytes, payload: bytes) -> bytes:
+    return hmac.new(secret, payload, hashlib.sha256).digest() + payload
+
+
+def verify(secret: bytes, blob: bytes) -> bytes | None:
+    """The payload of a signed blob, or None when the signature is not the secret's."""
+    sig, payload = blob[:_SIG_BYTES], blob[_SIG_BYTES:]
+    good = hmac.new(secret, payload, hashlib.sha256).digest()
+    return payload if len(sig) == _SIG_BYTES and hmac.compare_digest(sig, good) else None
+
+
+def post_challenge(store: Any) -> None:
+    """Rank 0, before it starts any rank: a fresh challenge for this engine."""
+    store.set(NONCE_KEY, secrets.token_bytes(32))
+
+
+def prove(store: Any, secret: bytes, rank: int) -> None:
+    """A rank > 0: answer rank 0's challenge (waits for it)."""
+    store.set(PROOF_KEY.format(rank=rank), _proof(secret, store.get(NONCE_KEY), rank))
+
+
+def check_proofs(store: Any, secret: bytes, world_size: int) -> None:
+    """Rank 0: every other rank answered the challenge with the secret (waits for each, up to the store's
+    timeout); AuthError otherwise, before any collective runs with an impostor."""
+    nonce = store.get(NONCE_KEY)
+    for rank in range(1, world_size):
+        if not hmac.compare_digest(store.get(PROOF_KEY.format(rank=rank)), _proof(secret, nonce, rank)):
+            raise AuthError(
+                f"tensor-parallel rank {rank} did not prove the shared secret: give every node the same "
+                f"{SECRET_ENV} or --tp-secret-file"
+            )
+
+
+def _proof(secret: bytes, nonce: bytes, rank: int) -> bytes:
+    return hmac.new(secret, nonce + f"/rank {rank}".encode(), hashlib.sha256).digest()
