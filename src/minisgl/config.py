@@ -63,6 +63,14 @@ class EngineConfig:
     seed: int = 0
     schedule_policy: str = "lpm"  # "lpm" (longest prefix match first, fair) or "fcfs"
     reasoning_parser: str | None = None  # "qwen3" / "deepseek-r1": chat answers carry the <think> part apart
+    # Limits of one request, each refused with a typed error (HTTP 400) beyond it, so that no request can stall others
+    max_n: int = 16  # sequences per request (n)
+    max_stop_strings: int = 16  # stop strings per request
+    max_stop_string_len: int = 1024  # characters of one stop string
+    max_tools: int = 128  # tool definitions per request (OpenAI's limit)
+    max_schema_depth: int = 64  # nesting of a JSON schema (response_format, a tool's parameters)
+    max_grammar_bytes: int = 65536  # a JSON schema (compact), regex or EBNF grammar
+    grammar_compile_timeout: float = 30.0  # seconds a grammar may compile (off the scheduler loop) before it fails
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +117,11 @@ class EngineConfig:
             raise ConfigError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
+        for name in ("max_n", "max_stop_strings", "max_stop_string_len", "max_tools", "max_schema_depth"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.max_grammar_bytes < 1 or not self.grammar_compile_timeout > 0:
+            raise ConfigError("max_grammar_bytes must be >= 1 and grammar_compile_timeout > 0")
         if self.dtype not in (None, "float32", "bfloat16", "float16", "auto"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 

@@ -240,7 +240,7 @@ class TokenOutputs(NamedTuple):
 
 
 # One op: [kind, *fields]; the kinds a rank > 0 applies and how many fields each has (scheduler/tp.py).
-TP_OP_FIELDS = {"add": 4, "abort": 1, "reset_prefix_cache": 0, "profile": 2, "exit": 0}
+TP_OP_FIELDS = {"add": 4, "compile": 1, "abort": 1, "reset_prefix_cache": 0, "profile": 2, "exit": 0}
 
 
 @_message("tp_ops")

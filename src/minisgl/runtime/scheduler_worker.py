@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("minisgl")
 
 IDLE_POLL_MS = 500  # how long an idle scheduler waits for a message before checking on its parent
+GRAMMAR_POLL_MS = 5  # how often a scheduler with nothing else to run checks on a grammar being compiled
 
 
 def model_info(sched: "Scheduler", config: EngineConfig) -> dict[str, Any]:
@@ -112,10 +113,16 @@ class SchedulerLoop:
         self.detokenizer = detokenizer
         self.frontend = frontend
         self.parent = ParentWatch()
+        sched.defer_grammars = True  # a grammar compiles off this loop; the other requests keep decoding
+
+    def _poll_ms(self) -> int:
+        if self.sched.has_work:
+            return 0
+        return GRAMMAR_POLL_MS if self.sched.grammar_waiting else IDLE_POLL_MS
 
     def run(self) -> None:
         while True:
-            for msg in recv_ready(self.inbox, 0 if self.sched.has_work else IDLE_POLL_MS):
+            for msg in recv_ready(self.inbox, self._poll_ms()):
                 if isinstance(msg, Shutdown):
                     self._send_detok(msg)
                     return

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from concurrent.futures import Future
+from typing import Any, Callable, NamedTuple
 
 import torch
 
+from minisgl.config import EngineConfig
 from minisgl.core import Req, SamplingParams, TokenOutput
 from minisgl.errors import InvalidRequestError, OutOfMemoryError, PromptTooLongError
 from minisgl.tokenizer import IncrementalDetokenizer
@@ -155,17 +157,25 @@ def make_output(
 class Grammars:
     """The grammar backend of structured outputs, built on first use."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, config: EngineConfig) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.config = config
         self._backend: Any = None
 
     def backend(self) -> Any:
         if self._backend is None:
             from minisgl.structured.grammar import GrammarBackend
 
-            # Bounded whitespace: weak models otherwise loop on blanks inside JSON.
-            self._backend = GrammarBackend(self.tokenizer, self.vocab_size, max_whitespace_cnt=12)
+            c = self.config
+            self._backend = GrammarBackend(
+                self.tokenizer,
+                self.vocab_size,
+                max_whitespace_cnt=12,  # bounded whitespace: weak models otherwise loop on blanks inside JSON
+                max_bytes=c.max_grammar_bytes,
+                max_depth=c.max_schema_depth,
+                compile_timeout=c.grammar_compile_timeout,
+            )
         return self._backend
 
     def bitmask_fn(self, reqs: list[Req]) -> Callable[[torch.Tensor], Any] | None:
@@ -175,3 +185,19 @@ class Grammars:
             return None
         backend = self.backend()
         return lambda logits: backend.apply(logits, states)
+
+
+class GrammarWait(NamedTuple):
+    """The sequences of a request whose grammar is still compiling (off the loop), until `deadline`."""
+
+    reqs: list[Req]
+    future: Future
+    deadline: float
+
+    def error(self, timeout: float) -> Exception | None:
+        """Why the request fails (a compile error, or the timeout), or None once its grammar is ready."""
+        from minisgl.structured.grammar import compile_timeout_error
+
+        if not self.future.done():
+            return compile_timeout_error(timeout)
+        return self.future.exception()

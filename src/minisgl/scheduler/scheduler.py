@@ -26,6 +26,7 @@ from minisgl.scheduler.kv import ReqKV
 from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.requests import (
     Grammars,
+    GrammarWait,
     check_request,
     grammar_accepts,
     init_req_state,
@@ -61,7 +62,12 @@ class Scheduler:
         self.reqs: dict[tuple[str, int], Req] = {}
         self._live: dict[str, int] = {}  # rid -> its sequences in self.reqs (with n > 1 some may have ended already)
         self.pending_outputs: list[TokenOutput] = []
-        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, config)
+        # Daemon: a request whose grammar is compiling waits here, off the loop, while the others decode
+        # (offline the caller waits for the compile: its own requests have nothing else to run).
+        self.defer_grammars = False
+        self.admit_in_step = True  # False: the caller admits compiled grammars (rank 0 of tensor parallelism)
+        self.grammar_waiting: dict[str, GrammarWait] = {}
         self.num_steps = 0
         self._hook_received = plugins.has_impl("minisgl_request_received")
         self._hook_finished = plugins.has_impl("minisgl_request_finished")
@@ -93,10 +99,22 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.pending_outputs or self._inflight)
+        """Something to run now (a grammar still compiling is not: the loop polls for it, see grammar_due)."""
+        return bool(
+            self.waiting or self.running or self.chunked or self.pending_outputs or self._inflight or self.grammar_due
+        )
 
-    def validate(self, input_ids: list[int], params: SamplingParams, known_valid: int = 0) -> None:
-        """Raise a typed error for a request that can never be served; changes nothing."""
+    @property
+    def grammar_due(self) -> bool:
+        """A waiting grammar finished compiling, failed or ran out of time: the next step admits or fails it."""
+        now = time.monotonic()
+        return any(w.future.done() or now >= w.deadline for w in self.grammar_waiting.values())
+
+    def validate(
+        self, input_ids: list[int], params: SamplingParams, known_valid: int = 0, wait_grammar: bool = True
+    ) -> None:
+        """Raise a typed error for a request that can never be served; changes nothing. wait_grammar=False: a grammar
+        still compiling is not waited for (its errors come later, from admit_compiled)."""
         check_request(
             input_ids,
             params,
@@ -107,7 +125,9 @@ class Scheduler:
             known_valid=known_valid,
         )
         if params.has_grammar:
-            self.grammars.backend().validate(params)
+            backend = self.grammars.backend()
+            if wait_grammar or backend.compile_async(params).done():
+                backend.validate(params)
 
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams, embed: bool = False) -> None:
         """Queue a request (n > 1 becomes n sequences that share the prompt's KV).
@@ -121,7 +141,7 @@ class Scheduler:
         params = params.for_prompt(len(input_ids), self.max_seq_len)
         # The cached prefix's tokens were checked when first seen; the walk's end is where admission's resumes.
         cached, hint = self.cache.locate(input_ids)
-        self.validate(input_ids, params, known_valid=cached)
+        self.validate(input_ids, params, known_valid=cached, wait_grammar=not self.defer_grammars)
         if rid in self._live:
             raise InvalidRequestError(f"request id {rid!r} is already in flight")
         received = plugins.get_plugin_manager().hook.minisgl_request_received if self._hook_received else None
@@ -136,10 +156,37 @@ class Scheduler:
         )
         for req in new:
             req.prefix_hint = hint
-            init_req_state(req, self.device, self.tokenizer, self.grammars.backend)
             self.reqs[(rid, req.index)] = req
             self._live[rid] = self._live.get(rid, 0) + 1
+        compiling = self.grammars.backend().compile_async(params) if params.has_grammar else None
+        if compiling is not None and not compiling.done():
+            deadline = time.monotonic() + self.grammars.backend().compile_timeout
+            self.grammar_waiting[rid] = GrammarWait(new, compiling, deadline)
+        else:
+            self._enqueue(new)
+
+    def _enqueue(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            init_req_state(req, self.device, self.tokenizer, self.grammars.backend)
             self.waiting.append(req)
+
+    def admit_compiled(self) -> list[str]:
+        """Queue the requests whose grammar is now compiled, fail those whose grammar failed or timed out (with
+        GrammarError: a 400 at HTTP); returns the ids queued."""
+        admitted = []
+        now = time.monotonic()
+        for rid, wait in list(self.grammar_waiting.items()):
+            if not wait.future.done() and now < wait.deadline:
+                continue
+            del self.grammar_waiting[rid]
+            error = wait.error(self.grammars.backend().compile_timeout)
+            if error is None:
+                self._enqueue(wait.reqs)
+                admitted.append(rid)
+                continue
+            for req in wait.reqs:
+                self._finish(req, "abort", None, error=str(error), error_type=type(error).__name__)
+        return admitted
 
     def abort(self, rid: str) -> None:
         """Abort every sequence of a request; its pages are freed now, the output says "abort"."""
@@ -157,6 +204,8 @@ class Scheduler:
         then land one step late; a request's extra token from that step is dropped. A forward that
         raises fails the requests of its batch (EngineError) and the loop goes on.
         """
+        if self.grammar_waiting and self.admit_in_step:
+            self.admit_compiled()
         if self._inflight is not None and self._needs_host_state(self._inflight):
             # Grammar masks and penalties need the previous token on the host first (min_tokens
             # only needs the count, which num_sampled projects).
@@ -293,6 +342,7 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self.kv.release(req)
+        self.grammar_waiting.pop(req.rid, None)  # an abort while its grammar compiles
         if self.reqs.pop((req.rid, req.index), None) is not None:
             self._live[req.rid] -= 1
             if not self._live[req.rid]:

@@ -59,6 +59,7 @@ class TPScheduler(RankGroup):
 
         super().__init__(config)  # the store, the other ranks, the failure monitor
         self._ops: list[Any] = []
+        self._deferred: dict[str, tuple] = {}  # the "add" op of a request whose grammar rank 0 is still compiling
         self._closed = False
         try:
             self.check_ranks()  # no collective runs with a process that does not hold the secret
@@ -73,10 +74,24 @@ class TPScheduler(RankGroup):
         self.max_seq_len = self.sched.max_seq_len
         self.page_size = self.sched.page_size
         self.eos_token_ids = self.sched.eos_token_ids
+        # Every rank must queue a request at the same step: rank 0 decides when its grammar is ready (step()).
+        self.sched.admit_in_step = False
 
     @property
     def has_work(self) -> bool:
         return self.sched.has_work or bool(self._ops)
+
+    @property
+    def defer_grammars(self) -> bool:
+        return self.sched.defer_grammars
+
+    @defer_grammars.setter
+    def defer_grammars(self, value: bool) -> None:
+        self.sched.defer_grammars = value
+
+    @property
+    def grammar_waiting(self) -> dict[str, Any]:
+        return self.sched.grammar_waiting
 
     def validate(self, input_ids: list[int], params: SamplingParams) -> None:
         self.sched.validate(input_ids, params)
@@ -84,11 +99,23 @@ class TPScheduler(RankGroup):
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams, embed: bool = False) -> None:
         # Rank 0 first: a request it rejects raises here and never reaches the other ranks.
         self.sched.add_request(rid, input_ids, params, embed)
-        self._ops.append(("add", rid, list(input_ids), params.to_dict(), embed))
+        op = ("add", rid, list(input_ids), params.to_dict(), embed)
+        if rid in self.sched.grammar_waiting:
+            self._deferred[rid] = op  # sent with the step at which rank 0 queues it
+            self._ops.append(("compile", params.to_dict()))  # the other ranks start compiling now too
+        else:
+            self._ops.append(op)
 
     def abort(self, rid: str) -> None:
         self.sched.abort(rid)
+        self._deferred.pop(rid, None)
         self._ops.append(("abort", rid))
+
+    def _admit_compiled(self) -> None:
+        for rid in self.sched.admit_compiled():
+            self._ops.append(self._deferred.pop(rid))
+        for rid in [r for r in self._deferred if r not in self.sched.grammar_waiting]:
+            del self._deferred[rid]  # its grammar failed: only rank 0 ever saw the request
 
     def profile(self, action: str, out_dir: str | None = None) -> None:
         """torch.profiler on every rank from the next step ("start", out_dir) until "stop" (see profile.py)."""
@@ -96,6 +123,8 @@ class TPScheduler(RankGroup):
 
     def step(self) -> list[TokenOutput]:
         self._raise_if_failed()
+        if self._deferred:
+            self._admit_compiled()
         ops, self._ops = self._ops, []
         t0 = time.perf_counter()
         self.step_started = time.monotonic()  # the failure watch ends a process whose step never comes back
@@ -152,6 +181,8 @@ def _apply(sched: Any, ops: list[Any], rank: int) -> None:
             sched.add_request(op[1], op[2], SamplingParams.from_validated(op[3]), op[4])  # rank 0 validated them
         elif op[0] == "abort":
             sched.abort(op[1])
+        elif op[0] == "compile":  # rank 0 waits for this grammar before it sends the request
+            sched.grammars.backend().compile_async(SamplingParams.from_validated(op[1]))
         elif op[0] == "reset_prefix_cache":
             sched.reset_prefix_cache()
         elif op[0] == "profile":

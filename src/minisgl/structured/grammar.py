@@ -16,6 +16,7 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
@@ -31,6 +32,10 @@ JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 # A compile cache key: (kind, canonical text), kind in {"json", "regex", "ebnf"}.
 GrammarKey = tuple[str, str]
 
+MAX_GRAMMAR_BYTES = 64 * 1024  # a constraint's text (a schema as compact JSON, a regex, an EBNF grammar)
+MAX_SCHEMA_DEPTH = 64  # nesting of a JSON schema (objects and arrays), as SGLang's and OpenAI's limits
+COMPILE_TIMEOUT_S = 30.0  # a constraint that takes longer to compile fails its request alone
+
 # xgrammar prefixes C++ errors with "[hh:mm:ss] /path/file.cc:123: " and "Check failed: (...) is false: ".
 _CPP_NOISE = re.compile(r"\[\d{2}:\d{2}:\d{2}\]\s+\S+?:\d+:\s*|Check failed: \(.*?\) is false:\s*")
 
@@ -39,8 +44,28 @@ def _clean_error(exc: BaseException) -> str:
     return _CPP_NOISE.sub("", str(exc)).strip() or type(exc).__name__
 
 
-def grammar_key(params: "SamplingParams") -> GrammarKey | None:
-    """The cache key of a request's constraint, or None when it has none.
+def json_depth(value: Any) -> int:
+    """How deeply value's lists and dicts nest (a scalar is 0); iterative, so any depth is measured."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def check_schema_shape(schema: Any, what: str = "json_schema", max_depth: int = MAX_SCHEMA_DEPTH) -> None:
+    """GrammarError for a schema nested deeper than max_depth (checked before anything recursive sees it)."""
+    if json_depth(schema) > max_depth:
+        raise GrammarError(f"{what} nests deeper than {max_depth} levels: flatten it (the limit is max_schema_depth)")
+
+
+def grammar_key(
+    params: "SamplingParams", max_bytes: int = MAX_GRAMMAR_BYTES, max_depth: int = MAX_SCHEMA_DEPTH
+) -> GrammarKey | None:
+    """The cache key of a request's constraint, or None when it has none; GrammarError over the size limits.
 
     A JSON schema is canonicalised (parsed, re-dumped compactly) so a dict and its JSON text share
     one entry; key order is kept because xgrammar emits properties in schema order.
@@ -48,22 +73,39 @@ def grammar_key(params: "SamplingParams") -> GrammarKey | None:
     if params.json_schema is not None:
         schema = params.json_schema
         if isinstance(schema, str):
+            _check_size("json_schema", schema, max_bytes)
             try:
                 schema = json.loads(schema)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:
                 raise GrammarError(f"json_schema is not valid JSON ({e}); pass a JSON object or a dict") from e
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(f"json_schema must be a JSON object, got {type(schema).__name__}")
-        return ("json", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
-    if params.regex is not None:
+        check_schema_shape(schema, max_depth=max_depth)
+        key = ("json", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+    elif params.regex is not None:
         if not isinstance(params.regex, str) or not params.regex:
             raise GrammarError("regex must be a non-empty string")
-        return ("regex", params.regex)
-    if params.ebnf is not None:
+        key = ("regex", params.regex)
+    elif params.ebnf is not None:
         if not isinstance(params.ebnf, str) or not params.ebnf.strip():
             raise GrammarError("ebnf must be a non-empty grammar string with a 'root' rule")
-        return ("ebnf", params.ebnf)
-    return None
+        key = ("ebnf", params.ebnf)
+    else:
+        return None
+    _check_size({"json": "json_schema"}.get(key[0], key[0]), key[1], max_bytes)
+    return key
+
+
+def _check_size(what: str, text: str, max_bytes: int) -> None:
+    if len(text.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise GrammarError(f"{what} is larger than {max_bytes} bytes: simplify it (the limit is max_grammar_bytes)")
+
+
+def compile_timeout_error(timeout: float) -> GrammarError:
+    return GrammarError(
+        f"the grammar did not compile within {timeout:g}s (grammar_compile_timeout): simplify it; long bounded "
+        "repetitions such as [^c]{1,3000} are what make a regex or schema expensive"
+    )
 
 
 def check_json_schema(schema: Any) -> None:
@@ -97,6 +139,9 @@ class GrammarBackend:
         max_whitespace_cnt: int | None = None,
         compile_threads: int = 2,
         cache_size: int = 1024,
+        max_bytes: int = MAX_GRAMMAR_BYTES,
+        max_depth: int = MAX_SCHEMA_DEPTH,
+        compile_timeout: float = COMPILE_TIMEOUT_S,
     ) -> None:
         self.vocab_size = int(vocab_size)
         stops = list(stop_token_ids) if stop_token_ids else None
@@ -110,7 +155,9 @@ class GrammarBackend:
         self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minisgl-grammar")
+        self.max_bytes, self.max_depth, self.compile_timeout = max_bytes, max_depth, compile_timeout
+        # xgrammar compiles without the GIL; a few threads so that one slow grammar does not hold up the others
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="minisgl-grammar")
         self._bitmask: torch.Tensor | None = None  # apply()'s reusable buffer
 
     # ---- compile ---------------------------------------------------------------------------
@@ -120,7 +167,7 @@ class GrammarBackend:
         CompiledGrammar (None when unconstrained) or raises GrammarError. Concurrent and repeated
         requests for one constraint share one future."""
         try:
-            key = grammar_key(params)
+            key = grammar_key(params, self.max_bytes, self.max_depth)
         except GrammarError as e:
             failed: Future = Future()
             failed.set_exception(e)
@@ -132,8 +179,12 @@ class GrammarBackend:
         return self._future(key)
 
     def compile(self, params: "SamplingParams") -> xgr.CompiledGrammar | None:
-        """The compiled constraint of params (None when it has none); GrammarError if invalid."""
-        return self.compile_async(params).result()
+        """The compiled constraint of params (None when it has none); GrammarError if invalid or if it takes
+        longer than compile_timeout (the compile goes on, and its result stays cached)."""
+        try:
+            return self.compile_async(params).result(timeout=self.compile_timeout)
+        except FutureTimeoutError:
+            raise compile_timeout_error(self.compile_timeout) from None
 
     def validate(self, params: "SamplingParams") -> None:
         """Raise GrammarError if params' constraint does not compile; the result stays cached so
@@ -162,7 +213,10 @@ class GrammarBackend:
     def _compile_key(self, key: GrammarKey) -> xgr.CompiledGrammar:
         kind, text = key
         if kind == "json":
-            check_json_schema(json.loads(text))
+            try:
+                check_json_schema(json.loads(text))
+            except RecursionError:
+                raise GrammarError("json_schema nests too deeply to check: flatten it") from None
             try:
                 return self._compiler.compile_json_schema(
                     text, any_whitespace=self.any_whitespace, max_whitespace_cnt=self.max_whitespace_cnt
