@@ -156,12 +156,48 @@ def shown_ids(ids: Sequence[int], finish_reason: str | None, matched_stop: Any) 
     return ids
 
 
+class _StopPrefix:
+    """How much of one stop string the text ends with (its longest proper prefix that is a suffix of the text),
+    kept up to date as text is appended: Knuth-Morris-Pratt, so each new character costs O(1) amortised."""
+
+    __slots__ = ("stop", "fail", "state")
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.fail = [0] * (len(stop) + 1)  # fail[k]: longest proper border of stop[:k]
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.fail[k]
+            if stop[i] == stop[k]:
+                k += 1
+            self.fail[i + 1] = k
+        self.state = 0
+
+    def feed(self, text: str) -> None:
+        stop, fail, k = self.stop, self.fail, self.state
+        for ch in text:
+            if k == len(stop):
+                k = fail[k]
+            while k and ch != stop[k]:
+                k = fail[k]
+            if ch == stop[k]:
+                k += 1
+        self.state = k
+
+    def held(self) -> int:
+        return self.state if self.state < len(self.stop) else self.fail[self.state]
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
     Never emits half a UTF-8 character, and holds back text that might be the start of a
     stop string; when a stop string appears the text is cut before it and `stopped` is set.
     min_tokens: as vLLM, a stop string counts only if it ends in the text of the min_tokens-th token or later.
+
+    Each call costs O(stops x (new text + longest stop)), never the text so far: a stop string cannot start in
+    text already shown (that text was not a prefix of any stop), so only the unshown tail is kept and searched.
     """
 
     def __init__(
@@ -171,10 +207,14 @@ class IncrementalDetokenizer:
         self.min_tokens = min_tokens
         self._boundary: int | None = 0 if min_tokens <= 1 else None  # chars before the min_tokens-th token's text
         self.stop = [s for s in stop if s]
+        self._longest = max((len(s) for s in self.stop), default=0)
+        self._prefixes = [_StopPrefix(s) for s in self.stop]
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
-        self.text = ""  # all decoded text (stop-trimmed once stopped)
-        self.emitted = 0  # chars of self.text already returned
+        self.length = 0  # chars of text decoded so far (stop-trimmed once stopped)
+        self._tail = ""  # the text from char _tail_start on: what is not shown yet, and what a stop may still match
+        self._tail_start = 0
+        self.emitted = 0  # chars of text already returned
         self.stopped: str | None = None
         self._prefix_offset = 0
         self._read_offset = 0
@@ -191,12 +231,18 @@ class IncrementalDetokenizer:
         full_text = self._decode(self.token_ids[self._prefix_offset :])
         if full_text.endswith("\ufffd"):
             return self._flush(final=False)  # wait for the rest of the character
-        old_len = len(self.text)
-        self.text += full_text[len(prefix_text) :]
+        old_len = self.length
+        self._append(full_text[len(prefix_text) :])
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.token_ids)
         self._check_stop(old_len)
         return self._flush(final=self.stopped is not None)
+
+    def _append(self, text: str) -> None:
+        self._tail += text
+        self.length += len(text)
+        for prefix in self._prefixes:
+            prefix.feed(text)
 
     def _check_stop(self, old_len: int) -> None:
         if not self.stop:
@@ -205,39 +251,38 @@ class IncrementalDetokenizer:
             if len(self.token_ids) < self.min_tokens:
                 return
             self._boundary = len(self._decode(self.token_ids[: self.min_tokens - 1]))
-        longest = max(len(s) for s in self.stop)
-        start = max(0, old_len - longest + 1)
-        hits = [(self.text.find(s, max(start, self._boundary - len(s) + 1)), s) for s in self.stop]
-        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        start = max(0, old_len - self._longest + 1)
+        hits = []
+        for s in self.stop:
+            pos = self._tail.find(s, max(start, self._boundary - len(s) + 1, self._tail_start) - self._tail_start)
+            if pos >= 0:
+                hits.append((pos + self._tail_start, s))
         if hits:
             pos, s = min(hits)
-            self.text = self.text[:pos]
+            self._tail = self._tail[: pos - self._tail_start]
+            self.length = pos
             self.stopped = s
 
     def _flush(self, final: bool) -> str:
-        end = len(self.text)
+        end = self.length
         if not final and self.stop:
-            end -= self._held_back()
+            end -= max(prefix.held() for prefix in self._prefixes)
         end = max(end, self.emitted)
-        delta = self.text[self.emitted : end]
+        delta = self._tail[self.emitted - self._tail_start : end - self._tail_start]
         self.emitted = end
+        keep_from = min(self.emitted, max(0, self.length - self._longest + 1))  # what the next stop search reads
+        if keep_from > self._tail_start:
+            self._tail = self._tail[keep_from - self._tail_start :]
+            self._tail_start = keep_from
         return delta
-
-    def _held_back(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
 
     def finish(self) -> str:
         """The request ended: return whatever was held back."""
         if self.stopped is None and self.token_ids[self._read_offset :]:
-            self.text += self._decode(self.token_ids[self._prefix_offset :])[
-                len(self._decode(self.token_ids[self._prefix_offset : self._read_offset])) :
-            ]
+            self._append(
+                self._decode(self.token_ids[self._prefix_offset :])[
+                    len(self._decode(self.token_ids[self._prefix_offset : self._read_offset])) :
+                ]
+            )
             self._read_offset = len(self.token_ids)
         return self._flush(final=True)
