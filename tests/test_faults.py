@@ -111,3 +111,92 @@ def test_offline_a_grammar_past_the_compile_timeout_is_a_grammar_error(llm):
 def test_a_grammar_over_the_size_limits_is_a_typed_error(llm, params, words):
     with pytest.raises(errors.GrammarError, match=words):
         llm.generate([[1, 2, 3]], SamplingParams(**params), use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "params, error, words",
+    [
+        (dict(n=17), errors.InvalidRequestError, "max_n=16"),
+        (dict(stop=[f"s{i}" for i in range(17)]), errors.InvalidRequestError, "max_stop_strings=16"),
+        (dict(stop=["x" * 1025]), errors.InvalidRequestError, "max_stop_string_len=1024"),
+        (dict(n=2**70), errors.InvalidRequestError, "n=.* is too large"),
+        (dict(stop_token_ids=[2**64]), errors.InvalidRequestError, "stop_token_ids"),
+    ],
+)
+def test_a_request_past_a_limit_is_a_typed_error_offline(llm, params, error, words):
+    with pytest.raises(error, match=words):
+        llm.generate([[1, 2, 3]], SamplingParams(**params), use_tqdm=False)
+    llm.check_integrity()
+
+
+def test_the_limits_are_configurable(tiny_model_dir):
+    with LLM(str(tiny_model_dir("llama")), max_n=2, max_stop_strings=1) as small:
+        with pytest.raises(errors.InvalidRequestError, match="max_n=2"):
+            small.generate([[1, 2]], SamplingParams(n=3, max_tokens=2), use_tqdm=False)
+        with pytest.raises(errors.InvalidRequestError, match="max_stop_strings=1"):
+            small.generate([[1, 2]], SamplingParams(stop=["a", "b"], max_tokens=2), use_tqdm=False)
+        assert len(small.generate([[1, 2]], SamplingParams(n=2, max_tokens=2), use_tqdm=False)[0].outputs) == 2
+
+
+@pytest.fixture(scope="module")
+def preparer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from minisgl.config import EngineConfig
+    from minisgl.runtime.tokenizer_worker import RequestPreparer
+
+    info = {"context_length": 1 << 20, "model_type": "llama", "config": EngineConfig().to_dict()}
+    return RequestPreparer(AutoTokenizer.from_pretrained(tokenizer_dir), info)
+
+
+def tool(name: str, parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {"type": "object"}}}
+
+
+def deep_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
+@pytest.mark.parametrize(
+    "fields, error, words",
+    [
+        (dict(tools=[tool(f"t{i}") for i in range(129)]), errors.InvalidRequestError, "max_tools=128"),
+        (dict(tools=[tool("deep", deep_schema(400))]), errors.GrammarError, r"tools\[0\] nests deeper than 64"),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": deep_schema(400)}}),
+            errors.GrammarError,
+            "json_schema nests deeper than 64",
+        ),
+        (dict(params={"n": 1000}), errors.InvalidRequestError, "max_n=16"),
+        (dict(params={"top_k": 2**70}), errors.InvalidRequestError, "too large"),
+    ],
+)
+def test_the_text_worker_refuses_a_request_past_a_limit_before_rendering_it(preparer, fields, error, words):
+    from minisgl.runtime.protocol import Generate
+
+    msg = Generate("r", messages=[{"role": "user", "content": "hi"}], **fields)
+    t0 = time.monotonic()
+    with pytest.raises(error, match=words):
+        preparer.prepare(msg)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_the_text_worker_takes_as_many_tools_as_the_limit(preparer):
+    from minisgl.runtime.protocol import Generate
+
+    add = preparer.prepare(
+        Generate("r", messages=[{"role": "user", "content": "hi"}], tools=[tool(f"t{i}") for i in range(128)])
+    )
+    assert add.detok["tool_parser"] is not None
+
+
+def test_a_max_tokens_past_int64_stops_at_the_context_like_any_other_past_it():
+    from minisgl.runtime.protocol import Generate, decode, encode
+
+    params = SamplingParams(max_tokens=2**70)
+    assert params.max_tokens == 2**63 - 1
+    assert decode(encode(Generate("r", prompt="x", params=params.to_dict()))).params["max_tokens"] == 2**63 - 1
+    assert params.for_prompt(10, 2048).max_tokens == 2**63 - 1  # stops at the context's end: finish "length"

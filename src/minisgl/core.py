@@ -56,6 +56,8 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in ids]
         if self.logit_bias is not None:
             self.logit_bias = _token_biases(self.logit_bias)
+        if _is_int(self.max_tokens) and self.max_tokens > _INT64_MAX:
+            self.max_tokens = _INT64_MAX  # as any max_tokens past the context: it stops at the context's end
         self.validate()
 
     def validate(self) -> None:
@@ -71,6 +73,11 @@ class SamplingParams:
                 raise bad(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad(f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
+        for name in ("n", "min_tokens", "top_k"):  # past int64 they cannot even be sent
+            if (getattr(self, name) or 0) > _INT64_MAX:
+                raise bad(f"{name}={getattr(self, name)} is too large: at most the model's context window makes sense")
+        if any(not -_INT64_MAX <= t <= _INT64_MAX for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be token ids of the model's vocabulary")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if self.temperature < 0:
@@ -200,6 +207,8 @@ class SamplingParams:
         setattr(params, name, value)
         return params
 
+
+_INT64_MAX = 2**63 - 1  # the largest integer the wire protocol (msgpack) carries
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError, PromptTooLongError
+from minisgl.limits import RequestLimits
 from minisgl.runtime.protocol import AddRequest, Detokenize, DetokenizeReply, Generate, Tokenize, TokenizeReply
 from minisgl.tokenizer import apply_chat_template, encode_prompt
 
@@ -48,10 +49,12 @@ class RequestPreparer:
         self.context_length = int(model_info["context_length"])
         self.model_type = str(model_info.get("model_type") or "")
         self.reasoning_parser = (model_info.get("config") or {}).get("reasoning_parser")
+        self.limits = RequestLimits.from_config(model_info.get("config") or {})
         self._tool_format: str | None = None
 
     def prepare(self, msg: Generate) -> AddRequest:
         params = SamplingParams.from_dict(msg.params)  # the one validation: the scheduler trusts AddRequest
+        self.limits.check_params(params)
         given = [name for name in ("prompt", "input_ids", "messages") if getattr(msg, name) is not None]
         if len(given) != 1:
             raise InvalidRequestError(f"give exactly one of prompt, input_ids and messages (got {given or 'none'})")
@@ -59,6 +62,8 @@ class RequestPreparer:
             self._check_embed(msg)
             params = SamplingParams.for_embedding()
         params = apply_response_format(params, msg.response_format)
+        if isinstance(params.json_schema, (dict, list)):
+            self.limits.check_schema(params.json_schema, "json_schema")
         tools, forced = self._tools(msg)
         if tools and msg.messages is None:
             raise InvalidRequestError("tools need a chat request: send messages, not a plain prompt")
@@ -129,6 +134,7 @@ class RequestPreparer:
         if (msg.prompt is None) == (msg.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages")
         if msg.messages is not None:
+            self.limits.check_tools(msg.tools)
             input_ids = apply_chat_template(
                 self.tokenizer,
                 msg.messages,
@@ -178,6 +184,7 @@ class RequestPreparer:
             return [], None
         from minisgl.structured.tools import normalize_tools, resolve_tool_choice, tool_call_constraint
 
+        self.limits.check_tools(msg.tools)
         tools = normalize_tools(msg.tools)
         choice = resolve_tool_choice(msg.tool_choice, tools)
         if choice.mode == "none":

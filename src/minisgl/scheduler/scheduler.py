@@ -20,6 +20,7 @@ from minisgl.config import EngineConfig
 from minisgl.core import Batch, Req, SamplingParams, TokenOutput
 from minisgl.distributed import get_tp_info
 from minisgl.errors import EngineError, InvalidRequestError
+from minisgl.limits import RequestLimits
 from minisgl.scheduler.collector import collect_due
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.kv import ReqKV
@@ -63,6 +64,7 @@ class Scheduler:
         self._live: dict[str, int] = {}  # rid -> its sequences in self.reqs (with n > 1 some may have ended already)
         self.pending_outputs: list[TokenOutput] = []
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, config)
+        self.limits = RequestLimits.from_config(config)
         # Daemon: a request whose grammar is compiling waits here, off the loop, while the others decode
         # (offline the caller waits for the compile: its own requests have nothing else to run).
         self.defer_grammars = False
@@ -115,6 +117,7 @@ class Scheduler:
     ) -> None:
         """Raise a typed error for a request that can never be served; changes nothing. wait_grammar=False: a grammar
         still compiling is not waited for (its errors come later, from admit_compiled)."""
+        self.limits.check_params(params)
         check_request(
             input_ids,
             params,

@@ -1,0 +1,63 @@
+"""The limits of one request (EngineConfig's max_n, max_stop_strings, ...): past one, a typed error (HTTP 400).
+
+They keep one request from stalling the others: every sequence of `n` decodes, every stop string is searched on
+every token, every tool is rendered into the prompt, and a schema is walked by recursive code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Mapping, NamedTuple
+
+from minisgl.config import EngineConfig
+from minisgl.core import SamplingParams
+from minisgl.errors import InvalidRequestError
+
+_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+
+
+class RequestLimits(NamedTuple):
+    max_n: int = _DEFAULTS["max_n"]
+    max_stop_strings: int = _DEFAULTS["max_stop_strings"]
+    max_stop_string_len: int = _DEFAULTS["max_stop_string_len"]
+    max_tools: int = _DEFAULTS["max_tools"]
+    max_schema_depth: int = _DEFAULTS["max_schema_depth"]
+
+    @classmethod
+    def from_config(cls, config: EngineConfig | Mapping[str, Any]) -> "RequestLimits":
+        """The limits of an EngineConfig, or of its to_dict() (what the daemon's workers get)."""
+        get = config.get if isinstance(config, Mapping) else lambda name, default: getattr(config, name, default)
+        return cls(*(get(name, default) for name, default in zip(cls._fields, cls._field_defaults.values())))
+
+    def check_params(self, params: SamplingParams) -> None:
+        if params.n > self.max_n:
+            raise InvalidRequestError(f"n={params.n} is more sequences than this server allows (max_n={self.max_n})")
+        if len(params.stop) > self.max_stop_strings:
+            raise InvalidRequestError(
+                f"{len(params.stop)} stop strings are more than this server allows "
+                f"(max_stop_strings={self.max_stop_strings})"
+            )
+        longest = max((len(s) for s in params.stop), default=0)
+        if longest > self.max_stop_string_len:
+            raise InvalidRequestError(
+                f"a stop string of {longest} characters is longer than this server allows "
+                f"(max_stop_string_len={self.max_stop_string_len})"
+            )
+
+    def check_tools(self, tools: Any) -> None:
+        """Before a tool is rendered or its schema walked: their number and how deeply each nests."""
+        from minisgl.structured.grammar import check_schema_shape
+
+        if not isinstance(tools, (list, tuple)):
+            return  # normalize_tools says what is wrong with it
+        if len(tools) > self.max_tools:
+            raise InvalidRequestError(
+                f"{len(tools)} tools are more than this server allows (max_tools={self.max_tools})"
+            )
+        for i, tool in enumerate(tools):
+            check_schema_shape(tool, f"tools[{i}]", self.max_schema_depth)
+
+    def check_schema(self, schema: Any, what: str) -> None:
+        from minisgl.structured.grammar import check_schema_shape
+
+        check_schema_shape(schema, what, self.max_schema_depth)
