@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minisgl.errors import ConfigError
-from minisgl.kvcache.manager import CacheManager, make_prefix_cache
+from minisgl.kvcache.manager import CacheManager, DoubleFreeError, make_prefix_cache
 from minisgl.kvcache.naive import NaiveCache
 from minisgl.kvcache.radix import RadixCache
 from minisgl.kvcache.table import TableManager
@@ -51,13 +51,20 @@ def test_allocate_returns_none_and_changes_nothing_when_pages_cannot_be_had() ->
     mgr.check_integrity(req_pages=0)
 
 
-def test_free_twice_is_caught_by_check_integrity() -> None:
+def test_freeing_a_page_twice_raises_and_changes_nothing() -> None:
     mgr = make(4, 1)
-    pages = mgr.allocate_pages(1)
-    mgr.free(pages)
-    mgr.free(pages)
-    with pytest.raises(AssertionError, match="leak"):
-        mgr.check_integrity(req_pages=0)
+    pages = mgr.allocate_pages(2)
+    mgr.free(pages[:1])
+    with pytest.raises(DoubleFreeError, match=r"freed twice: \[%d\]" % int(pages[0])):
+        mgr.free(pages[:1])
+    with pytest.raises(DoubleFreeError):
+        mgr.free(torch.cat([pages[1:], pages[1:]]))  # twice in one call
+    with pytest.raises(DoubleFreeError):
+        mgr.free(torch.tensor([3]))  # never allocated
+    assert mgr.free_pages == 3
+    mgr.check_integrity(req_pages=1)
+    mgr.free(pages[1:])
+    mgr.check_integrity(req_pages=0)
 
 
 def test_unknown_prefix_cache_kind_is_a_config_error() -> None:

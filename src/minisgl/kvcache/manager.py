@@ -28,6 +28,10 @@ def make_prefix_cache(kind: str, page_size: int, device: torch.device | str = "c
     raise ConfigError(f"unknown prefix cache {kind!r}: use 'radix' or 'naive'")
 
 
+class DoubleFreeError(AssertionError):
+    """A page was freed while already free: two owners thought they held it (a bug, never a user's doing)."""
+
+
 class CacheManager:
     def __init__(
         self, num_pages: int, page_size: int, prefix_cache: PrefixCache, device: torch.device | str = "cpu"
@@ -39,6 +43,10 @@ class CacheManager:
         self.prefix_cache = prefix_cache
         self.device = torch.device(device)
         self._free_pages = torch.arange(num_pages, dtype=torch.int64, device=self.device)
+        self._is_free = torch.ones(num_pages, dtype=torch.bool, device=self.device)
+        # On a GPU a double free is recorded without a host sync (free() runs while a forward is in flight) and
+        # raised by check_integrity; on the CPU free() raises at once.
+        self._freed_twice = torch.zeros((), dtype=torch.bool, device=self.device)
         self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
         self._next_offsets = self._page_offsets + 1  # slot after `last`, and on: one kernel per partial page
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -101,14 +109,25 @@ class CacheManager:
         if short > 0:
             if short > self.prefix_cache.evictable_pages:
                 return None
-            evicted = self.prefix_cache.evict(short)
-            self._free_pages = torch.cat([self._free_pages, evicted.to(self.device)])
+            self.free(self.prefix_cache.evict(short))
         pages, self._free_pages = self._free_pages[:n], self._free_pages[n:]
+        self._is_free[pages] = False
         return pages
 
     def free(self, page_ids: torch.Tensor) -> None:
-        if len(page_ids):
-            self._free_pages = torch.cat([self._free_pages, page_ids.to(self.device, torch.int64)])
+        """Return pages to the free list; DoubleFreeError if one of them is free already."""
+        if not len(page_ids):
+            return
+        page_ids = page_ids.to(self.device, torch.int64)
+        ordered = page_ids.sort().values
+        again = self._is_free[page_ids].any() | (ordered[1:] == ordered[:-1]).any()
+        if self.device.type == "cpu":
+            if bool(again):
+                raise DoubleFreeError(f"KV page(s) freed twice: {sorted(set(page_ids.tolist()))[:16]}")
+        else:
+            self._freed_twice |= again
+        self._is_free[page_ids] = True
+        self._free_pages = torch.cat([self._free_pages, page_ids])
 
     def slots_for_extend(
         self, page_table_row: torch.Tensor, old_len: int, new_len: int
@@ -206,6 +225,8 @@ class CacheManager:
 
     def check_integrity(self, req_pages: int) -> None:
         """Assert every page is exactly one of free, cached or owned by a request."""
+        if bool(self._freed_twice):
+            raise DoubleFreeError("KV page freed twice (recorded on the device)")
         free, cached = len(self._free_pages), self.prefix_cache.cached_pages
         if free + cached + req_pages != self.num_pages:
             raise AssertionError(
