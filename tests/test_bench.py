@@ -253,3 +253,18 @@ def test_throughput_floor_counts_the_weights_hf_builds_for_the_shape(shape):
     floor = bandwidth_floor(1e12, SHAPES[shape])
     assert floor["weight_bytes_per_step_gb"] == round(2 * dense / 1e9, 3)
     assert floor.get("expert_bytes_all_gb", 0) == round(2 * experts / 1e9, 3)
+
+
+def test_bench_offline_repeat_alternates_the_sides():
+    from minisgl.bench.offline import alternating_runs
+
+    calls: list[str] = []
+    timings = alternating_runs(
+        {
+            "a": (lambda: calls.append("a") or len(calls), lambda: calls.append("setup-a")),
+            "b": (lambda: calls.append("b") or len(calls), None),
+        },
+        3,
+    )
+    assert calls == ["setup-a", "a", "b"] * 3
+    assert [len(timings[s][0]) for s in "ab"] == [3, 3] and (timings["a"][1], timings["b"][1]) == (8, 9)

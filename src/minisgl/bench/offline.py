@@ -34,22 +34,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--repeat",
         type=int,
         default=1,
-        help="timed runs per engine (each from a cold prefix cache); the best is reported",
+        help="timed runs per engine, alternating (A B A B ...; minisgl from a cold prefix cache each time); the best "
+        "is reported",
     )
     p.add_argument("--json", default=None, help="write the figures to this file")
     p.set_defaults(func=run)
 
 
-def timed_runs(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None) -> tuple[list[float], Any]:
-    """Seconds of each of `repeat` calls of fn (setup, untimed, before each), and the last call's result."""
-    runs, result = [], None
+# A side of a comparison: the call to time, and what runs (untimed) before each call.
+Side = tuple[Callable[[], Any], Callable[[], Any] | None]
+
+
+def alternating_runs(sides: dict[str, Side], repeat: int) -> dict[str, tuple[list[float], Any]]:
+    """Each side's seconds per call and its last result, the sides taking turns (A B A B ...): a slow spell of a
+    shared machine hits every side alike instead of one side's runs."""
+    runs: dict[str, list[float]] = {name: [] for name in sides}
+    results: dict[str, Any] = {}
     for _ in range(repeat):
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
-        result = fn()
-        runs.append(time.perf_counter() - t0)
-    return runs, result
+        for name, (fn, setup) in sides.items():
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            results[name] = fn()
+            runs[name].append(time.perf_counter() - t0)
+    return {name: (runs[name], results.get(name)) for name in sides}
 
 
 def make_prompts(vocab_size: int, num: int, max_len: int, seed: int) -> list[list[int]]:
@@ -84,9 +92,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     # Each run starts without the warm-up's (or a previous run's) cached prefixes.
-    runs, outs = timed_runs(
-        lambda: llm.generate(prompts, params, use_tqdm=False), args.repeat, setup=llm.scheduler.reset_prefix_cache
-    )
+    sides: dict[str, Side] = {
+        "minisgl": (lambda: llm.generate(prompts, params, use_tqdm=False), llm.scheduler.reset_prefix_cache)
+    }
+    if args.compare_hf:
+        sides["hf"] = (hf_generate(llm, prompts, args.output_len), None)
+    timings = alternating_runs(sides, args.repeat)
+    runs, outs = timings["minisgl"]
     elapsed = min(runs)
     out_tokens = sum(len(o.token_ids) for o in outs)
     result: dict[str, Any] = {
@@ -103,7 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(f"minisgl: {out_tokens} output tokens in {elapsed:.2f}s = {out_tokens / elapsed:.1f} tok/s")
     if args.compare_hf:
-        hf = run_hf(llm, prompts, args.output_len, args.repeat)
+        hf = hf_figures(*timings["hf"], prompts)
         result.update(hf)
         result["speedup_vs_hf"] = round(result["minisgl_output_tok_s"] / hf["hf_output_tok_s"], 2)
         print(f"HF generate: {hf['hf_output_tok_s']:.1f} tok/s -> minisgl is {result['speedup_vs_hf']}x")
@@ -112,8 +124,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def run_hf(llm: Any, prompts: list[list[int]], output_len: int, repeat: int = 1) -> dict[str, Any]:
-    """HF transformers generate on the same prompts, one left-padded batch, same dtype and device (best of repeat)."""
+def hf_generate(llm: Any, prompts: list[list[int]], output_len: int) -> Callable[[], Any]:
+    """A call of HF transformers generate on the prompts (one left-padded batch, the engine's dtype and device),
+    its model loaded and warmed up."""
     from transformers import AutoModelForCausalLM
 
     engine = llm.scheduler.engine
@@ -125,9 +138,17 @@ def run_hf(llm: Any, prompts: list[list[int]], output_len: int, repeat: int = 1)
     kwargs = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=pad)
     with torch.inference_mode():
         model.generate(input_ids[:2], attention_mask=attention_mask[:2], max_new_tokens=4, pad_token_id=pad)
-        runs, out = timed_runs(lambda: model.generate(input_ids, attention_mask=attention_mask, **kwargs), repeat)
+
+    def generate() -> Any:
+        with torch.inference_mode():
+            return model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+
+    return generate
+
+
+def hf_figures(runs: list[float], out: Any, prompts: list[list[int]]) -> dict[str, Any]:
     elapsed = min(runs)
-    new_tokens = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
+    new_tokens = (out.shape[1] - max(map(len, prompts))) * out.shape[0]
     return {
         "hf_runs_s": [round(t, 2) for t in runs],
         "hf_seconds": round(elapsed, 3),
