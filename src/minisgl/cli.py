@@ -325,6 +325,9 @@ def _port(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from minisgl.runtime.lifetime import die_with_parent
+
+    die_with_parent()  # a command another minisgl command started (MINISGL_PARENT_PID) ends with it
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         from minisgl.bench import main as bench_main

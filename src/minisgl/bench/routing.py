@@ -174,6 +174,7 @@ def free_port() -> int:
 
 def start_daemons(args: argparse.Namespace, runtime_dir: Path) -> tuple[list[str], list[subprocess.Popen]]:
     from minisgl.runtime.launcher import wait_ready
+    from minisgl.runtime.lifetime import parent_env
 
     os.environ["MINISGL_RUNTIME_DIR"] = str(runtime_dir)
     addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
@@ -182,7 +183,7 @@ def start_daemons(args: argparse.Namespace, runtime_dir: Path) -> tuple[list[str
     for i, address in enumerate(addresses):
         log = open(runtime_dir / f"daemon{i}.log", "ab")
         cmd = [sys.executable, "-m", "minisgl", "serve", "--model", args.model, "--address", address, *flags]
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=parent_env()))
     for i, (address, proc) in enumerate(zip(addresses, procs)):
         wait_ready(address, 600, proc=proc, log_path=runtime_dir / f"daemon{i}.log")
     return addresses, procs

@@ -25,6 +25,7 @@ from minisgl.bench.tp_support import (
     write_config_dir,
     write_hf_checkpoint,
 )
+from minisgl.runtime.lifetime import parent_env
 
 
 def stage_parity(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log: Path) -> None:
@@ -153,7 +154,9 @@ def _stage_nodes(
     node1_log = open(work / "node1.log", "w")
     cmd1 = [py, "-m", "minisgl", "serve", "--model", str(ckpt), "--node-rank", "1", *engine]
     print("$ [node 1]", " ".join(cmd1), flush=True)
-    node1 = subprocess.Popen(cmd1, stdout=node1_log, stderr=subprocess.STDOUT, env=node1_env, start_new_session=True)
+    node1 = subprocess.Popen(
+        cmd1, stdout=node1_log, stderr=subprocess.STDOUT, env=parent_env(node1_env), start_new_session=True
+    )
     try:
         code, _ = run_child(
             [

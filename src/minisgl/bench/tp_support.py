@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from minisgl.runtime.lifetime import parent_env
+
 VOCAB = 49152
 PARITY_ENGINE = dict(num_pages=40000, cuda_graph_max_bs=32, max_prefill_tokens=8192)
 TOK_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -126,7 +128,7 @@ def run_child(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, **(env or {})},
+        env=parent_env({**os.environ, **(env or {})}),
         start_new_session=True,
     )
     try:
@@ -136,7 +138,8 @@ def run_child(
         kill_group(proc)
         out, _ = proc.communicate()
         code, out = 124, (out or "") + "\n[timed out]"
-    kill_group(proc)
+    finally:  # Ctrl-C or SIGTERM too: the child has its own session, which no signal to ours reaches
+        kill_group(proc)
     if log is not None:
         with open(log, "a") as f:
             f.write(f"$ {' '.join(cmd)}\n{out}\n[exit {code}]\n")
@@ -244,7 +247,11 @@ def kill_rank_check(
     print("$", " ".join(cmd), flush=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=parent_env({**os.environ, **(env or {})}),
         )
     r: dict[str, Any] = {}
     try:

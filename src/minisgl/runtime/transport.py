@@ -103,7 +103,10 @@ class ParentWatch:
 
 
 def worker_setup(log_level: int) -> None:
-    """A worker leaves Ctrl-C to the daemon process, which shuts everything down in order."""
+    """A worker leaves Ctrl-C to the daemon process, which shuts everything down in order, and ends with it."""
+    from minisgl.runtime.lifetime import die_with_parent
+
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(log_level)
 

@@ -263,6 +263,9 @@ def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
 
 
 def _worker_entry(argv: list[str]) -> None:
+    from minisgl.runtime.lifetime import die_with_parent
+
+    die_with_parent()  # a rank never outlives the process that started it (rank 0, or a node's launcher)
     fields = json.loads(argv[0])
     code = worker_main(EngineConfig(**fields), int(argv[1]), argv[2])
     sys.stdout.flush()
