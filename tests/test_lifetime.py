@@ -9,6 +9,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -107,7 +108,7 @@ def test_no_process_of_a_tp2_daemon_outlives_it(tiny_model_dir, sig):
 
     runtime = tempfile.mkdtemp(prefix="msgl-")
     address = f"ipc://{runtime}/d.sock"
-    log_path = f"{runtime}/serve.log"
+    log_path = Path(runtime) / "serve.log"
     cmd = [sys.executable, "-m", "minisgl", "serve", "--model", str(tiny_model_dir("llama")), "--tp", "2"]
     with open(log_path, "ab") as log:
         daemon = subprocess.Popen(

@@ -56,6 +56,31 @@ def test_a_prefix_cache_reset_reaches_every_rank(tiny_model_dir):
         )
 
 
+def test_a_request_waiting_for_its_grammar_reaches_every_rank_at_the_same_step(tiny_model_dir):
+    """With grammars compiled off the loop (the daemon's way), rank 0 sends a constrained request to the other
+    ranks at the step it queues it: the ranks keep building the same batches, and the output equals TP=1's."""
+    model_dir = tiny_model_dir("llama")
+    regex = SamplingParams(regex="[0-9]{2,30}x", max_tokens=40, temperature=0)
+    want = [o.token_ids for o in LLM(str(model_dir)).generate([PROMPTS[0], PROMPTS[1]], [regex, GREEDY])]
+    with LLM(str(model_dir), tp=2, dist_timeout=60) as llm:
+        sched = llm.scheduler
+        sched.defer_grammars = True
+        sched.add_request("regex", PROMPTS[0], regex)
+        sched.add_request("plain", PROMPTS[1], GREEDY)
+        got: dict[str, list[int]] = {"regex": [], "plain": []}
+        finished: set[str] = set()
+        deadline = time.monotonic() + 120
+        while finished != set(got) and time.monotonic() < deadline:
+            for out in sched.step() if sched.has_work else []:
+                got[out.rid] += out.new_token_ids
+                if out.finished:
+                    assert out.error is None, out.error
+                    finished.add(out.rid)
+            time.sleep(0 if sched.has_work else 0.005)
+        llm.check_integrity()
+    assert [got["regex"], got["plain"]] == want
+
+
 def test_an_idle_engine_outlives_the_dist_timeout(tiny_model_dir):
     """The ranks wait for rank 0 in a broadcast with dist_timeout; rank 0 pings them while idle."""
     model_dir = tiny_model_dir("llama")
