@@ -120,6 +120,21 @@ IDLE_TIMEOUT = _declare(
     "`minisgl serve`: stop after this many seconds without a request (0: never; `--idle-timeout` overrides); "
     "auto-started daemons inherit it",
 )
+TP_SECRET = _declare(
+    "MINISGL_TP_SECRET",
+    "str",
+    None,
+    str,
+    "multi-node tensor parallelism: the secret every node shares, which signs the ranks' messages (or "
+    "`--tp-secret-file`, a file only its owner can read); a one-node engine makes its own",
+)
+PARENT_PID = _declare(
+    "MINISGL_PARENT_PID",
+    "int",
+    None,
+    int,
+    "set by minisgl on the commands it starts (benchmark children, tensor-parallel ranks): they end with that process",
+)
 
 # Engine settings: EngineConfig's defaults.
 XQA = _declare(

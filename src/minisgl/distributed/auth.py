@@ -19,10 +19,11 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from minisgl import env
 from minisgl.config import EngineConfig
 from minisgl.errors import ConfigError
 
-SECRET_ENV = "MINISGL_TP_SECRET"
+SECRET_ENV = env.TP_SECRET.name
 NONCE_KEY = "minisgl/auth/nonce"  # rank 0's fresh challenge for this engine
 PROOF_KEY = "minisgl/auth/proof/{rank}"  # rank's HMAC of the challenge
 _SIG_BYTES = hashlib.sha256().digest_size
@@ -34,8 +35,9 @@ class AuthError(ConfigError):
 
 def load_secret(config: EngineConfig) -> bytes:
     """The engine's shared secret: MINISGL_TP_SECRET, else tp_secret_file, else (one node only) a fresh one."""
-    if os.environ.get(SECRET_ENV):
-        return os.environ[SECRET_ENV].encode()
+    secret = env.TP_SECRET.get()
+    if secret:
+        return secret.encode()
     if config.tp_secret_file:
         return _read_secret_file(Path(config.tp_secret_file).expanduser())
     if config.nnodes > 1:

@@ -16,7 +16,9 @@ import sys
 import threading
 import time
 
-PARENT_ENV = "MINISGL_PARENT_PID"
+from minisgl import env
+
+PARENT_ENV = env.PARENT_PID.name
 _PR_SET_PDEATHSIG = 1
 _WATCH_S = 0.5
 
@@ -54,8 +56,9 @@ def _expected_parent() -> int | None:
     parent = multiprocessing.parent_process()
     if parent is not None and parent.pid is not None:
         return parent.pid
-    pid = os.environ.pop(PARENT_ENV, None)
-    return int(pid) if pid and pid.isdigit() else None
+    pid = env.PARENT_PID.get()
+    os.environ.pop(PARENT_ENV, None)  # for this process only: its own children have another parent
+    return pid
 
 
 def _set_pdeathsig(sig: int) -> bool:
