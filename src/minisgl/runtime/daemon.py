@@ -364,7 +364,7 @@ class Daemon:
         if isinstance(msg, GetModelInfo):
             self._reply(ident, ModelInfoReply(msg.rid, self.model_info))
         elif isinstance(msg, Abort):
-            if msg.rid in self.inflight:
+            if self.inflight.get(msg.rid) == ident:  # a client aborts its own requests only
                 self.tokenizer.send(raw)
         elif isinstance(msg, (Generate, GetStats, FlushCache, Tokenize, Detokenize)):
             if msg.rid in self.inflight:
