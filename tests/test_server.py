@@ -43,6 +43,7 @@ from minisgl.errors import (
     RequestAbortedError,
 )
 from minisgl.server.app import create_app, run_http_server
+from minisgl.server.guard import GuardOptions
 
 # ---------------------------------------------------------------------------- HTTP layer
 
@@ -164,8 +165,9 @@ class StandInClient:
                 self.aborted.append(rid)
 
 
-def _app_client(stand_in: StandInClient, api_key: str | None = None) -> TestClient:
-    return TestClient(create_app("ipc:///unused", "stand-in", api_key, client_factory=lambda: stand_in))
+def _app_client(stand_in: StandInClient, api_key: str | None = None, **guard: Any) -> TestClient:
+    options = GuardOptions(allowed_hosts=("testserver",), **guard)  # TestClient's Host
+    return TestClient(create_app("ipc:///unused", "stand-in", api_key, client_factory=lambda: stand_in, guard=options))
 
 
 def _sse_events(body: str) -> list[str]:
@@ -620,7 +622,7 @@ def test_unknown_model_name_is_404():
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
-def test_api_key_guards_v1_routes_but_not_health():
+def test_api_key_guards_every_route_but_health():
     with _app_client(StandInClient(), api_key="sk-test") as http:
         assert http.get("/v1/models").status_code == 401
         assert http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
@@ -628,13 +630,78 @@ def test_api_key_guards_v1_routes_but_not_health():
         assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "stand-in"
         assert http.get("/health").status_code == 200
         assert http.get("/v1/models").json()["error"]["code"] == "invalid_api_key"
-        # The probes other servers answer stay open too: Ollama's root (GET and HEAD), vLLM's /version and /ping.
-        assert http.get("/").status_code == 200 and "minisgl is running" in http.get("/").text
-        assert http.head("/").status_code == 200
+        # Everything else needs the key too: the probes, the metrics and the API's own documentation.
+        for path in ("/", "/version", "/ping", "/metrics", "/health_generate", "/docs", "/openapi.json"):
+            assert http.get(path).status_code == 401, path
+        assert http.post("/flush_cache").status_code == 401
+        key = {"Authorization": "Bearer sk-test"}
+        assert http.get("/", headers=key).status_code == 200 and "minisgl is running" in http.get("/", headers=key).text
+        assert http.head("/", headers=key).status_code == 200
         from minisgl import __version__
 
-        assert http.get("/version").json() == {"version": __version__}
-        assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+        assert http.get("/version", headers=key).json() == {"version": __version__}
+        assert http.get("/ping", headers=key).status_code == 200 and http.post("/ping", headers=key).status_code == 200
+        assert http.get("/openapi.json", headers=key).status_code == 200
+
+
+def test_a_post_body_that_is_not_json_is_415_and_changes_nothing():
+    stand_in = StandInClient()
+    with _app_client(stand_in) as http:
+        for path in ("/generate", "/api/generate", "/v1/completions", "/flush_cache"):
+            r = http.post(path, content=b'{"text": "x", "prompt": "x"}', headers={"Content-Type": "text/plain"})
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", path
+        assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}).status_code == 200
+
+
+def test_a_host_header_that_is_not_the_servers_is_421():
+    """DNS rebinding: a page's own host name resolving to 127.0.0.1 reaches a loopback server with its Host."""
+    with _app_client(StandInClient()) as http:
+        evil = {"Host": "attacker.example:8000"}
+        assert http.get("/v1/models", headers=evil).status_code == 421
+        assert http.get("/v1/models", headers={"Host": "localhost:30000"}).status_code == 200
+        assert http.get("/v1/models", headers={"Host": "127.0.0.1:30000"}).status_code == 200
+    with _app_client(StandInClient(), allowed_origins=()) as http:
+        assert http.get("/v1/models").status_code == 200  # "testserver" is allowed above
+
+
+def test_a_request_from_another_origin_is_403_unless_allowed():
+    with _app_client(StandInClient()) as http:
+        page = {"Origin": "https://attacker.example"}
+        r = http.post("/v1/completions", json={"prompt": "x"}, headers=page)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+        assert http.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": "http://testserver"}).is_success
+    with _app_client(StandInClient(), allowed_origins=("https://app.example",)) as http:
+        allowed = {"Origin": "https://app.example"}
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=allowed)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        pre = http.options(
+            "/v1/completions",
+            headers={
+                **allowed,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "content-type",
+            },
+        )
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+        assert (
+            http.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": "https://x.example"}).status_code
+            == 403
+        )
+
+
+def test_a_body_past_the_limit_is_413_and_the_server_goes_on():
+    stand_in = StandInClient()
+    with _app_client(stand_in, max_request_bytes=1000) as http:
+        r = http.post("/v1/completions", json={"prompt": "x" * 5000})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        def chunks():
+            for _ in range(10):
+                yield b" " * 500
+
+        chunked = http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert chunked.status_code == 413
+        assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}).status_code == 200
 
 
 def test_openai_package_maps_errors_to_its_exception_types():
@@ -1500,7 +1567,8 @@ def test_metrics_report_requests_tokens_and_daemon_state(daemon, oai):
 
     list(oai.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=3, stream=True))
     oai.completions.create(model="smollm2", prompt="Hi", max_tokens=2)
-    text = httpx.get(f"{daemon.base}/metrics").text
+    assert httpx.get(f"{daemon.base}/metrics").status_code == 401  # with an API key, only /health is open
+    text = httpx.get(f"{daemon.base}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     assert 'minisgl_requests_total{endpoint="completions",model_name="smollm2",status="200"}' in text
     assert 'minisgl_time_to_first_token_seconds_count{model_name="smollm2"}' in text
     for name in (
@@ -1760,4 +1828,5 @@ def test_sglang_model_and_server_info_and_deep_health(daemon, client):
     assert server["context_length"] == info["context_length"] and server["page_size"] == info["page_size"]
     assert server["internal_states"][0]["total_pages"] == client.stats()["total_pages"]
     assert httpx.get(f"{daemon.base}/get_model_info").status_code == 401
-    assert httpx.get(f"{daemon.base}/health_generate", timeout=60).status_code == 200
+    assert httpx.get(f"{daemon.base}/health_generate", timeout=60).status_code == 401
+    assert httpx.get(f"{daemon.base}/health_generate", headers=headers, timeout=60).status_code == 200

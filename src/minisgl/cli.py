@@ -74,7 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-message-bytes", type=int, default=None, help="drop client connections that send more")
     serve.add_argument("--http-port", type=_port, help="also serve the OpenAI-compatible HTTP API on this port")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP server host (default: 127.0.0.1)")
-    serve.add_argument("--api-key", help="HTTP server API key (required for a non-loopback --host)")
+    serve.add_argument(
+        "--api-key",
+        help="HTTP server API key (required for a non-loopback --host); better: $MINISGL_API_KEY or --api-key-file, "
+        "which `ps` does not show",
+    )
+    serve.add_argument("--api-key-file", help="a file holding the HTTP server's API key")
+    serve.add_argument(
+        "--allowed-origins", default="", help="comma-separated origins a browser may call the HTTP API from (CORS)"
+    )
+    serve.add_argument(
+        "--allowed-hosts", default="", help="comma-separated Host names the HTTP API answers besides the bound host"
+    )
+    serve.add_argument(
+        "--max-request-bytes", type=int, default=32 * 2**20, help="HTTP request bodies past this get a 413 (32 MiB)"
+    )
     serve.add_argument(
         "--idle-timeout",
         type=float,
@@ -122,18 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from minisgl.runtime.daemon import DEFAULT_MAX_MESSAGE_BYTES, serve
-    from minisgl.server import HttpOptions
 
     config = engine_config(args)
     if config.node_rank > 0:  # multi-node TP: this node only runs its ranks; node 0 serves
         from minisgl.distributed.launch import run_node
 
         return run_node(config)
-    http = HttpOptions(args.host, args.http_port, args.api_key) if args.http_port else None
+    http = _http_options(args) if args.http_port else None
     if http is not None:
         from minisgl.server.app import check_bind
 
-        check_bind(args.host, args.api_key)  # refused before the model loads, not by the HTTP process after it
+        check_bind(args.host, http.api_key)  # refused before the model loads, not by the HTTP process after it
     if http is not None and (running := _running_daemon(config, args.address)) is not None:
         return _serve_http_only(running, http, args.model)
     return serve(
@@ -146,6 +159,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES,
         log_level=logger.level,
         idle_timeout=args.idle_timeout or None,
+    )
+
+
+def _http_options(args: argparse.Namespace) -> Any:
+    """The HTTP server's options; its API key from --api-key, else --api-key-file, else $MINISGL_API_KEY."""
+    from minisgl.server import HttpOptions
+
+    api_key = args.api_key
+    if api_key is None and args.api_key_file:
+        with open(args.api_key_file) as f:
+            api_key = f.read().strip() or None
+    api_key = api_key or env.API_KEY.get()
+
+    def names(text: str) -> tuple[str, ...]:
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+
+    return HttpOptions(
+        args.host,
+        args.http_port,
+        api_key,
+        names(args.allowed_origins),
+        names(args.allowed_hosts),
+        args.max_request_bytes,
     )
 
 

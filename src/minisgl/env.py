@@ -110,7 +110,8 @@ API_KEY = _declare(
     "str",
     None,
     str,
-    "`ChatMiniSGL`'s `api_key` as a LangChain secret: `langchain_core.load` reads it from this variable",
+    "`minisgl serve --http-port`: the HTTP API's key when `--api-key` / `--api-key-file` are not given; "
+    "`ChatMiniSGL`'s `api_key` as a LangChain secret (`langchain_core.load` reads it from this variable)",
 )
 IDLE_TIMEOUT = _declare(
     "MINISGL_IDLE_TIMEOUT",

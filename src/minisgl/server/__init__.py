@@ -14,15 +14,20 @@ class HttpOptions(NamedTuple):
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # origins a browser may call from (CORS); none by default
+    allowed_hosts: tuple[str, ...] = ()  # Host header names besides the bound host and loopback names
+    max_request_bytes: int = 32 * 2**20  # larger bodies get a 413 before they reach the daemon
 
     def run(self, address: str, model: str, log_level: int) -> None:
         """Process entry of the HTTP server: one more client of the daemon at address."""
         from minisgl.runtime.transport import ParentWatch, worker_setup
         from minisgl.server.app import run_http_server
+        from minisgl.server.guard import GuardOptions
 
         worker_setup(log_level)
         ParentWatch().terminate_when_gone()  # a killed daemon leaves no server holding the port
-        run_http_server(address, self.host, self.port, self.api_key, model_name=model)
+        guard = GuardOptions(None, self.host, self.allowed_hosts, self.allowed_origins, self.max_request_bytes)
+        run_http_server(address, self.host, self.port, self.api_key, model_name=model, guard=guard)
 
 
 _LAZY = {

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.errors import MiniSGLError
 from minisgl.server import admin, native, ollama, openai, responses
+from minisgl.server.guard import GuardOptions, RequestGuard
 from minisgl.server.state import APIError, ServerState, api_error, check_bind
 
 logger = logging.getLogger("minisgl.server")
@@ -32,12 +33,14 @@ def create_app(
     model_name: str,
     api_key: str | None = None,
     client_factory: Callable[[], Any] | None = None,
+    guard: GuardOptions | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `model_name` from the daemon at `client_address`.
 
-    With api_key set, every route but the probes (/health, /, /version, /ping, /metrics, /health_generate) needs
-    `Authorization: Bearer <api_key>`. client_factory (tests, embedding) builds the async client instead of
-    minisgl.AsyncClient. Middleware is added here, after the error handlers, so that it wraps every router.
+    With api_key set, every route but /health needs `Authorization: Bearer <api_key>`. guard: the browser-safety
+    and size checks (server/guard.py; default: loopback only, no other origin, 32 MiB bodies). client_factory
+    (tests, embedding) builds the async client instead of minisgl.AsyncClient. Middleware is added here, after the
+    error handlers, so that it wraps every router.
     """
     server = ServerState(client_address, model_name, api_key, client_factory)
 
@@ -54,6 +57,14 @@ def create_app(
     _add_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    guard = (guard or GuardOptions())._replace(api_key=api_key)
+    app.add_middleware(RequestGuard, options=guard)
+    if guard.allowed_origins:  # outermost: it answers the CORS preflights of the origins allowed
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(guard.allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
     return app
 
 
@@ -92,6 +103,7 @@ def run_http_server(
     api_key: str | None = None,
     model_name: str = "smollm2",
     log_level: str = "info",
+    guard: GuardOptions | None = None,
 ) -> None:
     """Serve the HTTP API with uvicorn until interrupted.
 
@@ -101,6 +113,6 @@ def run_http_server(
     check_bind(host, api_key)
     import uvicorn
 
-    app = create_app(client_address, model_name, api_key)
+    app = create_app(client_address, model_name, api_key, guard=(guard or GuardOptions())._replace(bound_host=host))
     logger.info("OpenAI-compatible API for %s on http://%s:%d/v1", model_name, host, port)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,138 @@
+"""What every request passes before a router sees it: the browser-safety and size checks of the HTTP server.
+
+A keyless server on a loopback address is still reachable from any web page the user opens: a page can POST a
+`text/plain` body cross-site (no CORS preflight), and DNS rebinding lets it read answers under its own host name.
+So: a POST with a body must be `application/json` (415), the Host header must name the bound or an allowed host
+(DNS rebinding: 421), a request from another origin is refused unless --allowed-origins lists it (403; the CORS
+headers themselves come from Starlette's CORSMiddleware), a body past max_request_bytes is refused (413) before
+it reaches the daemon, and with an API key every route but /health needs it (401).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any, Awaitable, Callable, NamedTuple
+from urllib.parse import urlsplit
+
+from minisgl.server.state import is_loopback
+
+MAX_REQUEST_BYTES = 32 * 2**20
+OPEN_PATHS = ("/health",)  # probes that answer without the API key
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class GuardOptions(NamedTuple):
+    api_key: str | None = None
+    bound_host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()  # Host header names besides the bound one (and loopback names)
+    allowed_origins: tuple[str, ...] = ()  # origins (scheme://host:port) that may call from a browser
+    max_request_bytes: int = MAX_REQUEST_BYTES
+
+
+class RequestGuard:
+    """ASGI middleware applying GuardOptions; refusals are OpenAI-style JSON errors."""
+
+    def __init__(self, app: Any, options: GuardOptions) -> None:
+        self.app = app
+        self.options = options
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await _send_error(send, *refusal)
+            return
+        if _header(scope, b"content-length") is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+            receive = await self._buffered(receive)  # a chunked body: counted before anything reads it
+            if receive is None:
+                await _send_error(send, *_too_large(self.options.max_request_bytes))
+                return
+        await self.app(scope, receive, send)
+
+    async def _buffered(self, receive: Receive) -> Receive | None:
+        """A receive that replays the whole body, or None when it is past the limit."""
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.options.max_request_bytes:
+                return None
+        done = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal done
+            if done:
+                return await receive()
+            done = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return replay
+
+    def _refusal(self, scope: Scope) -> tuple[int, str, str] | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        o, method, path = self.options, scope.get("method", "GET"), scope.get("path", "")
+        host = headers.get("host", "")
+        if not self._host_allowed(host):
+            return (
+                421,
+                f"the Host header {host!r} is not this server's (--allowed-hosts adds names)",
+                "host_not_allowed",
+            )
+        origin = headers.get("origin")
+        if origin is not None and not self._origin_allowed(origin, host):
+            return 403, f"requests from the origin {origin!r} are not allowed (--allowed-origins)", "origin_not_allowed"
+        if int(headers.get("content-length") or 0) > o.max_request_bytes:
+            return _too_large(o.max_request_bytes)
+        has_body = int(headers.get("content-length") or 0) > 0 or "chunked" in headers.get("transfer-encoding", "")
+        kind = headers.get("content-type", "").split(";")[0].strip().lower()
+        if method == "POST" and has_body and kind != "application/json" and not kind.endswith("+json"):
+            return (
+                415,
+                f"POST bodies must be JSON: send 'Content-Type: application/json' (got {kind or 'none'!r})",
+                ("unsupported_media_type"),
+            )
+        if o.api_key is not None and path not in OPEN_PATHS and method != "OPTIONS":
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), o.api_key.encode()):
+                return 401, "invalid or missing API key: send 'Authorization: Bearer <key>'", "invalid_api_key"
+        return None
+
+    def _host_allowed(self, host: str) -> bool:
+        name = urlsplit(f"//{host}").hostname or ""
+        if name in self.options.allowed_hosts or "*" in self.options.allowed_hosts:
+            return True
+        if not is_loopback(self.options.bound_host):
+            return not self.options.allowed_hosts  # a remote bind (it has a key): any name, unless listed
+        return is_loopback(name) or name == self.options.bound_host
+
+    def _origin_allowed(self, origin: str, host: str) -> bool:
+        if origin in self.options.allowed_origins or "*" in self.options.allowed_origins:
+            return True
+        return urlsplit(origin).netloc == host  # the server's own pages (/docs)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    return next((v for k, v in scope.get("headers", []) if k.lower() == name), None)
+
+
+def _too_large(limit: int) -> tuple[int, str, str]:
+    return 413, f"the request body is larger than {limit} bytes (--max-request-bytes)", "request_too_large"
+
+
+async def _send_error(send: Send, status: int, message: str, code: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}})
+    body = body.encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
