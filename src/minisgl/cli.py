@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=env.IDLE_TIMEOUT.get(),
         metavar="SECONDS",
         help="stop after this many seconds with no request (default: $MINISGL_IDLE_TIMEOUT, else never; "
-        "auto-started daemons inherit the variable from the program that starts them)",
+        "auto-started daemons get $MINISGL_IDLE_TIMEOUT of the program that starts them, else 300; 0: never)",
     )
     add_engine_flags(serve)
 

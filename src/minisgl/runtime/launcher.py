@@ -6,6 +6,7 @@ daemons: the first starts it, the others find it when they get the lock.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -18,8 +19,10 @@ from typing import Any
 
 import zmq
 
+from minisgl import env
 from minisgl.config import EngineConfig, default_of
 from minisgl.errors import DaemonError, DaemonNotRunningError, DaemonTimeoutError
+from minisgl.models.names import check_model_name
 from minisgl.runtime.addresses import daemon_name, default_address, parse_address, runtime_dir
 from minisgl.runtime.auth import ClientCurve
 from minisgl.runtime.connection import SyncConnection, as_exception
@@ -28,6 +31,14 @@ from minisgl.runtime.registry import FileLock, Registry, pid_alive
 
 PING_TIMEOUT_S = 3.0
 LOG_TAIL_LINES = 30
+AUTO_IDLE_TIMEOUT_S = 300.0  # an auto-started daemon stops after 5 idle minutes (Ollama's keep_alive default)
+logger = logging.getLogger("minisgl")
+_announced = False  # the first auto-start of this process has been logged
+
+
+def auto_idle_timeout() -> float:
+    """Seconds an auto-started daemon may sit idle before it stops: $MINISGL_IDLE_TIMEOUT (0 keeps it), else 300."""
+    return env.IDLE_TIMEOUT.get() if os.environ.get(env.IDLE_TIMEOUT.name) else AUTO_IDLE_TIMEOUT_S
 
 
 def _request(address: str, msg: Any, timeout: float, curve: ClientCurve | None) -> Any:
@@ -135,15 +146,31 @@ def _start_failure(address: str, exit_code: int | None, log_path: Path | None) -
 
 def start_daemon(config: EngineConfig, address: str, timeout: float) -> Pong:
     """Spawn `python -m minisgl serve` detached (own session, log file in the runtime dir) and wait for ready."""
+    global _announced
     log_path = runtime_dir() / f"{daemon_name(config)}.log"
+    idle = auto_idle_timeout()
     cmd = [sys.executable, "-m", "minisgl", "serve", *engine_flags(config), "--address", address]
+    cmd += ["--idle-timeout", f"{idle:g}"]
     with open(log_path, "ab") as log:
         log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
         log.flush()
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True
         )
-    return wait_ready(address, timeout, proc=proc, log_path=log_path)
+    pong = wait_ready(address, timeout, proc=proc, log_path=log_path)
+    if not _announced:
+        _announced = True
+        kept = f"stops after {idle:g}s idle" if idle > 0 else "keeps running"
+        logger.warning(
+            "minisgl: started a daemon for %s at %s (%s; MINISGL_IDLE_TIMEOUT sets it, 0 keeps it); "
+            "stop it with `minisgl stop --address %s`, its log: %s",
+            config.model,
+            address,
+            kept,
+            address,
+            log_path,
+        )
+    return pong
 
 
 def locate_daemon(
@@ -170,6 +197,7 @@ def locate_daemon(
                 f"no minisgl daemon answers at {address}: start one with "
                 f"`minisgl serve --model {model} --address {address}` (or use auto_start=True)"
             )
+        check_model_name(model)
         return _start_locked(config, address, timeout)
     for record in Registry().find(model, config.to_dict() if engine_kwargs else None):
         if parse_address(record.address).scheme == "tcp" and curve is None:
@@ -183,6 +211,7 @@ def locate_daemon(
             f"no minisgl daemon is serving {model!r}: start one with `minisgl serve --model {model}` "
             "(or use auto_start=True)"
         )
+    check_model_name(model)  # a name that resolves to nothing fails here: no daemon, log or lock file
     return _start_locked(config, default_address(config), timeout)
 
 

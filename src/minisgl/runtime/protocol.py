@@ -17,7 +17,7 @@ from minisgl import errors
 from minisgl.core import TokenOutput
 from minisgl.errors import DaemonError
 
-PROTOCOL_VERSION = 2  # 2: embed, tokenize, detokenize, flush_cache
+PROTOCOL_VERSION = 3  # 2: embed, tokenize, detokenize, flush_cache; 3: Chunk.finish_detail
 
 _BY_TAG: dict[str, type] = {}
 _T = TypeVar("_T")
@@ -144,6 +144,7 @@ class Chunk(NamedTuple):
     # top_logprobs}; the first token's logprob is None (nothing predicts it).
     prompt_logprobs: list[dict[str, Any]] | None = None
     embedding: list[float] | None = None  # an embedding request's vector (its one chunk)
+    finish_detail: str | None = None  # with finish_reason: what the user should know of it (a cut-off grammar)
 
 
 @_message("chunks")

@@ -111,6 +111,7 @@ class RequestPreparer:
             "tool_parser": self.tool_format if tools else None,
             "max_tool_calls": 1 if msg.parallel_tool_calls is False else None,
             "reasoning": reasoning,
+            "grammar": next((g for g in ("json_schema", "regex", "ebnf") if getattr(params, g) is not None), None),
             "prompt_ids": input_ids if params.prompt_logprobs is not None else None,  # to name prompt_logprobs' tokens
         }
         return AddRequest(msg.rid, input_ids, params.to_dict(), detok, msg.embed)

@@ -1,0 +1,133 @@
+"""CPU decode side by side: HF generate, minisgl in fp32 and with each faster weight format.
+
+    minisgl bench cpu [--model smollm2] [--threads 2] [--tokens 64] [--concurrency 32] [--reps 3]
+
+For each: tokens per second of one request (greedy, `--tokens` new tokens, best of `--reps`, the engines
+interleaved so that a noisy machine hurts them alike) and of `--concurrency` requests at once; for each
+quantization its top-1 agreement with fp32: the fp32 engine's greedy continuations of six prompts are fed
+back as prompts (teacher forcing) and each position's most likely token is compared with fp32's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from typing import Any
+
+from minisgl.bench import write_json
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three laws of thermodynamics are",
+    "Water boils at",
+    "List three fruits:",
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument("--concurrency", type=int, default=32, help="requests at once for the batched figure")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--modes", default="fp32,fp16,int8", help="comma-separated: fp32 and/or quantizations")
+    p.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    p.add_argument("--json", help="also write the figures here")
+    p.set_defaults(func=run)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _tok_per_s(generate: Any, prompts: list[str], tokens: int) -> float:
+    t0 = time.perf_counter()
+    generate(prompts)
+    return len(prompts) * tokens / (time.perf_counter() - t0)
+
+
+def agreement(llm: Any, prompt_ids: list[list[int]], reference: list[list[int]]) -> float:
+    """Fraction of the reference continuations' tokens that are llm's top-1 when teacher-forced."""
+    from minisgl import SamplingParams
+
+    seqs = [p + r for p, r in zip(prompt_ids, reference)]
+    outs = llm.generate(seqs, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    hits = total = 0
+    for p, seq, out in zip(prompt_ids, seqs, outs):
+        for i in range(len(p), len(seq)):
+            top = max(out.prompt_logprobs[i][1], key=lambda t: t[1])[0]
+            hits += top == seq[i]
+            total += 1
+    return hits / total
+
+
+def _hf_generate(model_dir: str, tokens: int) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+
+    def generate(prompts: list[str]) -> None:
+        batch = tok(prompts, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            model.generate(
+                **batch, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id
+            )
+
+    return generate
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from minisgl import LLM, SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    engines: dict[str, Any] = {}
+    for mode in args.modes.split(","):
+        llm = LLM(args.model, quantization=None if mode == "fp32" else mode, threads=args.threads, kv_cache_gb=0.25)
+        engines[mode] = lambda prompts, llm=llm: llm.generate(prompts, params, use_tqdm=False)
+        engines[mode].llm = llm
+    if not args.no_hf:
+        model_dir = str(next(iter(engines.values())).llm.scheduler.engine.model_dir)
+        engines["hf generate"] = _hf_generate(model_dir, args.tokens)
+    batch = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(args.concurrency)]
+    single: dict[str, list[float]] = {name: [] for name in engines}
+    batched: dict[str, list[float]] = {name: [] for name in engines}
+    for generate in engines.values():
+        generate(PROMPTS[:1])  # warm-up: weights packed, caches allocated
+    for _ in range(args.reps):
+        for name, generate in engines.items():
+            single[name].append(_tok_per_s(generate, PROMPTS[:1], args.tokens))
+            batched[name].append(_tok_per_s(generate, batch, args.tokens))
+    result: dict[str, Any] = dict(
+        cpu=cpu_name(), threads=torch.get_num_threads(), date=time.strftime("%Y-%m-%d"), model=args.model, rows={}
+    )
+    fp32 = engines.get("fp32")
+    if fp32 is not None:
+        prompt_ids = [fp32.llm.tokenizer.encode(p) for p in PROMPTS]
+        reference = [o.token_ids for o in fp32.llm.generate(PROMPTS, params, use_tqdm=False)]
+    print(f"{result['cpu']}, {result['threads']} threads, {args.model}, {args.tokens} new tokens per request")
+    print(f"{'engine':<14}{'1 request tok/s':>18}{f'{args.concurrency} requests tok/s':>22}{'top-1 vs fp32':>16}")
+    for name in engines:
+        agree = None
+        if fp32 is not None and hasattr(engines[name], "llm") and name != "fp32":
+            agree = agreement(engines[name].llm, prompt_ids, reference)
+        row = dict(single=max(single[name]), batched=max(batched[name]), agreement=agree)
+        result["rows"][name] = row
+        shown = "" if agree is None else f"{agree:.1%}"
+        print(f"{name:<14}{row['single']:>18.1f}{row['batched']:>22.1f}{shown:>16}")
+    write_json(result, args.json)
+    return result
