@@ -58,7 +58,7 @@ def agreement(llm: Any, prompt_ids: list[list[int]], reference: list[list[int]])
     from minisgl import SamplingParams
 
     seqs = [p + r for p, r in zip(prompt_ids, reference)]
-    outs = llm.generate(seqs, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    outs = llm.generate(seqs, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     hits = total = 0
     for p, seq, out in zip(prompt_ids, seqs, outs):
         for i in range(len(p), len(seq)):
