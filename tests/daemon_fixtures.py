@@ -66,6 +66,8 @@ def wait_http(port: int, proc: subprocess.Popen, log_path: Path, timeout: float 
 
 def start_serve(args: list[str], log_path: Path) -> subprocess.Popen:
     log = open(log_path, "ab")
+    if "--http-port" not in args:  # HTTP is on by default, on one port: test daemons running at once would share it
+        args = [*args, "--no-http"]
     return subprocess.Popen([sys.executable, "-m", "minisgl", "serve", *args], stdout=log, stderr=subprocess.STDOUT)
 
 

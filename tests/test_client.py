@@ -175,6 +175,8 @@ def test_engine_flags_round_trip_through_the_cli() -> None:
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "minisgl", "serve", "--model", "smollm2", *args]
+    if "--http-port" not in args:  # HTTP is on by default, on one port shared by every test
+        cmd.append("--no-http")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 

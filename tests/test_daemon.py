@@ -130,6 +130,7 @@ def test_model_info_describes_the_served_model(client: Any) -> None:
 
 def test_a_second_daemon_on_the_same_address_is_refused(smollm2_daemon: DaemonHandle) -> None:
     cmd = [sys.executable, "-m", "minisgl", "serve", "--model", "smollm2", "--address", smollm2_daemon.address]
+    cmd.append("--no-http")  # HTTP is on by default, on one port shared by every test
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "already serves" in result.stderr and str(smollm2_daemon.pid) in result.stderr
@@ -677,7 +678,19 @@ def test_serve_and_generate_in_bfloat16_on_any_cpu(daemon_runtime_dir: Path, tin
     address = f"ipc://{daemon_runtime_dir}/bf16.sock"
     log = daemon_runtime_dir / "bf16.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "minisgl", "serve", "--model", model, "--address", address, "--dtype", "bfloat16"],
+        [
+            sys.executable,
+            "-m",
+            "minisgl",
+            "serve",
+            "--model",
+            model,
+            "--address",
+            address,
+            "--dtype",
+            "bfloat16",
+            "--no-http",
+        ],
         stdout=open(log, "ab"),
         stderr=subprocess.STDOUT,
         env=env,

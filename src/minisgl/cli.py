@@ -72,7 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--curve-dir", help="CURVE key directory (default: $MINISGL_CURVE_DIR or ~/.config/minisgl/curve)"
     )
     serve.add_argument("--max-message-bytes", type=int, default=None, help="drop client connections that send more")
-    serve.add_argument("--http-port", type=_port, help="also serve the OpenAI-compatible HTTP API on this port")
+    serve.add_argument(
+        "--http-port",
+        type=_port,
+        help="serve the OpenAI/Ollama HTTP API on this port (default: 30000; if it is taken, ZeroMQ only; 0: no HTTP)",
+    )
+    serve.add_argument("--no-http", action="store_true", help="serve ZeroMQ clients only (same as --http-port 0)")
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="names the HTTP API answers to and lists in /v1/models (the first is the one responses carry)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="HTTP server host (default: 127.0.0.1)")
     serve.add_argument(
         "--api-key",
@@ -142,12 +153,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from minisgl.distributed.launch import run_node
 
         return run_node(config)
-    http = _http_options(args) if args.http_port else None
+    http = _http_options(args)
     if http is not None:
         from minisgl.server.app import check_bind
 
         check_bind(args.host, http.api_key)  # refused before the model loads, not by the HTTP process after it
-    if http is not None and (running := _running_daemon(config, args.address)) is not None:
+    if args.http_port and (running := _running_daemon(config, args.address)) is not None:
         return _serve_http_only(running, http, args.model)
     return serve(
         config,
@@ -163,9 +174,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _http_options(args: argparse.Namespace) -> Any:
-    """The HTTP server's options; its API key from --api-key, else --api-key-file, else $MINISGL_API_KEY."""
-    from minisgl.server import HttpOptions
+    """The HTTP server's options, None with --no-http or --http-port 0, or when the default port is taken (a
+    second daemon, say; a port given explicitly must be free: uvicorn then says why it is not). Its API key from
+    --api-key, else --api-key-file, else $MINISGL_API_KEY."""
+    from minisgl.server import DEFAULT_HTTP_PORT, HttpOptions
 
+    if args.no_http or args.http_port == 0:
+        return None
+    if args.http_port is None and not _port_free(args.host, DEFAULT_HTTP_PORT):
+        logger.warning(
+            "HTTP port %d on %s is in use: serving ZeroMQ clients only (give --http-port to serve HTTP elsewhere)",
+            DEFAULT_HTTP_PORT,
+            args.host,
+        )
+        return None
     api_key = args.api_key
     if api_key is None and args.api_key_file:
         with open(args.api_key_file) as f:
@@ -177,12 +199,24 @@ def _http_options(args: argparse.Namespace) -> Any:
 
     return HttpOptions(
         args.host,
-        args.http_port,
+        args.http_port or DEFAULT_HTTP_PORT,
         api_key,
         names(args.allowed_origins),
         names(args.allowed_hosts),
         args.max_request_bytes,
+        tuple(args.served_model_name or ()),
     )
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _running_daemon(config: EngineConfig, address: str | None) -> str | None:
@@ -355,8 +389,8 @@ def _port(text: str) -> int:
         port = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port must be in 1-65535, got {port}")
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port must be in 1-65535 (or 0: no HTTP), got {port}")
     return port
 
 

@@ -182,7 +182,18 @@ def start_daemons(args: argparse.Namespace, runtime_dir: Path) -> tuple[list[str
     procs = []
     for i, address in enumerate(addresses):
         log = open(runtime_dir / f"daemon{i}.log", "ab")
-        cmd = [sys.executable, "-m", "minisgl", "serve", "--model", args.model, "--address", address, *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "minisgl",
+            "serve",
+            "--model",
+            args.model,
+            "--address",
+            address,
+            "--no-http",
+            *flags,
+        ]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=parent_env()))
     for i, (address, proc) in enumerate(zip(addresses, procs)):
         wait_ready(address, 600, proc=proc, log_path=runtime_dir / f"daemon{i}.log")

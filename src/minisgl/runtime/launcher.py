@@ -150,7 +150,7 @@ def start_daemon(config: EngineConfig, address: str, timeout: float) -> Pong:
     log_path = runtime_dir() / f"{daemon_name(config)}.log"
     idle = auto_idle_timeout()
     cmd = [sys.executable, "-m", "minisgl", "serve", *engine_flags(config), "--address", address]
-    cmd += ["--idle-timeout", f"{idle:g}"]
+    cmd += ["--idle-timeout", f"{idle:g}", "--no-http"]  # a client's own daemon: HTTP is `minisgl serve`'s
     with open(log_path, "ab") as log:
         log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
         log.flush()

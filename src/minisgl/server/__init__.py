@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["HttpOptions", "create_app", "run_http_server", "run_shell"]
+__all__ = ["DEFAULT_HTTP_PORT", "HttpOptions", "create_app", "run_http_server", "run_shell"]
+
+DEFAULT_HTTP_PORT = 30000  # `minisgl serve`'s HTTP API, as SGLang's server
 
 
 class HttpOptions(NamedTuple):
@@ -12,11 +14,12 @@ class HttpOptions(NamedTuple):
     the server itself: the runtime sits below its front ends)."""
 
     host: str = "127.0.0.1"
-    port: int = 30000
+    port: int = DEFAULT_HTTP_PORT
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()  # origins a browser may call from (CORS); none by default
     allowed_hosts: tuple[str, ...] = ()  # Host header names besides the bound host and loopback names
     max_request_bytes: int = 32 * 2**20  # larger bodies get a 413 before they reach the daemon
+    served_model_names: tuple[str, ...] = ()  # names clients may use; the first is the one responses carry
 
     def run(self, address: str, model: str, log_level: int) -> None:
         """Process entry of the HTTP server: one more client of the daemon at address."""
@@ -27,7 +30,15 @@ class HttpOptions(NamedTuple):
         worker_setup(log_level)
         ParentWatch().terminate_when_gone()  # a killed daemon leaves no server holding the port
         guard = GuardOptions(None, self.host, self.allowed_hosts, self.allowed_origins, self.max_request_bytes)
-        run_http_server(address, self.host, self.port, self.api_key, model_name=model, guard=guard)
+        run_http_server(
+            address,
+            self.host,
+            self.port,
+            self.api_key,
+            model_name=model,
+            guard=guard,
+            served_model_names=self.served_model_names,
+        )
 
 
 _LAZY = {

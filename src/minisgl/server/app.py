@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +34,7 @@ def create_app(
     api_key: str | None = None,
     client_factory: Callable[[], Any] | None = None,
     guard: GuardOptions | None = None,
+    served_model_names: Sequence[str] = (),
 ) -> FastAPI:
     """The FastAPI app serving `model_name` from the daemon at `client_address`.
 
@@ -42,7 +43,7 @@ def create_app(
     (tests, embedding) builds the async client instead of minisgl.AsyncClient. Middleware is added here, after the
     error handlers, so that it wraps every router.
     """
-    server = ServerState(client_address, model_name, api_key, client_factory)
+    server = ServerState(client_address, model_name, api_key, client_factory, served_model_names)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -104,6 +105,7 @@ def run_http_server(
     model_name: str = "smollm2",
     log_level: str = "info",
     guard: GuardOptions | None = None,
+    served_model_names: Sequence[str] = (),
 ) -> None:
     """Serve the HTTP API with uvicorn until interrupted.
 
@@ -113,6 +115,9 @@ def run_http_server(
     check_bind(host, api_key)
     import uvicorn
 
-    app = create_app(client_address, model_name, api_key, guard=(guard or GuardOptions())._replace(bound_host=host))
-    logger.info("OpenAI-compatible API for %s on http://%s:%d/v1", model_name, host, port)
+    guard = (guard or GuardOptions())._replace(bound_host=host)
+    app = create_app(client_address, model_name, api_key, guard=guard, served_model_names=served_model_names)
+    logger.info(
+        "OpenAI-compatible API for %s on http://%s:%d/v1", ", ".join(served_model_names) or model_name, host, port
+    )
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -168,8 +168,7 @@ async def _body(request: Request) -> dict[str, Any]:
     model, server = body.get("model"), server_of(request)
     if model and model != server.model_name:
         names = {model, model.removesuffix(":latest")}  # Ollama's tag defaults to "latest": "m" is "m:latest"
-        info = await server.info()
-        if not names & {server.model_name, info.get("name"), info.get("path")}:
+        if not await server.serves(names):
             raise _NotFound(f"model '{model}' not found: this server serves '{server.model_name}'")
     return body
 

@@ -108,7 +108,8 @@ def _chunk_json(chunk: ChatCompletionChunk | CompletionResponse, include_usage: 
 @router.get("/models")
 async def list_models(request: Request) -> ModelList:
     server = server_of(request)
-    return ModelList(data=[ModelCard(id=server.model_name, max_model_len=await server.context_len())])
+    context_len = await server.context_len()
+    return ModelList(data=[ModelCard(id=name, max_model_len=context_len) for name in server.served_names])
 
 
 @router.get("/models/{model:path}")

@@ -11,7 +11,7 @@ import hmac
 import ipaddress
 import json
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -118,9 +118,13 @@ class ServerState:
         model_name: str,
         api_key: str | None,
         client_factory: Callable[[], Any] | None,
+        served_model_names: Sequence[str] = (),
     ) -> None:
         self.client_address = client_address
-        self.model_name = model_name
+        self.model = model_name  # what the daemon loaded (its path, alias or hub id)
+        # --served-model-name: the names clients use and responses carry (the first); else the model itself
+        self.served_names = tuple(served_model_names) or (model_name,)
+        self.model_name = self.served_names[0]
         self.api_key = api_key
         self.metrics = ServerMetrics(model_name)
         self._client_factory = client_factory
@@ -135,7 +139,7 @@ class ServerState:
         else:
             from minisgl.client import AsyncClient
 
-            self.client = AsyncClient(model=self.model_name, address=self.client_address, auto_start=False)
+            self.client = AsyncClient(model=self.model, address=self.client_address, auto_start=False)
 
     async def close(self) -> None:
         if self.client is not None:
@@ -149,11 +153,15 @@ class ServerState:
     async def context_len(self) -> int:
         return int((await self.info())["context_length"])
 
-    async def check_model(self, requested: str | None) -> None:
-        if not requested or requested == self.model_name:
-            return
+    async def serves(self, names: set[str]) -> bool:
+        """Whether any of names is this server's model: a served name, the model as loaded, its name or path."""
+        if names & {*self.served_names, self.model}:
+            return True
         info = await self.info()
-        if requested not in (info.get("name"), info.get("path")):
+        return bool(names & {info.get("name"), info.get("path")})
+
+    async def check_model(self, requested: str | None) -> None:
+        if requested and not await self.serves({requested}):
             raise APIError(
                 404,
                 f"the model {requested!r} does not exist: this server serves {self.model_name!r}",
