@@ -52,11 +52,12 @@ def test_the_first_auto_start_logs_one_line_saying_how_to_stop_it(started):
 def test_a_json_schema_cut_off_by_max_tokens_says_why_in_finish_detail(started):
     client, _ = started
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
     chunks = list(
         client.stream(
             "Give a number as JSON:",
             SamplingParams(temperature=0, max_tokens=2),
-            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+            response_format=fmt,
         )
     )
     last = chunks[-1]
@@ -64,6 +65,8 @@ def test_a_json_schema_cut_off_by_max_tokens_says_why_in_finish_detail(started):
     with pytest.raises(json.JSONDecodeError):
         json.loads("".join(c.text for c in chunks))  # really cut off
     assert "max_tokens" in last.finish_detail and "'maximum' on integers" in last.finish_detail
+    result = client.generate("Give a number as JSON:", SamplingParams(temperature=0, max_tokens=2), response_format=fmt)
+    assert result.outputs[0].finish_detail == last.finish_detail  # the folded result keeps it
     free = list(client.stream("hi", SamplingParams(temperature=0, max_tokens=2)))
     assert free[-1].finish_reason == "length" and free[-1].finish_detail is None  # no grammar: nothing to say
 

@@ -432,6 +432,7 @@ class CompletionOutput:
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI-shaped {id, type, function: {name, arguments}}
     logprobs: list[Any] | None = None  # per token; the client's are {token_id, token, logprob, top_logprobs}
     reasoning_content: str | None = None  # the <think> part, apart from text, when the daemon has a reasoning parser
+    finish_detail: str | None = None  # daemon clients: what to know of the finish (a grammar cut off by max_tokens)
 
 
 class FirstOutputShortcuts:

@@ -88,6 +88,7 @@ class ResultBuilder:
             merge_tool_calls(out.tool_calls, chunk.tool_calls)
         if chunk.finish_reason is not None:
             out.finish_reason, out.matched_stop = chunk.finish_reason, chunk.matched_stop
+            out.finish_detail = chunk.finish_detail
         if chunk.usage is not None:
             self.usage = chunk.usage
         if chunk.prompt_logprobs is not None:

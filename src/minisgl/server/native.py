@@ -125,11 +125,13 @@ def _int(value: Any, default: int, name: str, lo: int) -> int:
     return value
 
 
-def _finish_reason(reason: str | None, matched: Any, completion_tokens: int, error: str | None = None) -> Any:
+def _finish_reason(
+    reason: str | None, matched: Any, completion_tokens: int, error: str | None = None, detail: str | None = None
+) -> Any:
     if reason is None:
         return None
     if reason == "length":
-        return {"type": "length", "length": completion_tokens}
+        return {"type": "length", "length": completion_tokens, **({"message": detail} if detail else {})}
     if reason == "abort":
         return {"type": "abort", "message": error or "aborted"}
     return {"type": "stop", "matched": matched}
@@ -158,21 +160,24 @@ class _Output:
         self.prompt_logprobs: list[dict[str, Any]] | None = None
         self.reason: str | None = None
         self.matched: Any = None
+        self.detail: str | None = None
         self.usage: Any = None
 
-    def add(self, text: str, ids: list[int], logprobs: Any, reason: str | None, matched: Any) -> None:
+    def add(
+        self, text: str, ids: list[int], logprobs: Any, reason: str | None, matched: Any, detail: str | None = None
+    ) -> None:
         self.text += text
         self.ids += ids
         self.token_logprobs += logprobs or []
         if reason is not None:
-            self.reason, self.matched = reason, matched
+            self.reason, self.matched, self.detail = reason, matched, detail
             if self.no_stop_trim and reason == "stop" and isinstance(matched, str):
                 self.text += matched  # SGLang's no_stop_trim: the stop string stays in the text
 
     def json(self, started: float) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": self.rid,
-            "finish_reason": _finish_reason(self.reason, self.matched, len(self.ids)),
+            "finish_reason": _finish_reason(self.reason, self.matched, len(self.ids), detail=self.detail),
         }
         if self.usage is not None:
             meta.update(prompt_tokens=self.usage.prompt_tokens, cached_tokens=self.usage.cached_tokens)
@@ -238,7 +243,7 @@ async def generate(request: Request) -> Response:
             out.usage = result.usage
             out.prompt_logprobs = result.prompt_logprobs
             kept = await _kept_stop_token(server, out, params, o.finish_reason, o.matched_stop)
-            out.add(o.text + kept, o.token_ids, o.logprobs, o.finish_reason, o.matched_stop)
+            out.add(o.text + kept, o.token_ids, o.logprobs, o.finish_reason, o.matched_stop, o.finish_detail)
             answers.append(out.json(started))
         totals = [a + b for a, b in zip(totals, result.usage)]
     timer.done(200, *totals)
@@ -285,7 +290,14 @@ async def _events(
                     o.usage = chunk.usage
                 totals = [a + b for a, b in zip(totals, chunk.usage)]
             kept = await _kept_stop_token(server, out, requests[i][1], chunk.finish_reason, chunk.matched_stop)
-            out.add(chunk.text + kept, chunk.token_ids, chunk.logprobs, chunk.finish_reason, chunk.matched_stop)
+            out.add(
+                chunk.text + kept,
+                chunk.token_ids,
+                chunk.logprobs,
+                chunk.finish_reason,
+                chunk.matched_stop,
+                chunk.finish_detail,
+            )
             payload = out.json(started)
             if many:
                 payload["index"] = offsets[i] + chunk.index
