@@ -1759,6 +1759,7 @@ def test_sglang_generate_batches_n_stops_and_typed_errors(daemon, client):
         url,
         json={"text": prompts[1], "sampling_params": {"temperature": 0, "max_new_tokens": 8, "stop": stop}},
         headers=headers,
+        timeout=300,
     ).json()
     assert trimmed["text"] == refs[1].text[: refs[1].text.index(stop)]
     assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
@@ -1769,15 +1770,16 @@ def test_sglang_generate_batches_n_stops_and_typed_errors(daemon, client):
             "sampling_params": {"temperature": 0, "max_new_tokens": 8, "stop": stop, "no_stop_trim": True},
         },
         headers=headers,
+        timeout=300,
     ).json()
     assert kept["text"] == trimmed["text"] + stop
     # A stop token: its text left out (SGLang's trim_matched_stop), kept with no_stop_trim, its id in output_ids.
     stop_id = refs[1].token_ids[2]
     body = {"text": prompts[1], "sampling_params": {"temperature": 0, "max_new_tokens": 8, "stop_token_ids": [stop_id]}}
-    cut = httpx.post(url, json=body, headers=headers).json()
+    cut = httpx.post(url, json=body, headers=headers, timeout=300).json()
     assert cut["output_ids"] == refs[1].token_ids[:3] and cut["meta_info"]["finish_reason"]["matched"] == stop_id
     body["sampling_params"]["no_stop_trim"] = True
-    whole = httpx.post(url, json=body, headers=headers).json()
+    whole = httpx.post(url, json=body, headers=headers, timeout=300).json()
     token_text = refs[1].text[len(cut["text"]) :][: len(whole["text"]) - len(cut["text"])]
     assert whole["text"] == cut["text"] + token_text and len(token_text) > 0
     # SGLang's structured output: json_schema as a JSON string (or regex / ebnf) in sampling_params.
