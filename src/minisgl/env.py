@@ -45,6 +45,9 @@ class EnvVar(Generic[T]):
     doc: str
     choices: tuple[str, ...] = ()
 
+    def is_set(self) -> bool:
+        return os.environ.get(self.name, "") != ""
+
     def get(self) -> T:
         raw = os.environ.get(self.name, "")
         if raw == "":
@@ -119,7 +122,7 @@ IDLE_TIMEOUT = _declare(
     0.0,
     float,
     "`minisgl serve`: stop after this many seconds without a request (0: never; `--idle-timeout` overrides); "
-    "auto-started daemons inherit it",
+    "auto-started daemons take it too, and 300 where it is unset",
 )
 TP_SECRET = _declare(
     "MINISGL_TP_SECRET",

@@ -38,7 +38,7 @@ _announced = False  # the first auto-start of this process has been logged
 
 def auto_idle_timeout() -> float:
     """Seconds an auto-started daemon may sit idle before it stops: $MINISGL_IDLE_TIMEOUT (0 keeps it), else 300."""
-    return env.IDLE_TIMEOUT.get() if os.environ.get(env.IDLE_TIMEOUT.name) else AUTO_IDLE_TIMEOUT_S
+    return env.IDLE_TIMEOUT.get() if env.IDLE_TIMEOUT.is_set() else AUTO_IDLE_TIMEOUT_S
 
 
 def _request(address: str, msg: Any, timeout: float, curve: ClientCurve | None) -> Any:
