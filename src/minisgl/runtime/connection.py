@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -175,13 +177,22 @@ class _Connection(ABC):
 
 
 class SyncConnection(_Connection):
-    """Blocking; for one thread at a time (the sync Client keeps one per thread)."""
+    """Blocking; used by one thread at a time (the sync Client keeps one per thread), closed from any thread.
+
+    A ZMQ socket must not be closed while another thread polls it (libzmq may crash), so close() from another
+    thread only wakes the reader (a pipe in its poller), which closes the sockets itself and fails its request.
+    """
 
     def __init__(self, ctx: zmq.Context, address: str, curve: ClientCurve | None = None) -> None:
         super().__init__(ctx, address, curve)
+        self._wake_r, self._wake_w = os.pipe()
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self._reading = threading.Lock()  # held while the owning thread waits in next()
+        self._state = threading.RLock()  # guards _closing and the pipe (re-entered by a finalizer's close)
+        self._closing = False
 
     def open(self, rid: str) -> None:
         """Register a request about to be sent; DaemonNotRunningError when the connection is down and stays
@@ -198,15 +209,19 @@ class SyncConnection(_Connection):
     def next(self, rid: str, timeout: float | None) -> Reply:
         """The next reply for rid (opened before its request was sent); DaemonTimeoutError after timeout s."""
         box: deque = self.inboxes.boxes[rid]
+        with self._reading:
+            return self._next(box, timeout)
+
+    def _next(self, box: deque, timeout: float | None) -> Reply:
         deadline = None if timeout is None else _now() + timeout
         while not box:
+            if self._closing or self.sock.closed:  # close() was asked by another thread (Client.close)
+                self._close_now()
+                raise DaemonError(CLOSED)
             wait_ms = None if deadline is None else max(0, int((deadline - _now()) * 1000))
-            try:
-                events = dict(self.poller.poll(wait_ms))
-            except zmq.ZMQError:
-                if self.sock.closed:  # closed by another thread (Client.close) while this one waited
-                    raise DaemonError(CLOSED) from None
-                raise
+            events = dict(self.poller.poll(wait_ms))
+            if self._wake_r in events:
+                continue  # the loop's head closes
             if self.sock in events:
                 self._drain()
             elif self.monitor in events:
@@ -235,7 +250,30 @@ class SyncConnection(_Connection):
                 self._deliver(error)
 
     def close(self) -> None:
-        self._close_sockets()
+        """Close now, or, while another thread waits in next(), have that thread close on waking."""
+        with self._state:
+            if self._closing:
+                return
+            self._closing = True
+        if self._reading.acquire(blocking=False):
+            try:
+                self._close_now()
+            finally:
+                self._reading.release()
+        else:
+            with self._state:
+                if self._wake_w >= 0:
+                    os.write(self._wake_w, b"x")
+
+    def _close_now(self) -> None:
+        with self._state:
+            self._closing = True
+            if not self.sock.closed:
+                self._close_sockets()
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
 
 
 class AsyncConnection(_Connection):
