@@ -64,51 +64,17 @@ def prepare(
     model_eos: frozenset[int],
 ) -> GenerateRequest:
     """Resolve a generate() call like transformers; raise UnsupportedGenerationError for what minisgl cannot run."""
-    from transformers.generation.configuration_utils import GenerationMode
     from transformers.generation.logits_process import LogitsProcessorList
-    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+    from transformers.generation.stopping_criteria import EosTokenCriteria, StoppingCriteriaList
 
     logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
     stopping_criteria = stopping_criteria if stopping_criteria is not None else StoppingCriteriaList()
     kwargs = dict(kwargs)
-    kwargs.pop("trust_remote_code", None)
-    tokenizer = kwargs.pop("tokenizer", None)
-    if kwargs.pop("assistant_tokenizer", None) is not None:
-        raise UnsupportedGenerationError("assistant_tokenizer (assisted decoding)")
-    if kwargs.get("cache_implementation") == "paged":
-        raise UnsupportedGenerationError("cache_implementation='paged' (transformers' own continuous batching)")
-
-    # Read before the config is resolved, as transformers does (# 6 of its generate).
-    has_default_max_length = (
-        kwargs.get("max_length") is None
-        and (generation_config is None or generation_config.max_length is None)
-        and model.generation_config.max_length is None
+    tokenizer = _pop_call_only_kwargs(kwargs)
+    config, model_kwargs, has_default_max_length, has_default_min_length = _resolve_config(
+        model, generation_config, kwargs
     )
-    has_default_min_length = (
-        kwargs.get("min_length") is None
-        and (generation_config is None or generation_config.min_length is None)
-        and model.generation_config.min_length is None
-    )
-    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
-    mode = config.get_generation_mode()
-    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        raise UnsupportedGenerationError(f"generation mode {mode.value!r} (minisgl runs greedy search and sampling)")
-    if config.return_dict_in_generate:
-        for flag in _OUTPUT_FLAGS:
-            if getattr(config, flag, False):
-                raise UnsupportedGenerationError(f"{flag} (per-step tensors of transformers' own forward)")
-    if getattr(config, "token_healing", False):
-        raise UnsupportedGenerationError("token_healing")
-    model._validate_model_kwargs(model_kwargs.copy())
-
-    inputs_tensor, input_name, model_kwargs = model._prepare_model_inputs(inputs, config.bos_token_id, model_kwargs)
-    if input_name != "input_ids":
-        raise UnsupportedGenerationError(f"{input_name} as the input (give input_ids)")
-    if inputs_tensor.dim() != 2:
-        raise UnsupportedGenerationError(f"{inputs_tensor.dim()}-D input_ids (give a [batch, tokens] tensor)")
-    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _HARMLESS_MODEL_KWARGS)
-    if extra:
-        raise UnsupportedGenerationError(f"model inputs {extra}")
+    inputs_tensor, input_name, model_kwargs = _model_input_ids(model, inputs, config, model_kwargs)
 
     device = inputs_tensor.device
     mask = model_kwargs.get("attention_mask")
@@ -143,14 +109,7 @@ def prepare(
         generation_config=config, stopping_criteria=stopping_criteria, tokenizer=tokenizer
     )
 
-    # transformers' loop ends by its criteria alone: a custom MaxLengthCriteria replaces the one built from max_length.
-    max_length = min((c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)), default=config.max_length)
-    max_new = max(1, max_length - prompt_len)
-    longest = max(len(p) for p in prompts)
-    if longest + max_new > max_seq_len:
-        raise UnsupportedGenerationError(
-            f"{longest} prompt tokens + {max_new} new tokens (more than the engine's context of {max_seq_len})"
-        )
+    max_new = _max_new_tokens(criteria, config, prompt_len, prompts, max_seq_len)
     pad_lengths = prompt_len - mask.sum(dim=1)
     # The tokens transformers stops a row on: a custom EosTokenCriteria replaces the one built from eos_token_id.
     eos = set().union(*(_token_set(c.eos_token_id) for c in criteria if isinstance(c, EosTokenCriteria)))
@@ -170,6 +129,83 @@ def prepare(
         return_dict=bool(config.return_dict_in_generate),
         device=device,
     )
+
+
+def _pop_call_only_kwargs(kwargs: dict[str, Any]) -> Any:
+    """Take the generate() kwargs that are no generation option out of kwargs; return the tokenizer."""
+    kwargs.pop("trust_remote_code", None)
+    tokenizer = kwargs.pop("tokenizer", None)
+    if kwargs.pop("assistant_tokenizer", None) is not None:
+        raise UnsupportedGenerationError("assistant_tokenizer (assisted decoding)")
+    if kwargs.get("cache_implementation") == "paged":
+        raise UnsupportedGenerationError("cache_implementation='paged' (transformers' own continuous batching)")
+    return tokenizer
+
+
+def _resolve_config(
+    model: Any, generation_config: Any, kwargs: dict[str, Any]
+) -> tuple[Any, dict[str, Any], bool, bool]:
+    """transformers' generation config for the call, its model kwargs, and whether max/min length were defaulted."""
+    # Read before the config is resolved, as transformers does (# 6 of its generate).
+    has_default_max_length = (
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and model.generation_config.max_length is None
+    )
+    has_default_min_length = (
+        kwargs.get("min_length") is None
+        and (generation_config is None or generation_config.min_length is None)
+        and model.generation_config.min_length is None
+    )
+    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    _check_generation_mode(config)
+    model._validate_model_kwargs(model_kwargs.copy())
+    return config, model_kwargs, has_default_max_length, has_default_min_length
+
+
+def _check_generation_mode(config: Any) -> None:
+    """Refuse the decoding modes and outputs only transformers' own loop produces."""
+    from transformers.generation.configuration_utils import GenerationMode
+
+    mode = config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise UnsupportedGenerationError(f"generation mode {mode.value!r} (minisgl runs greedy search and sampling)")
+    if config.return_dict_in_generate:
+        for flag in _OUTPUT_FLAGS:
+            if getattr(config, flag, False):
+                raise UnsupportedGenerationError(f"{flag} (per-step tensors of transformers' own forward)")
+    if getattr(config, "token_healing", False):
+        raise UnsupportedGenerationError("token_healing")
+
+
+def _model_input_ids(
+    model: Any, inputs: torch.Tensor | None, config: Any, model_kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, str, dict[str, Any]]:
+    """transformers' model inputs for the call; only a 2-D input_ids with an attention mask is accepted."""
+    inputs_tensor, input_name, model_kwargs = model._prepare_model_inputs(inputs, config.bos_token_id, model_kwargs)
+    if input_name != "input_ids":
+        raise UnsupportedGenerationError(f"{input_name} as the input (give input_ids)")
+    if inputs_tensor.dim() != 2:
+        raise UnsupportedGenerationError(f"{inputs_tensor.dim()}-D input_ids (give a [batch, tokens] tensor)")
+    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _HARMLESS_MODEL_KWARGS)
+    if extra:
+        raise UnsupportedGenerationError(f"model inputs {extra}")
+    return inputs_tensor, input_name, model_kwargs
+
+
+def _max_new_tokens(criteria: Any, config: Any, prompt_len: int, prompts: list[list[int]], max_seq_len: int) -> int:
+    """The new tokens transformers' criteria allow; raise when the longest prompt plus them passes the context."""
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+    # transformers' loop ends by its criteria alone: a custom MaxLengthCriteria replaces the one built from max_length.
+    max_length = min((c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)), default=config.max_length)
+    max_new = max(1, max_length - prompt_len)
+    longest = max(len(p) for p in prompts)
+    if longest + max_new > max_seq_len:
+        raise UnsupportedGenerationError(
+            f"{longest} prompt tokens + {max_new} new tokens (more than the engine's context of {max_seq_len})"
+        )
+    return max_new
 
 
 def strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
@@ -212,6 +248,36 @@ def sampling_params(
     do_sample=False every warper leaves the argmax where it was: the call stays greedy. eos: the tokens
     transformers' stopping criteria end a row on.
     """
+    reading = _read_processors(processors, prompt_len, pad_lengths, eos)
+    temperature, top_k, top_p, min_p, repetition, min_tokens = reading
+    fields: dict[str, Any] = dict(temperature=0.0, repetition_penalty=repetition)
+    if config.do_sample:
+        fields.update(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    # The engine stops on (and masks before min_tokens) its own eos unless ignore_eos; it may
+    # only do so when the model's eos ids are among this call's.
+    use_model_eos = bool(model_eos) and model_eos <= eos
+    if min_tokens > 0 and not use_model_eos and eos & model_eos:
+        raise UnsupportedGenerationError(
+            "min_new_tokens/min_length with an eos_token_id list that holds only some of the model's eos ids"
+        )
+    try:
+        return SamplingParams(
+            **fields,
+            n=n,
+            max_tokens=max_new,
+            min_tokens=min(max(min_tokens, 0), max_new),
+            stop_token_ids=sorted(eos),
+            ignore_eos=not use_model_eos,
+        )
+    except InvalidRequestError as e:
+        raise UnsupportedGenerationError(str(e)) from None
+
+
+def _read_processors(
+    processors: Any, prompt_len: int, pad_lengths: torch.Tensor, eos: set[int]
+) -> tuple[float, int, float, float, float, int]:
+    """(temperature, top_k, top_p, min_p, repetition_penalty, min_tokens) of transformers' processors, in the order
+    rules of sampling_params; raise for a processor or an order minisgl's sampler cannot reproduce."""
     from transformers.generation import logits_process as lp
 
     temperature, top_k, top_p, min_p, repetition = 1.0, -1, 1.0, 0.0, 1.0
@@ -262,27 +328,7 @@ def sampling_params(
             pass  # neither changes which token is picked
         else:
             raise UnsupportedGenerationError(f"logits processor {name}")
-    fields: dict[str, Any] = dict(temperature=0.0, repetition_penalty=repetition)
-    if config.do_sample:
-        fields.update(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    # The engine stops on (and masks before min_tokens) its own eos unless ignore_eos; it may
-    # only do so when the model's eos ids are among this call's.
-    use_model_eos = bool(model_eos) and model_eos <= eos
-    if min_tokens > 0 and not use_model_eos and eos & model_eos:
-        raise UnsupportedGenerationError(
-            "min_new_tokens/min_length with an eos_token_id list that holds only some of the model's eos ids"
-        )
-    try:
-        return SamplingParams(
-            **fields,
-            n=n,
-            max_tokens=max_new,
-            min_tokens=min(max(min_tokens, 0), max_new),
-            stop_token_ids=sorted(eos),
-            ignore_eos=not use_model_eos,
-        )
-    except InvalidRequestError as e:
-        raise UnsupportedGenerationError(str(e)) from None
+    return temperature, top_k, top_p, min_p, repetition, min_tokens
 
 
 def _check_penalty_window(ignore: Any, pad_lengths: torch.Tensor) -> None:

@@ -57,11 +57,8 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--curve-server-key", help="the daemon's public CURVE server.key file (remote daemons)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minisgl", description="minisgl: a fast local LLM inference runtime")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_serve_parser(sub: Any) -> None:
+    """`minisgl serve`: the daemon's addresses and CURVE, the HTTP API and its guard, idle stop, engine flags."""
     serve = sub.add_parser("serve", help="run the daemon for a model in the foreground (Ctrl-C stops it)")
     serve.add_argument(
         "--address", help="ipc:///path or tcp://HOST:PORT (default: an ipc socket per model in the runtime dir)"
@@ -109,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
         "auto-started daemons get $MINISGL_IDLE_TIMEOUT of the program that starts them, else 300; 0: never)",
     )
     add_engine_flags(serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minisgl", description="minisgl: a fast local LLM inference runtime")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_serve_parser(sub)
 
     stop = sub.add_parser("stop", help="stop daemons started by this user")
     target = stop.add_mutually_exclusive_group()

@@ -24,7 +24,7 @@ import argparse
 import json
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -124,10 +124,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
+def _bench_prompts(args: argparse.Namespace, model_dir: Any, vocab_size: int) -> list[list[int]]:
+    """The token prompts of --prompt-set: chat questions, the offline bench's random lengths, or fixed-length ones."""
+    from minisgl.bench.offline import make_prompts
+
+    if args.prompt_set == "chat":
+        from transformers import AutoTokenizer
+
+        return chat_prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.num_prompts)
+    if args.prompt_set == "offline":
+        random.seed(0)
+        return [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(args.num_prompts)]
+    return make_prompts(vocab_size, args.num_prompts, args.input_len, args.seed)
+
+
+def _profiled(timed_run: Callable[[], tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, float]:
+    """timed_run under cProfile; prints the 25 costliest functions by own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    result = timed_run()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    return result
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    from minisgl.bench.offline import make_prompts
     from minisgl.models.loader import resolve_model
     from transformers_minisgl import patch_generate
 
@@ -137,17 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(args.device).eval()
     pad = model.generation_config.pad_token_id
     pad = pad if isinstance(pad, int) else 0
-    if args.prompt_set == "chat":
-        from transformers import AutoTokenizer
-
-        prompts = chat_prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.num_prompts)
-    elif args.prompt_set == "offline":
-        random.seed(0)
-        prompts = [
-            [random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(args.num_prompts)
-        ]
-    else:
-        prompts = make_prompts(model.config.vocab_size, args.num_prompts, args.input_len, args.seed)
+    prompts = _bench_prompts(args, model_dir, model.config.vocab_size)
     width = max(map(len, prompts))
     input_ids = torch.tensor([[pad] * (width - len(q)) + q for q in prompts], device=args.device)
     attention_mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in prompts], device=args.device)
@@ -183,14 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hf_times.append(elapsed)
         state.llm.scheduler.reset_prefix_cache()  # every timed run starts cold, like the first
         if args.profile:
-            import cProfile
-            import pstats
-
-            prof = cProfile.Profile()
-            prof.enable()
-            ms_out, elapsed = timed("minisgl", model.generate)
-            prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            ms_out, elapsed = _profiled(lambda: timed("minisgl", model.generate))
             engine_alone(model, prompts, args.output_len, on_cuda)
         else:
             ms_out, elapsed = timed("minisgl", model.generate)

@@ -27,7 +27,7 @@ import io
 import pstats
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -108,11 +108,12 @@ def step(model: str, replays: int, rebuild: bool) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
 
 
-def gpu(args: argparse.Namespace) -> None:
-    from minisgl import LLM, SamplingParams
-    from minisgl.bench.throughput import workload, write_model_dir
+def _dummy_llm(args: argparse.Namespace) -> Any:
+    """An LLM over the throughput bench's model shape with dummy weights, configured from the command line."""
+    from minisgl import LLM
+    from minisgl.bench.throughput import write_model_dir
 
-    llm = LLM(
+    return LLM(
         str(write_model_dir(Path(args.tokenizer_dir))),
         dtype="bfloat16",
         load_format="dummy",
@@ -122,6 +123,13 @@ def gpu(args: argparse.Namespace) -> None:
         attention_backend=args.attention_backend,
         page_size=args.page_size,
     )
+
+
+def gpu(args: argparse.Namespace) -> None:
+    from minisgl import SamplingParams
+    from minisgl.bench.throughput import workload
+
+    llm = _dummy_llm(args)  # held for the whole run: it owns the engine the scheduler drives
     sched = llm.scheduler
     prompts, max_tokens = workload()
 
@@ -188,6 +196,22 @@ def gpu(args: argparse.Namespace) -> None:
     total = time.perf_counter() - t_start
     torch.cuda.Event.synchronize = sync  # type: ignore[method-assign]
 
+    _report_steps(num_steps, total, walls, waits, sizes, kinds, spans)
+    _report_profiles(windows, cpu)
+    if args.whole_run:  # the same workload again (prefix cache emptied first), every kernel of it profiled
+        _profile_whole_run(sched, submit)
+
+
+def _report_steps(
+    num_steps: int,
+    total: float,
+    walls: list[float],
+    waits: list[float],
+    sizes: list[int],
+    kinds: list[tuple[bool, int] | None],
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event] | None],
+) -> None:
+    """Per-step wall, host waits and GPU time, bucketed by the forward's kind and batch size."""
     # Steps whose launch ran a forward; the step's wall is the host loop's, with overlap about the previous
     # step's GPU time. Buckets by the batch size of the forward (decode) or "prefill".
     print(f"\n{num_steps} steps in {total:.2f}s")
@@ -226,6 +250,10 @@ def gpu(args: argparse.Namespace) -> None:
                 f"steps {lo}-{hi}: running ~{sizes[lo]:3d}, wall {1000 * sum(w) / len(w):6.2f} ms/step, "
                 f"waiting for the GPU {1000 * sum(s) / len(s):6.2f} ms/step"
             )
+
+
+def _report_profiles(windows: dict[str, Any], cpu: cProfile.Profile) -> None:
+    """The GPU kernels of each profiled window and the host hot spots cProfile caught."""
     for name, prof in windows.items():
         print(f"\nGPU kernels ({name}):")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
@@ -233,15 +261,18 @@ def gpu(args: argparse.Namespace) -> None:
     pstats.Stats(cpu, stream=out).sort_stats("tottime").print_stats(22)
     print("\nhost hot spots over 20 steps (cProfile, tottime):")
     print("\n".join(out.getvalue().splitlines()[:45]))
-    if args.whole_run:  # the same workload again (prefix cache emptied first), every kernel of it profiled
-        sched.reset_prefix_cache()
-        submit("w")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            while sched.has_work:
-                sched.step()
-            torch.cuda.synchronize()
-        print("\nGPU kernels over the whole run (a second pass, profiled):")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+
+
+def _profile_whole_run(sched: Any, submit: Callable[[str], None]) -> None:
+    """The workload again from an empty prefix cache, every kernel of it under torch.profiler."""
+    sched.reset_prefix_cache()
+    submit("w")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        while sched.has_work:
+            sched.step()
+        torch.cuda.synchronize()
+    print("\nGPU kernels over the whole run (a second pass, profiled):")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -43,8 +43,6 @@ class Engine:
         from minisgl import plugins
         from minisgl.engine.sampler import Sampler
         from minisgl.kvcache.table import TableManager
-        from minisgl.models.loader import load_model, resolve_model
-        from minisgl.tokenizer import load_tokenizer
 
         self.config = config
         if config.threads is not None:  # every computing process builds one Engine: the one place to set it
@@ -59,34 +57,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
-        t0 = time.perf_counter()
-        if model_source is None:
-            self.model_dir = resolve_model(config.model)
-            source: Any = self.model_dir
-        else:  # a live transformers model (its current weights), see transformers_minisgl
-            self.model_dir = None
-            source = model_source
-        # Dummy weights are seeded (the same on every TP rank) without touching the caller's RNG.
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(config.seed)
-            self.model, self.model_config = load_model(
-                source, dtype=self.dtype, device=self.device, load_format=config.load_format
-            )
-        if config.quantization is not None:
-            from minisgl.layers.linear import quantize_gemms
-
-            quantize_gemms(self.model, config.quantization)
-        self.tokenizer = getattr(model_source, "_minisgl_tokenizer", None) or (
-            load_tokenizer(self.model_dir) if self.model_dir is not None else None
-        )
-        logger.info(
-            "weights loaded: %s (%s, %s on %s) in %.1fs",
-            config.model,
-            self.model_config.architecture,
-            str(self.dtype).removeprefix("torch."),
-            self.device,
-            time.perf_counter() - t0,
-        )
+        self._load_model(model_source)
 
         mc = self.model_config
         self.max_seq_len = min(config.max_seq_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -118,27 +89,7 @@ class Engine:
         ctx = get_context()
         ctx.attn_backend, ctx.kv_pool = self.attn_backend, self.kv_pool
         self.sampler = Sampler(mc.vocab_size, self.device, seed=config.seed)
-        self.graph_runner: Any = None
-        if (
-            self.device.type == "cuda"
-            and not config.disable_cuda_graph
-            and config.cuda_graph_max_bs > 0
-            and getattr(self.attn_backend, "supports_cuda_graph", False)
-        ):
-            from minisgl.engine.cuda_graph import CudaGraphRunner
-
-            self.graph_runner = CudaGraphRunner(
-                self.model,
-                self.attn_backend,
-                min(config.cuda_graph_max_bs, config.max_running_requests),
-                mc.vocab_size,
-                self.max_seq_len,
-                dummy_page=self.num_pages,
-                page_size=self.page_size,
-                device=self.device,
-                seed=config.seed,
-                vocab_sampling=config.tp_vocab_sampling,
-            )
+        self.graph_runner: Any = self._decode_graph_runner()
         self.prefill_graphs: Any = None
         max_tokens = min(config.piecewise_cuda_graph_max_tokens, config.max_prefill_tokens)
         if self._piecewise_ok(max_tokens):
@@ -147,6 +98,64 @@ class Engine:
             self.prefill_graphs = PiecewiseGraphRunner(
                 self.model, max_tokens, dummy_slot=self.num_pages * self.page_size, device=self.device
             )
+
+    def _load_model(self, model_source: Any) -> None:
+        """The weights (from config.model, or a live transformers model) and the tokenizer that goes with them."""
+        from minisgl.models.loader import load_model, resolve_model
+        from minisgl.tokenizer import load_tokenizer
+
+        t0 = time.perf_counter()
+        if model_source is None:
+            self.model_dir = resolve_model(self.config.model)
+            source: Any = self.model_dir
+        else:  # a live transformers model (its current weights), see transformers_minisgl
+            self.model_dir = None
+            source = model_source
+        # Dummy weights are seeded (the same on every TP rank) without touching the caller's RNG.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.config.seed)
+            self.model, self.model_config = load_model(
+                source, dtype=self.dtype, device=self.device, load_format=self.config.load_format
+            )
+        if self.config.quantization is not None:
+            from minisgl.layers.linear import quantize_gemms
+
+            quantize_gemms(self.model, self.config.quantization)
+        self.tokenizer = getattr(model_source, "_minisgl_tokenizer", None) or (
+            load_tokenizer(self.model_dir) if self.model_dir is not None else None
+        )
+        logger.info(
+            "weights loaded: %s (%s, %s on %s) in %.1fs",
+            self.config.model,
+            self.model_config.architecture,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            time.perf_counter() - t0,
+        )
+
+    def _decode_graph_runner(self) -> Any:
+        """CUDA graphs for decode batches, where the device, the config and the attention backend allow them."""
+        if (
+            self.device.type == "cuda"
+            and not self.config.disable_cuda_graph
+            and self.config.cuda_graph_max_bs > 0
+            and getattr(self.attn_backend, "supports_cuda_graph", False)
+        ):
+            from minisgl.engine.cuda_graph import CudaGraphRunner
+
+            return CudaGraphRunner(
+                self.model,
+                self.attn_backend,
+                min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
+                self.model_config.vocab_size,
+                self.max_seq_len,
+                dummy_page=self.num_pages,
+                page_size=self.page_size,
+                device=self.device,
+                seed=self.config.seed,
+                vocab_sampling=self.config.tp_vocab_sampling,
+            )
+        return None
 
     def _piecewise_ok(self, max_tokens: int) -> bool:
         """Prefill runs in piecewise CUDA graphs on one CUDA GPU, with a graph-capable backend and a model that
