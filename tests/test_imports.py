@@ -29,8 +29,12 @@ ADAPTERS = ("langchain_minisgl", "litellm_minisgl", "transformers_minisgl")
 # Lowest first; a module belongs to the longest prefix that names it. A module may import its own
 # layer and those below, never one above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("minisgl", "minisgl.errors", "minisgl.config", "minisgl.core", "minisgl.hooks")),
-    ("text", ("minisgl.tokenizer", "minisgl.structured")),
+    # runtime.protocol is the typed wire format (msgpack): data only, spoken by the TP ranks and the daemon alike.
+    (
+        "foundation",
+        ("minisgl", "minisgl.errors", "minisgl.config", "minisgl.core", "minisgl.hooks", "minisgl.runtime.protocol"),
+    ),
+    ("text", ("minisgl.tokenizer", "minisgl.structured", "minisgl.limits")),
     ("kernels", ("minisgl.layers", "minisgl.attention", "minisgl.kvcache", "minisgl.distributed")),
     ("models", ("minisgl.models", "minisgl.plugins", "minisgl.builtin_plugin")),
     ("engine", ("minisgl.engine", "minisgl.scheduler", "minisgl.distributed.launch")),

@@ -14,9 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from minisgl.runtime.lifetime import PARENT_ENV, parent_env
+from minisgl.lifetime import PARENT_ENV, parent_env
 
-CHILD = "from minisgl.runtime.lifetime import die_with_parent; import time; die_with_parent(); time.sleep(120)"
+CHILD = "from minisgl.lifetime import die_with_parent; import time; die_with_parent(); time.sleep(120)"
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:
@@ -49,7 +49,7 @@ def test_a_child_command_dies_with_its_parent(sig):
     parent, child = start_parent(
         f"""
         import subprocess, sys, time
-        from minisgl.runtime.lifetime import parent_env
+        from minisgl.lifetime import parent_env
         child = subprocess.Popen([sys.executable, "-c", {CHILD!r}], env=parent_env(), start_new_session=True)
         print("pid", child.pid, flush=True)
         time.sleep(120)
@@ -83,7 +83,7 @@ def test_a_benchmark_stops_its_children_own_session_included_on_sigterm_or_ctrl_
         f"""
         import subprocess, sys, threading
         from minisgl.bench import tp_support as tp
-        from minisgl.runtime.lifetime import raise_on_sigterm
+        from minisgl.lifetime import raise_on_sigterm
         raise_on_sigterm()
         real = subprocess.Popen
         def popen(*args, **kwargs):

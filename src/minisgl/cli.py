@@ -400,7 +400,7 @@ def _port(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minisgl.runtime.lifetime import die_with_parent
+    from minisgl.lifetime import die_with_parent
 
     die_with_parent()  # a command another minisgl command started (MINISGL_PARENT_PID) ends with it
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -50,7 +50,7 @@ def write_json(result: Any, path: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from minisgl.runtime.lifetime import raise_on_sigterm
+    from minisgl.lifetime import raise_on_sigterm
 
     raise_on_sigterm()  # `timeout` or `kill`: the children a benchmark started are stopped on the way out
     args = build_parser().parse_args(argv if argv is not None else sys.argv[1:])

@@ -173,8 +173,8 @@ def free_port() -> int:
 
 
 def start_daemons(args: argparse.Namespace, runtime_dir: Path) -> tuple[list[str], list[subprocess.Popen]]:
+    from minisgl.lifetime import parent_env
     from minisgl.runtime.launcher import wait_ready
-    from minisgl.runtime.lifetime import parent_env
 
     os.environ["MINISGL_RUNTIME_DIR"] = str(runtime_dir)
     addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]

@@ -25,7 +25,7 @@ from minisgl.bench.tp_support import (
     write_config_dir,
     write_hf_checkpoint,
 )
-from minisgl.runtime.lifetime import parent_env
+from minisgl.lifetime import parent_env
 
 
 def stage_parity(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log: Path) -> None:

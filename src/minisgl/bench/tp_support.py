@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from minisgl.runtime.lifetime import parent_env
+from minisgl.lifetime import parent_env
 
 VOCAB = 49152
 PARITY_ENGINE = dict(num_pages=40000, cuda_graph_max_bs=32, max_prefill_tokens=8192)

@@ -63,7 +63,7 @@ def _read_secret_file(path: Path) -> bytes:
 
 def child_env(secret: bytes) -> dict[str, str]:
     """The environment of a rank process: this one's, plus the secret (and this pid: it ends with this process)."""
-    from minisgl.runtime.lifetime import parent_env
+    from minisgl.lifetime import parent_env
 
     return parent_env({**os.environ, SECRET_ENV: secret.decode()})
 

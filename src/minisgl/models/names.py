@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlparse
 
 from minisgl.errors import UnknownModelError
@@ -73,34 +74,34 @@ def _hub_has(repo_id: str) -> bool | None:
         return None
 
 
-def unknown_model_message(name: str, reason: str) -> str:
-    """The error text for a model name that resolves to nothing: what it is not, the aliases, the daemons running."""
-    from minisgl.runtime.registry import Registry
-
-    try:
-        serving = sorted({r.model for r in Registry().records() if r.alive})
-    except OSError:
-        serving = []
-    daemons = ", ".join(serving) if serving else "none"
+def unknown_model_message(name: str, reason: str, serving: Callable[[], list[str]] | None = None) -> str:
+    """The error text for a model name that resolves to nothing: what it is not, the aliases and, where the caller
+    can list them (serving: the launcher reads the daemon registry), the models of the daemons running."""
+    daemons = ""
+    if serving is not None:
+        models = serving()
+        daemons = f"; models of the daemons running here: {', '.join(models) if models else 'none'}"
     return (
-        f"{name!r} is not a model directory, .gguf file, alias or {reason}. Aliases: {', '.join(ALIASES)}; "
-        f"models of the daemons running here: {daemons}. Give one of those, a local path, or a hub id "
+        f"{name!r} is not a model directory, .gguf file, alias or {reason}. Aliases: {', '.join(ALIASES)}"
+        f"{daemons}. Give one of those, a local path, or a hub id "
         "(e.g. HuggingFaceTB/SmolLM2-135M-Instruct) with the hub reachable"
     )
 
 
-def check_model_name(name: str) -> None:
+def check_model_name(name: str, serving: Callable[[], list[str]] | None = None) -> None:
     """Raise UnknownModelError now when name cannot resolve to a model; return when it may (the load decides)."""
     path = Path(name).expanduser()
     if path.exists() or name.lower() in ALIASES:
         return
     if looks_like_path(name):
-        raise UnknownModelError(unknown_model_message(name, "existing path"))
+        raise UnknownModelError(unknown_model_message(name, "existing path", serving))
     if _in_hub_cache(name):
         return
     if _offline():
         raise UnknownModelError(
-            unknown_model_message(name, "hub repo in the local cache (the hub is off: HF_HUB_OFFLINE)")
+            unknown_model_message(name, "hub repo in the local cache (the hub is off: HF_HUB_OFFLINE)", serving)
         )
     if _hub_has(name) is False:
-        raise UnknownModelError(unknown_model_message(name, "hub repo (the hub is unreachable or has no such repo)"))
+        raise UnknownModelError(
+            unknown_model_message(name, "hub repo (the hub is unreachable or has no such repo)", serving)
+        )

@@ -36,6 +36,14 @@ logger = logging.getLogger("minisgl")
 _announced = False  # the first auto-start of this process has been logged
 
 
+def running_models() -> list[str]:
+    """The models of the daemons alive in this user's registry (for an unknown model's error)."""
+    try:
+        return sorted({r.model for r in Registry().records() if r.alive})
+    except OSError:
+        return []
+
+
 def auto_idle_timeout() -> float:
     """Seconds an auto-started daemon may sit idle before it stops: $MINISGL_IDLE_TIMEOUT (0 keeps it), else 300."""
     return env.IDLE_TIMEOUT.get() if env.IDLE_TIMEOUT.is_set() else AUTO_IDLE_TIMEOUT_S
@@ -197,7 +205,7 @@ def locate_daemon(
                 f"no minisgl daemon answers at {address}: start one with "
                 f"`minisgl serve --model {model} --address {address}` (or use auto_start=True)"
             )
-        check_model_name(model)
+        check_model_name(model, running_models)
         return _start_locked(config, address, timeout)
     for record in Registry().find(model, config.to_dict() if engine_kwargs else None):
         if parse_address(record.address).scheme == "tcp" and curve is None:
@@ -211,7 +219,7 @@ def locate_daemon(
             f"no minisgl daemon is serving {model!r}: start one with `minisgl serve --model {model}` "
             "(or use auto_start=True)"
         )
-    check_model_name(model)  # a name that resolves to nothing fails here: no daemon, log or lock file
+    check_model_name(model, running_models)  # a name that resolves to nothing fails here: no daemon, log or lock file
     return _start_locked(config, default_address(config), timeout)
 
 

@@ -104,7 +104,7 @@ class ParentWatch:
 
 def worker_setup(log_level: int) -> None:
     """A worker leaves Ctrl-C to the daemon process, which shuts everything down in order, and ends with it."""
-    from minisgl.runtime.lifetime import die_with_parent
+    from minisgl.lifetime import die_with_parent
 
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -263,7 +263,7 @@ def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
 
 
 def _worker_entry(argv: list[str]) -> None:
-    from minisgl.runtime.lifetime import die_with_parent
+    from minisgl.lifetime import die_with_parent
 
     die_with_parent()  # a rank never outlives the process that started it (rank 0, or a node's launcher)
     fields = json.loads(argv[0])
