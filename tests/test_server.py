@@ -704,6 +704,38 @@ def test_a_body_past_the_limit_is_413_and_the_server_goes_on():
         assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}).status_code == 200
 
 
+def test_a_deeply_nested_body_is_a_400_on_every_route_never_a_recursion_error():
+    """100k nested arrays parse by recursion (Python's json, pydantic): it was a 500 on /generate and /api/chat."""
+    stand_in = StandInClient()
+    deep = "[" * 100_000 + "]" * 100_000
+    bodies = {
+        "/generate": ['{"text": %s}', '{"input_ids": %s}'],
+        "/v1/chat/completions": ['{"model": "stand-in", "messages": %s}'],
+        "/api/chat": ['{"model": "stand-in", "messages": %s}'],
+        "/v1/completions": ['{"model": "stand-in", "prompt": %s}'],
+    }
+    with _app_client(stand_in) as http:
+        for path, shapes in bodies.items():
+            for shape in shapes:
+                r = http.post(path, content=shape % deep, headers={"Content-Type": "application/json"})
+                assert r.status_code == 400, (path, r.text[:300])
+                assert r.json()["error"] == {
+                    "message": "the JSON body is nested more than 128 levels deep",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "json_too_deep",
+                }
+        # brackets inside strings are text, not nesting; 128 levels (a deep JSON schema) are still taken
+        assert http.post("/v1/completions", json={"prompt": "[{" * 50_000, "max_tokens": 2}).status_code == 200
+        schema: dict[str, Any] = {"type": "string"}
+        for _ in range(60):  # each level is two: {"items": {...
+            schema = {"type": "array", "items": schema}
+        fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
+        r = http.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 2, "response_format": fmt})
+        assert r.status_code == 200, r.text[:300]
+        assert stand_in.aborted == []
+
+
 def test_openai_package_maps_errors_to_its_exception_types():
     with _app_client(StandInClient(), api_key="sk-test") as http:
         good = openai.OpenAI(base_url="http://testserver/v1", api_key="sk-test", http_client=http, max_retries=0)
@@ -995,6 +1027,33 @@ def test_openai_chat_n2_seed_and_logprobs(oai):
             assert t.top_logprobs[0].logprob >= t.logprob - 1e-4  # the best alternative is at least as likely
     again = oai.chat.completions.create(model="smollm2", messages=QUESTION, n=2, temperature=1.0, seed=3, max_tokens=6)
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+
+
+def test_a_70_mb_body_is_a_413_while_a_stream_beside_it_completes_and_the_daemon_link_survives(daemon, oai, client):
+    ref = client.generate(QUESTION, SamplingParams(temperature=0, max_tokens=24))
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    big = b'{"model": "smollm2", "prompt": "' + b"x" * 70 * 2**20 + b'"}'
+
+    def chunked() -> Any:
+        for i in range(0, len(big), 2**20):
+            yield big[i : i + 2**20]
+
+    with httpx.Client(base_url=daemon.base, headers=key, timeout=300) as http:
+        chat = {"model": "smollm2", "messages": QUESTION, "temperature": 0, "max_tokens": 24, "stream": True}
+        with http.stream("POST", "/v1/chat/completions", json=chat) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))  # the stream is under way
+            sized = http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+            unsized = http.post("/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
+            rest = [line for line in lines if line.startswith("data: ")]
+        for r in (sized, unsized):
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:300]
+        assert rest[-1] == "data: [DONE]"
+        chunks = [json.loads(line[6:]) for line in [first, *rest[:-1]]]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert text == ref.text
+    after = oai.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=24)
+    assert after.choices[0].message.content == ref.text
 
 
 def test_logprobs_of_grammar_constrained_answers_are_finite_json_numbers(daemon, oai):

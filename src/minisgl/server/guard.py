@@ -5,19 +5,25 @@ A keyless server on a loopback address is still reachable from any web page the 
 So: a POST with a body must be `application/json` (415), the Host header must name the bound or an allowed host
 (DNS rebinding: 421), a request from another origin is refused unless --allowed-origins lists it (403; the CORS
 headers themselves come from Starlette's CORSMiddleware), a body past max_request_bytes is refused (413) before
-it reaches the daemon, and with an API key every route but /health needs it (401).
+it reaches the daemon, a JSON body nested deeper than MAX_JSON_DEPTH is refused (400: Python's parser and the
+validators recurse, so a body of 100k nested arrays would otherwise end in a RecursionError, a 500), and with an API
+key every route but /health needs it (401).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import re
 from typing import Any, Awaitable, Callable, NamedTuple
 from urllib.parse import urlsplit
 
 from minisgl.server.state import is_loopback
 
 MAX_REQUEST_BYTES = 32 * 2**20
+MAX_JSON_DEPTH = 128  # far past any API's own nesting (a JSON schema included), far below the recursion limit
+_JSON_STRING = re.compile(rb'"(?:[^"\\]+|\\.)*"', re.S)  # brackets inside strings are no nesting
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 OPEN_PATHS = ("/health",)  # probes that answer without the API key
 
 Scope = dict[str, Any]
@@ -48,15 +54,19 @@ class RequestGuard:
         if refusal is not None:
             await _send_error(send, *refusal)
             return
-        if _header(scope, b"content-length") is None and scope.get("method") in ("POST", "PUT", "PATCH"):
-            receive = await self._buffered(receive)  # a chunked body: counted before anything reads it
-            if receive is None:
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            body, receive = await self._buffered(receive)  # counted and its depth checked before anything parses it
+            if body is None:
                 await _send_error(send, *_too_large(self.options.max_request_bytes))
+                return
+            if await _depth(body) > MAX_JSON_DEPTH:
+                message = f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep"
+                await _send_error(send, 400, message, "json_too_deep")
                 return
         await self.app(scope, receive, send)
 
-    async def _buffered(self, receive: Receive) -> Receive | None:
-        """A receive that replays the whole body, or None when it is past the limit."""
+    async def _buffered(self, receive: Receive) -> tuple[bytes | None, Receive]:
+        """The whole body (None when it is past the limit) and a receive that replays it."""
         body, more = b"", True
         while more:
             message = await receive()
@@ -65,7 +75,7 @@ class RequestGuard:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.options.max_request_bytes:
-                return None
+                return None, receive
         done = False
 
         async def replay() -> dict[str, Any]:
@@ -75,7 +85,7 @@ class RequestGuard:
             done = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        return replay
+        return body, replay
 
     def _refusal(self, scope: Scope) -> tuple[int, str, str] | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -118,6 +128,29 @@ class RequestGuard:
         if origin in self.options.allowed_origins or "*" in self.options.allowed_origins:
             return True
         return urlsplit(origin).netloc == host  # the server's own pages (/docs)
+
+
+async def _depth(body: bytes) -> int:
+    if len(body) < 2**20:
+        return json_depth(body)
+    import anyio.to_thread
+
+    return await anyio.to_thread.run_sync(json_depth, body)  # a large body's scan takes seconds: off the event loop
+
+
+def json_depth(body: bytes) -> int:
+    """How deep the arrays and objects of a JSON text nest (at most, when that is at most MAX_JSON_DEPTH), counted
+    without parsing it: numpy, not recursion."""
+    if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
+        return body.count(b"[") + body.count(b"{")  # a bound, without the scan: nearly every body stops here
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    import numpy as np
+
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1).astype(np.int32)
+    return int(np.cumsum(steps).max())
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
