@@ -21,7 +21,9 @@ from urllib.parse import urlsplit
 from minisgl.server.state import is_loopback
 
 MAX_REQUEST_BYTES = 32 * 2**20
-MAX_JSON_DEPTH = 128  # far past any API's own nesting (a JSON schema included), far below the recursion limit
+MAX_JSON_DEPTH = (
+    256  # past any API's own nesting (a schema of max_schema_depth 64 included), far below the recursion limit
+)
 _JSON_STRING = re.compile(rb'"(?:[^"\\]+|\\.)*"', re.S)  # brackets inside strings are no nesting
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 OPEN_PATHS = ("/health",)  # probes that answer without the API key
