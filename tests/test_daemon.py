@@ -456,9 +456,14 @@ def test_ps_lists_each_daemon_with_its_state_and_load(
     smollm2_daemon: DaemonHandle, client: Any, curve_daemon: CurveDaemon
 ) -> None:
     stream = client.stream("Once upon a time", LONG)  # one request in flight while ps looks
+    local = curve_daemon.server_public.parent / "clients" / "local.key_secret"
     with stream:
         next(iter(stream))
-        statuses = {s["pid"]: s for s in map(json.loads, _ps("--json").splitlines())}
+        local.rename(local.with_suffix(".away"))  # a user without the daemon's local keys
+        try:
+            statuses = {s["pid"]: s for s in map(json.loads, _ps("--json").splitlines())}
+        finally:
+            local.with_suffix(".away").rename(local)
         table = _ps()
     mine = statuses[smollm2_daemon.pid]
     assert mine["address"] == smollm2_daemon.address and mine["model"] == "smollm2" and mine["state"] == "ready"

@@ -53,8 +53,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def _add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="the daemon's address (default: the one serving --model; started if none)")
-    parser.add_argument("--curve-client-key", help="the client's CURVE .key_secret file (remote daemons)")
-    parser.add_argument("--curve-server-key", help="the daemon's public CURVE server.key file (remote daemons)")
+    parser.add_argument("--curve-client-key", help="the client's CURVE .key_secret file (tcp daemons)")
+    parser.add_argument("--curve-server-key", help="the daemon's public CURVE server.key file (tcp daemons)")
 
 
 def _add_serve_parser(sub: Any) -> None:
@@ -64,7 +64,9 @@ def _add_serve_parser(sub: Any) -> None:
         "--address", help="ipc:///path or tcp://HOST:PORT (default: an ipc socket per model in the runtime dir)"
     )
     serve.add_argument("--allow-remote", action="store_true", help="allow a non-loopback tcp address (turns on CURVE)")
-    serve.add_argument("--curve", action="store_true", help="require CURVE authentication even on a loopback address")
+    serve.add_argument(
+        "--curve", action="store_true", help="require CURVE authentication on an ipc address too (tcp always has it)"
+    )
     serve.add_argument(
         "--curve-dir", help="CURVE key directory (default: $MINISGL_CURVE_DIR or ~/.config/minisgl/curve)"
     )

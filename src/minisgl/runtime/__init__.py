@@ -8,7 +8,7 @@ detokenizer_worker.py  incremental UTF-8 safe text, stop strings, tool calls, us
 transport.py           private ipc endpoints, sockets, worker set-up
 addresses.py           runtime dir, default ipc address per model, address checks
 registry.py            one file per running daemon; file locks
-auth.py                CURVE keys for non-loopback binds
+auth.py                CURVE keys of tcp daemons
 connection.py          a client's DEALER socket, replies sorted by request id
 launcher.py            find / auto-start / stop daemons (client side)
 """

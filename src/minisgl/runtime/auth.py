@@ -4,8 +4,11 @@ Layout of the key directory ($MINISGL_CURVE_DIR, else ~/.config/minisgl/curve):
     server.key, server.key_secret      the daemon's keypair (created on first use)
     authorized_clients/NAME.key        public keys of the clients allowed in
     clients/NAME.key_secret            a client's keypair, made by `minisgl keys --client NAME`
+    clients/local.key_secret           the keypair of the daemon's own user (made by a loopback tcp daemon)
 A client connects with its .key_secret file and the server's public server.key
-(Client(curve_client_key=..., curve_server_key=...) or $MINISGL_CURVE_CLIENT_KEY / _SERVER_KEY).
+(Client(curve_client_key=..., curve_server_key=...) or $MINISGL_CURVE_CLIENT_KEY / _SERVER_KEY). Every tcp daemon
+uses CURVE (a loopback port is open to every local user); a client given no keys that finds a tcp daemon in the
+registry uses the local keypair of the key directory the daemon registered (0600 files: its own user only).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from minisgl import env
 from minisgl.errors import ConfigError
+from minisgl.runtime.registry import Registry
 
 logger = logging.getLogger("minisgl")
 
@@ -60,6 +64,34 @@ def create_client_keys(directory: Path, name: str) -> tuple[Path, Path]:
     authorized.mkdir(parents=True, exist_ok=True, mode=0o700)
     shutil.copy(public, authorized / public.name)
     return public, secret
+
+
+LOCAL_CLIENT = "local"
+
+
+def ensure_local_client_keys(directory: Path) -> None:
+    """The keypair of the daemon's own user (clients/local.key_secret), authorized; created when missing."""
+    if not (directory / "clients" / f"{LOCAL_CLIENT}.key_secret").exists():
+        create_client_keys(directory, LOCAL_CLIENT)
+
+
+def registered_curve(address: str) -> "ClientCurve | None":
+    """The local keys of the tcp daemon registered at address (None: not a registered CURVE daemon)."""
+    if not address.startswith("tcp://"):
+        return None
+    record = Registry().get(address)
+    if record is None or not record.curve_dir:
+        return None
+    directory = Path(record.curve_dir)
+    keys = ClientCurve(directory / "clients" / f"{LOCAL_CLIENT}.key_secret", directory / "server.key")
+    if not all(os.access(path, os.R_OK) for path in keys):
+        raise ConfigError(
+            f"the daemon at {address} requires CURVE keys: run as the user that started it (its keys are "
+            f"{keys.client_key} and {keys.server_key}), or have that user run `minisgl keys --client NAME "
+            f"--curve-dir {directory}` and pass curve_client_key=/curve_server_key= "
+            "(or $MINISGL_CURVE_CLIENT_KEY/_SERVER_KEY)"
+        )
+    return keys
 
 
 class ServerCurve:

@@ -22,7 +22,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
 from minisgl.errors import DaemonError, DaemonNotRunningError, DaemonTimeoutError, InvalidRequestError
-from minisgl.runtime.auth import ClientCurve
+from minisgl.runtime.auth import ClientCurve, registered_curve
 from minisgl.runtime.protocol import Abort, Chunk, Chunks, Error, Message, ProtocolError, decode, encode, error_class
 
 logger = logging.getLogger("minisgl")
@@ -47,6 +47,7 @@ def _socket(ctx: zmq.Context, address: str, curve: ClientCurve | None) -> zmq.So
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     sock.sndhwm = 0  # never block a sender: requests queue while the daemon starts
+    curve = curve or registered_curve(address)  # a tcp daemon of this host: its user's local keys
     if curve is not None:
         curve.apply(sock)
     if address.startswith("tcp://"):

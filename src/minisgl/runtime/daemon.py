@@ -29,7 +29,7 @@ import zmq
 from minisgl.config import EngineConfig
 from minisgl.errors import ConfigError, DaemonError, MiniSGLError
 from minisgl.runtime.addresses import Address, default_address, parse_address
-from minisgl.runtime.auth import ServerCurve, curve_dir
+from minisgl.runtime.auth import ServerCurve, curve_dir, ensure_local_client_keys
 from minisgl.runtime.protocol import (
     CLIENT_MESSAGES,
     STARTUP_FAILED,
@@ -96,8 +96,12 @@ class Daemon:
                 f"{self.address.url} can be reached from other machines: pass --allow-remote to bind it "
                 "(clients then need CURVE keys), or bind tcp://127.0.0.1:PORT"
             )
-        needs_curve = curve or not self.address.is_loopback
-        self.curve = ServerCurve(Path(curve_keys) if curve_keys else curve_dir()) if needs_curve else None
+        # Every tcp daemon: any local user can reach a loopback port; an ipc socket is the user's own (0600).
+        self.curve_dir = Path(curve_keys) if curve_keys else curve_dir()
+        if self.address.scheme == "tcp":
+            ensure_local_client_keys(self.curve_dir)  # its own user's clients find them through the registry
+        needs_curve = curve or self.address.scheme == "tcp"
+        self.curve = ServerCurve(self.curve_dir) if needs_curve else None
         self.http = http
         self.max_message_bytes = max_message_bytes
         self.log_level = log_level
@@ -132,7 +136,10 @@ class Daemon:
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             self._bind()
-            record = DaemonRecord(self.address.url, self.config.model, os.getpid(), self.config.to_dict(), time.time())
+            keys = str(self.curve_dir) if self.curve is not None and self.address.scheme == "tcp" else None
+            record = DaemonRecord(
+                self.address.url, self.config.model, os.getpid(), self.config.to_dict(), time.time(), keys
+            )
             self.registry.add(record)
             self._spawn_workers()
             self._loop(wake_r)

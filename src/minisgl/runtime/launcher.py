@@ -21,10 +21,10 @@ import zmq
 
 from minisgl import env
 from minisgl.config import EngineConfig, default_of
-from minisgl.errors import DaemonError, DaemonNotRunningError, DaemonTimeoutError
+from minisgl.errors import ConfigError, DaemonError, DaemonNotRunningError, DaemonTimeoutError
 from minisgl.models.names import check_model_name
 from minisgl.runtime.addresses import daemon_name, default_address, parse_address, runtime_dir
-from minisgl.runtime.auth import ClientCurve
+from minisgl.runtime.auth import ClientCurve, registered_curve
 from minisgl.runtime.connection import SyncConnection, as_exception
 from minisgl.runtime.protocol import Error, GetStats, Ping, Pong, Shutdown, StatsReply, error_class, startup_failure
 from minisgl.runtime.registry import FileLock, Registry, pid_alive
@@ -108,6 +108,9 @@ def wait_ready(
         try:
             pong = ping(address, min(PING_TIMEOUT_S, max(0.1, deadline - time.monotonic())), curve)
         except DaemonError:
+            if curve is None and time.monotonic() < deadline and registered_curve(address) is not None:
+                time.sleep(0.05)
+                continue  # a tcp daemon refused the ping sent before it registered its keys: take them now
             # A daemon that fails to start (an unknown model, say) closes its socket, possibly in the
             # middle of our handshake: its own typed error is the one to report, not the handshake's.
             if proc is None:
@@ -285,6 +288,6 @@ def daemon_status(record: Any, curve: ClientCurve | None = None, timeout: float 
                 status.update({k: v for k, v in reply.stats.items() if k not in status})
     except DaemonTimeoutError:
         pass
-    except DaemonError as e:  # e.g. a CURVE daemon without our key
+    except (DaemonError, ConfigError) as e:  # a CURVE daemon without our key, or its keys we cannot read
         status["state"] = f"refused: {e}"
     return status

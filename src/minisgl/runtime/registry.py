@@ -20,6 +20,7 @@ class DaemonRecord(NamedTuple):
     pid: int
     config: dict[str, Any]  # EngineConfig.to_dict()
     started_at: float
+    curve_dir: str | None = None  # a tcp daemon's CURVE key directory: local clients take their keys there
 
     @property
     def alive(self) -> bool:
