@@ -9,8 +9,8 @@ import pytest
 
 from minisgl import LLM, SamplingParams, errors
 
-HOSTILE_REGEX = "[^c]{1,3000}" * 20  # ~260 bytes that take xgrammar about a minute to compile
-SHORT_TIMEOUT_S = 6.0  # well under the hostile regex's compile time
+HOSTILE_REGEX = "[^c]{1,3000}" * 60  # ~780 bytes that take xgrammar well over a minute to compile on a 2-core machine
+SHORT_TIMEOUT_S = 3.0  # far under the hostile regex's compile time
 NORMAL = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
