@@ -112,7 +112,7 @@ def test_no_process_of_a_tp2_daemon_outlives_it(tiny_model_dir, sig):
     cmd = [sys.executable, "-m", "minisgl", "serve", "--model", str(tiny_model_dir("llama")), "--tp", "2"]
     with open(log_path, "ab") as log:
         daemon = subprocess.Popen(
-            [*cmd, "--device", "cpu", "--num-pages", "256", "--address", address],
+            [*cmd, "--device", "cpu", "--num-pages", "256", "--address", address, "--no-http"],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "MINISGL_RUNTIME_DIR": runtime},
