@@ -32,6 +32,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from minisgl import env
+
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # (in, out) features
 
 
@@ -281,7 +283,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="cpu-step: the model (its decode step is replayed)")
     p.add_argument("--replays", type=int, default=40, help="cpu-step: timed replays")
     p.add_argument("--rebuild", action="store_true", help="cpu-step: rebuild the dense KV copy on every replay")
-    p.add_argument("--tokenizer-dir", default=".carry/tok", help="gpu: tokenizer files for the dummy model")
+    p.add_argument(
+        "--tokenizer-dir",
+        default=str(env.TOKENIZER_DIR.get() or "tok"),
+        help="gpu: tokenizer files for the dummy model",
+    )
     p.add_argument("--disable-overlap", action="store_true", help="gpu")
     p.add_argument("--disable-cuda-graph", action="store_true", help="gpu")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="gpu")

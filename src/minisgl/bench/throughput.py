@@ -402,7 +402,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("mode", nargs="?", default="all", choices=["all", "run", "hf"])
     p.add_argument("--model-dir", type=Path)
     p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES), help="all: the dummy model's shape")
-    p.add_argument("--tokenizer-dir", default=str(env.TOKENIZER_DIR.get() or ".carry/tok"))
+    p.add_argument("--tokenizer-dir", default=str(env.TOKENIZER_DIR.get() or "tok"))
     p.add_argument("--out", default="bench.json")
     p.add_argument("--report", default=env.GPU_REPORT.get())
     p.add_argument("--max-prefill-tokens", type=int, default=16384)

@@ -110,7 +110,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("mode", choices=["all", "gen", "bench"])
     p.add_argument("--model-dir", type=Path)
-    p.add_argument("--tokenizer-dir", default=str(TOKENIZER_DIR.get() or ".carry/tok"))
+    p.add_argument("--tokenizer-dir", default=str(TOKENIZER_DIR.get() or "tok"))
     p.add_argument("--out-dir", default="tp-out")
     p.add_argument("--out")
     p.add_argument("--stages", default="parity,nodes,tput,kill,hfpatch,agents")
