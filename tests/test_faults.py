@@ -9,14 +9,37 @@ import pytest
 
 from minisgl import LLM, SamplingParams, errors
 
-HOSTILE_REGEX = "[^c]{1,3000}" * 60  # ~780 bytes that take xgrammar well over a minute to compile on a 2-core machine
-SHORT_TIMEOUT_S = 3.0  # far under the hostile regex's compile time
+HOSTILE_REGEX = "[^c]{1,3000}" * 60  # ~780 bytes of long bounded repeats: slow to compile
+SHORT_TIMEOUT_S = 3.0
+SLOW_COMPILE_S = 12.0  # a hostile regex's least compile time here, whatever the machine's speed
+
+
+class SlowCompiler:
+    """xgrammar's compiler, with every regex of long bounded repeats taking at least SLOW_COMPILE_S: how slow
+    such a grammar compiles depends on the CPU (a minute on some, seconds on others), the tests must not."""
+
+    def __init__(self, compiler) -> None:
+        self.compiler = compiler
+
+    def __getattr__(self, name: str):
+        return getattr(self.compiler, name)
+
+    def compile_regex(self, regex: str, *args, **kwargs):
+        t0 = time.monotonic()
+        result = self.compiler.compile_regex(regex, *args, **kwargs)
+        if "{1,29" in regex or "{1,3000}" in regex:
+            time.sleep(max(0.0, SLOW_COMPILE_S - (time.monotonic() - t0)))
+        return result
+
+
 NORMAL = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
     with LLM(str(tiny_model_dir("llama")), grammar_compile_timeout=SHORT_TIMEOUT_S) as engine:
+        backend = engine.scheduler.grammars.backend()
+        backend._compiler = SlowCompiler(backend._compiler)
         yield engine
 
 

@@ -117,6 +117,7 @@ def test_no_process_of_a_tp2_daemon_outlives_it(tiny_model_dir, sig):
             stderr=subprocess.STDOUT,
             env={**os.environ, "MINISGL_RUNTIME_DIR": runtime},
         )
+    children: list[psutil.Process] = []
     try:
         wait_ready(address, 300, proc=daemon, log_path=log_path)
         children = psutil.Process(daemon.pid).children(recursive=True)
@@ -127,6 +128,8 @@ def test_no_process_of_a_tp2_daemon_outlives_it(tiny_model_dir, sig):
     finally:
         if daemon.poll() is None:
             daemon.kill()
-        for c in psutil.Process().children(recursive=True):
-            if c.pid != os.getpid() and "minisgl" in " ".join(c.cmdline()):
+        for c in children:  # only this daemon's: other tests' daemons may be running
+            try:
                 c.kill()
+            except psutil.Error:
+                pass

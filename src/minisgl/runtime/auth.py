@@ -97,11 +97,13 @@ def registered_curve(address: str) -> "ClientCurve | None":
 class ServerCurve:
     """Turns a ROUTER into a CURVE server that admits only the authorized clients' keys."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, remote: bool = False) -> None:
         self.directory = directory
         _, self.secret_file = ensure_server_keys(directory)
         self.authorized = directory / "authorized_clients"
-        if not self.authorized.is_dir() or not any(self.authorized.glob("*.key")):
+        # The local user's own key does not count for remote access: another machine needs a key of its own.
+        keys = [p for p in self.authorized.glob("*.key") if not (remote and p.stem == LOCAL_CLIENT)]
+        if not keys:
             raise ConfigError(
                 f"remote access needs at least one authorized client key in {self.authorized}: "
                 f"run `minisgl keys --client NAME --curve-dir {directory}` and give that client "

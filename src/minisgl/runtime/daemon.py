@@ -101,7 +101,7 @@ class Daemon:
         if self.address.scheme == "tcp":
             ensure_local_client_keys(self.curve_dir)  # its own user's clients find them through the registry
         needs_curve = curve or self.address.scheme == "tcp"
-        self.curve = ServerCurve(self.curve_dir) if needs_curve else None
+        self.curve = ServerCurve(self.curve_dir, remote=not self.address.is_loopback) if needs_curve else None
         self.http = http
         self.max_message_bytes = max_message_bytes
         self.log_level = log_level
