@@ -17,7 +17,7 @@ import itertools
 import threading
 import weakref
 from contextlib import contextmanager
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import httpx
 import openai
@@ -146,7 +146,8 @@ def _litellm_errors(model: str) -> Iterator[None]:
 class MiniSGLLLM(CustomLLM):
     """LiteLLM provider "minisgl": chat completions (plain and streamed, sync and async) from minisgl daemons.
 
-    LiteLLM calls the four methods with the same arguments; model is the part after "minisgl/".
+    LiteLLM calls the four methods with the same keyword arguments; model is the part after "minisgl/". Each
+    method names those it uses (LiteLLM's others, such as its logging object and print_verbose, land in _litellm).
     """
 
     def __init__(self) -> None:
@@ -173,20 +174,11 @@ class MiniSGLLLM(CustomLLM):
         self,
         model: str,
         messages: list,
-        api_base: str | None,
-        custom_prompt_dict: dict,
         model_response: ModelResponse,
-        print_verbose: Callable,
-        encoding: Any,
-        api_key: Any,
-        logging_obj: Any,
         optional_params: dict,
-        acompletion: Any = None,
-        litellm_params: Any = None,
-        logger_fn: Any = None,
-        headers: dict | None = None,
+        api_base: str | None = None,
         timeout: Any = None,
-        client: Any = None,
+        **_litellm: Any,
     ) -> ModelResponse:
         with _litellm_errors(model):
             c, request, params = self._prepare(model, messages, api_base, optional_params, timeout, stream=False)
@@ -203,20 +195,11 @@ class MiniSGLLLM(CustomLLM):
         self,
         model: str,
         messages: list,
-        api_base: str | None,
-        custom_prompt_dict: dict,
         model_response: ModelResponse,
-        print_verbose: Callable,
-        encoding: Any,
-        api_key: Any,
-        logging_obj: Any,
         optional_params: dict,
-        acompletion: Any = None,
-        litellm_params: Any = None,
-        logger_fn: Any = None,
-        headers: dict | None = None,
+        api_base: str | None = None,
         timeout: Any = None,
-        client: Any = None,
+        **_litellm: Any,
     ) -> Iterator[GenericStreamingChunk]:
         # Not a generator itself: the request is validated, sent and its first chunk awaited here.
         with _litellm_errors(model):
@@ -239,13 +222,10 @@ class MiniSGLLLM(CustomLLM):
         model: str,
         input: list,
         model_response: EmbeddingResponse,
-        print_verbose: Callable,
-        logging_obj: Any,
         optional_params: dict,
-        api_key: Any = None,
         api_base: str | None = None,
         timeout: Any = None,
-        litellm_params: Any = None,
+        **_litellm: Any,
     ) -> EmbeddingResponse:
         """litellm.embedding(model="minisgl/<model>", input=[...]): Client.embed (last-token pooled, normalised)."""
         with _litellm_errors(model):
@@ -261,20 +241,11 @@ class MiniSGLLLM(CustomLLM):
         self,
         model: str,
         messages: list,
-        api_base: str | None,
-        custom_prompt_dict: dict,
         model_response: ModelResponse,
-        print_verbose: Callable,
-        encoding: Any,
-        api_key: Any,
-        logging_obj: Any,
         optional_params: dict,
-        acompletion: Any = None,
-        litellm_params: Any = None,
-        logger_fn: Any = None,
-        headers: dict | None = None,
+        api_base: str | None = None,
         timeout: Any = None,
-        client: Any = None,
+        **_litellm: Any,
     ) -> ModelResponse:
         with _litellm_errors(model):
             c, request, params = await self._aprepare(model, messages, api_base, optional_params, timeout, False)
@@ -291,20 +262,11 @@ class MiniSGLLLM(CustomLLM):
         self,
         model: str,
         messages: list,
-        api_base: str | None,
-        custom_prompt_dict: dict,
         model_response: ModelResponse,
-        print_verbose: Callable,
-        encoding: Any,
-        api_key: Any,
-        logging_obj: Any,
         optional_params: dict,
-        acompletion: Any = None,
-        litellm_params: Any = None,
-        logger_fn: Any = None,
-        headers: dict | None = None,
+        api_base: str | None = None,
         timeout: Any = None,
-        client: Any = None,
+        **_litellm: Any,
     ) -> AsyncIterator[GenericStreamingChunk]:
         # Everything that can fail on the request's account happens before the first yield.
         with _litellm_errors(model):
@@ -325,13 +287,10 @@ class MiniSGLLLM(CustomLLM):
         model: str,
         input: list,
         model_response: EmbeddingResponse,
-        print_verbose: Callable,
-        logging_obj: Any,
         optional_params: dict,
-        api_key: Any = None,
         api_base: str | None = None,
         timeout: Any = None,
-        litellm_params: Any = None,
+        **_litellm: Any,
     ) -> EmbeddingResponse:
         with _litellm_errors(model):
             inputs = _embedding_inputs(input, optional_params)

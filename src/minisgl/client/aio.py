@@ -7,7 +7,6 @@ import asyncio
 from typing import Any
 
 from minisgl.client.core import (
-    DEFAULT_TIMEOUT_S,
     Call,
     ClientCore,
     Effect,
@@ -87,18 +86,7 @@ class AsyncClient(ClientCore[AsyncStream]):
     concurrent requests. Same arguments as Client; connects (finding or starting the daemon) on
     `async with` or on first use, and belongs to the event loop it connected in."""
 
-    def __init__(
-        self,
-        model: str = "smollm2",
-        address: str | None = None,
-        auto_start: bool = True,
-        timeout: float | None = DEFAULT_TIMEOUT_S,
-        *,
-        curve_client_key: str | None = None,
-        curve_server_key: str | None = None,
-        **engine_kwargs: Any,
-    ) -> None:
-        super().__init__(model, address, auto_start, timeout, curve_client_key, curve_server_key, engine_kwargs)
+    def _init_transport(self) -> None:
         self.address: str | None = None
         self._conn: AsyncConnection | None = None
         self._connecting: asyncio.Future | None = None

@@ -199,13 +199,14 @@ class ClientCore(ABC, Generic[_S]):
 
     def __init__(
         self,
-        model: str,
-        address: str | None,
-        auto_start: bool,
-        timeout: float | None,
-        curve_client_key: Any,
-        curve_server_key: Any,
-        engine_kwargs: dict[str, Any],
+        model: str = "smollm2",
+        address: str | None = None,
+        auto_start: bool = True,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        *,
+        curve_client_key: str | None = None,
+        curve_server_key: str | None = None,
+        **engine_kwargs: Any,
     ) -> None:
         self.model = model
         self.requested_address = address
@@ -214,6 +215,11 @@ class ClientCore(ABC, Generic[_S]):
         self.curve = ClientCurve.resolve(curve_client_key, curve_server_key)
         self.engine_kwargs = engine_kwargs
         self._model_info: dict[str, Any] | None = None
+        self._init_transport()
+
+    @abstractmethod
+    def _init_transport(self) -> None:
+        """Set up the sockets' state (a Client also finds or starts its daemon here; an AsyncClient on connect)."""
 
     def _locate(self) -> str:
         from minisgl.runtime.launcher import locate_daemon

@@ -9,7 +9,6 @@ from typing import Any
 import zmq
 
 from minisgl.client.core import (
-    DEFAULT_TIMEOUT_S,
     Call,
     ClientCore,
     Effect,
@@ -108,18 +107,7 @@ class Client(ClientCore[Stream]):
     engine_kwargs: EngineConfig options a started daemon gets (and a found one must match).
     """
 
-    def __init__(
-        self,
-        model: str = "smollm2",
-        address: str | None = None,
-        auto_start: bool = True,
-        timeout: float | None = DEFAULT_TIMEOUT_S,
-        *,
-        curve_client_key: str | None = None,
-        curve_server_key: str | None = None,
-        **engine_kwargs: Any,
-    ) -> None:
-        super().__init__(model, address, auto_start, timeout, curve_client_key, curve_server_key, engine_kwargs)
+    def _init_transport(self) -> None:
         self.address = self._locate()
         self._ctx = zmq.Context.instance()
         self._local = threading.local()
