@@ -37,7 +37,26 @@ def many_prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_model_dir) -> dict[str, Any]:
+def launched(tiny_model_dir, daemon_runtime_dir) -> Iterator[SimpleNamespace]:  # noqa: F811
+    """The module's two daemons of the tiny model, started at once (they load while the offline reference runs):
+    `serve --http-port P`, which every test uses, and a spare one without HTTP, whose text worker a test kills."""
+    model = str(tiny_model_dir("llama"))
+    daemons = SimpleNamespace()
+    for name, flags in (("main", ["--http-port", str(free_port())]), ("spare", [])):
+        address, log = f"ipc://{daemon_runtime_dir}/{name}.sock", daemon_runtime_dir / f"{name}.log"
+        args = ["--model", model, "--device", "cpu", "--num-pages", str(NUM_PAGES), "--address", address, *flags]
+        setattr(daemons, name, SimpleNamespace(address=address, log=log, proc=start_serve(args, log), flags=flags))
+    try:
+        yield daemons
+    finally:
+        for d in (daemons.main, daemons.spare):
+            if d.proc.poll() is None:
+                d.proc.terminate()
+            d.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def expected(launched, tiny_model_dir) -> dict[str, Any]:
     """The offline engine's greedy tokens (in this process, no daemon): the independent reference."""
     from minisgl.llm import LLM
 
@@ -48,27 +67,24 @@ def expected(tiny_model_dir) -> dict[str, Any]:
     return {"normal": list(normal), "many": [list(m) for m in many], "context": context}
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model_dir, daemon_runtime_dir) -> Iterator[SimpleNamespace]:  # noqa: F811
-    """`minisgl serve --http-port P` with the tiny model: the daemon, its HTTP server and a Client of it."""
+def ready(daemon: SimpleNamespace) -> SimpleNamespace:
+    """The daemon once it serves, with a Client of it (and its HTTP server's base URL, if it has one)."""
     from minisgl.runtime.launcher import wait_ready
 
-    address, port = f"ipc://{daemon_runtime_dir}/hostile.sock", free_port()
-    log = daemon_runtime_dir / "hostile.log"
-    model = str(tiny_model_dir("llama"))
-    proc = start_serve(
-        ["--model", model, "--device", "cpu", "--num-pages", str(NUM_PAGES), "--address", address, "--http-port",
-         str(port)],
-        log,
-    )  # fmt: skip
-    try:
-        wait_ready(address, 300, proc=proc, log_path=log)
-        base = wait_http(port, proc, log, timeout=120)
-        with Client("tiny", address, auto_start=False, timeout=120) as client:
-            yield SimpleNamespace(address=address, base=base, proc=proc, log=log, client=client)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    wait_ready(daemon.address, 300, proc=daemon.proc, log_path=daemon.log)
+    port = int(daemon.flags[1]) if daemon.flags else None
+    base = wait_http(port, daemon.proc, daemon.log, timeout=120) if port else None
+    return SimpleNamespace(
+        **vars(daemon), base=base, client=Client("tiny", daemon.address, auto_start=False, timeout=120)
+    )
+
+
+@pytest.fixture(scope="module")
+def served(launched, expected) -> Iterator[SimpleNamespace]:
+    """`minisgl serve --http-port P` with the tiny model: the daemon, its HTTP server and a Client of it."""
+    daemon = ready(launched.main)
+    with daemon.client:
+        yield daemon
 
 
 def settled(client: Client, timeout: float = 60) -> dict[str, Any]:
@@ -364,18 +380,9 @@ def test_a_killed_http_server_fails_waiting_clients_and_stops_the_daemon(served)
     kill_mid_stream(served, "http")
 
 
-def test_a_killed_text_worker_fails_waiting_clients_and_stops_the_daemon(tiny_model_dir, daemon_runtime_dir):  # noqa: F811
+def test_a_killed_text_worker_fails_waiting_clients_and_stops_the_daemon(launched):
     """The text worker (tokenizer and detokenizer in one process) carries every stream: its death stops the daemon
     (exit 1) and the clients waiting on it get a DaemonError at once."""
-    from minisgl.runtime.launcher import wait_ready
-
-    address, log = f"ipc://{daemon_runtime_dir}/text-kill.sock", daemon_runtime_dir / "text-kill.log"
-    proc = start_serve(["--model", str(tiny_model_dir("llama")), "--device", "cpu", "--address", address], log)
-    try:
-        wait_ready(address, 300, proc=proc, log_path=log)
-        with Client("tiny", address, auto_start=False, timeout=60) as client:
-            kill_mid_stream(SimpleNamespace(proc=proc, log=log, client=client, base=None), "text")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
+    daemon = ready(launched.spare)
+    with daemon.client:
+        kill_mid_stream(daemon, "text")
