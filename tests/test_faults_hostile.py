@@ -1,6 +1,7 @@
 """Hostile input against a real daemon and its HTTP server (a tiny model on the CPU): each hostile request fails
-alone with its typed error while a normal stream beside it yields exactly the offline engine's greedy tokens, and
-afterwards the daemon answers and every KV page is back (free + cached == total, no page held by a request)."""
+alone with its typed error (a max_tokens past the context runs to the context's end, as any other past it does)
+while a normal stream beside it yields exactly the offline engine's greedy tokens; afterwards the daemon answers
+and every KV page is back (free + cached == total, no page held by a request)."""
 
 from __future__ import annotations
 
@@ -42,10 +43,11 @@ def launched(tiny_model_dir, daemon_runtime_dir) -> Iterator[SimpleNamespace]:  
     `serve --http-port P`, which every test uses, and a spare one without HTTP, whose text worker a test kills."""
     model = str(tiny_model_dir("llama"))
     daemons = SimpleNamespace()
-    for name, flags in (("main", ["--http-port", str(free_port())]), ("spare", [])):
+    for name, port in (("main", free_port()), ("spare", None)):
         address, log = f"ipc://{daemon_runtime_dir}/{name}.sock", daemon_runtime_dir / f"{name}.log"
-        args = ["--model", model, "--device", "cpu", "--num-pages", str(NUM_PAGES), "--address", address, *flags]
-        setattr(daemons, name, SimpleNamespace(address=address, log=log, proc=start_serve(args, log), flags=flags))
+        args = ["--model", model, "--device", "cpu", "--num-pages", str(NUM_PAGES), "--address", address]
+        args += ["--http-port", str(port)] if port else []
+        setattr(daemons, name, SimpleNamespace(address=address, log=log, proc=start_serve(args, log), port=port))
     try:
         yield daemons
     finally:
@@ -72,8 +74,7 @@ def ready(daemon: SimpleNamespace) -> SimpleNamespace:
     from minisgl.runtime.launcher import wait_ready
 
     wait_ready(daemon.address, 300, proc=daemon.proc, log_path=daemon.log)
-    port = int(daemon.flags[1]) if daemon.flags else None
-    base = wait_http(port, daemon.proc, daemon.log, timeout=120) if port else None
+    base = wait_http(daemon.port, daemon.proc, daemon.log, timeout=120) if daemon.port else None
     return SimpleNamespace(
         **vars(daemon), base=base, client=Client("tiny", daemon.address, auto_start=False, timeout=120)
     )
