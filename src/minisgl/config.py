@@ -27,7 +27,9 @@ def default_of(f: Field) -> Any:
 
 
 # CPU float32 GEMMs over weights kept as fp16 (fp32 math), or partly int8 (layers/linear.py: QUANTIZED_GEMMS)
-QUANTIZATIONS = (None, "fp16", "int8")
+CPU_QUANTIZATIONS = ("fp16", "int8")
+# "fp8": any device; the linears' weights rounded to FP8 per output channel at load (layers/fp8.py)
+QUANTIZATIONS = (None, *CPU_QUANTIZATIONS, "fp8")
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,8 @@ class EngineConfig:
     max_grammar_bytes: int = 65536  # a JSON schema (compact), regex or EBNF grammar
     grammar_compile_timeout: float = 30.0  # seconds a grammar may compile (off the scheduler loop) before it fails
     threads: int | None = None  # CPU threads of each computing process (torch.set_num_threads); None: torch's default
-    quantization: str | None = None  # CPU: "fp16" or "int8" weights (faster decode; see QUANTIZATIONS)
+    # CPU: "fp16" or "int8" weights (faster decode); "fp8": weights rounded to FP8 at load (see QUANTIZATIONS)
+    quantization: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from minisgl.attention.context import get_context
-from minisgl.config import EngineConfig
+from minisgl.config import CPU_QUANTIZATIONS, EngineConfig
 from minisgl.core import Batch, Req
 from minisgl.errors import ConfigError
 from minisgl.kvcache.pool import FP8_DTYPES, KVPool
@@ -49,7 +49,7 @@ class Engine:
             torch.set_num_threads(config.threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if config.quantization is not None and (self.device.type != "cpu" or self.dtype != torch.float32):
+        if config.quantization in CPU_QUANTIZATIONS and (self.device.type != "cpu" or self.dtype != torch.float32):
             raise ConfigError(
                 f"quantization={config.quantization!r} is a CPU float32 mode (device {self.device}, dtype "
                 f"{str(self.dtype).removeprefix('torch.')}): use device='cpu' without a dtype, or drop quantization"
@@ -117,7 +117,12 @@ class Engine:
             self.model, self.model_config = load_model(
                 source, dtype=self.dtype, device=self.device, load_format=self.config.load_format
             )
-        if self.config.quantization is not None:
+        if self.config.quantization == "fp8":
+            from minisgl.layers.fp8 import quantize_model_fp8
+
+            # No FP8 GEMM yet: the weights keep the model's dtype, with FP8's rounding (and its accuracy).
+            logger.info("fp8: %d weights rounded to FP8 per channel", quantize_model_fp8(self.model))
+        elif self.config.quantization is not None:
             from minisgl.layers.linear import quantize_gemms
 
             quantize_gemms(self.model, self.config.quantization)

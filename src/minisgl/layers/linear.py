@@ -13,6 +13,7 @@ from torch import nn
 from minisgl import env
 from minisgl.distributed import all_reduce, get_tp_info, partial_out
 from minisgl.errors import WeightsError
+from minisgl.layers.fp8 import Fp8Weight
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -21,14 +22,17 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor | Fp8Weight) -> None:
     """Copy a (sliced) checkpoint tensor into a parameter, failing loudly on a shape mismatch.
 
     In place on the parameter itself (or a view of it), never through .data: the copy bumps the
-    parameter's version counter, which tells CpuGemm that its packed weight is stale.
+    parameter's version counter, which tells CpuGemm that its packed weight is stale. An FP8 weight
+    (its shard sliced with its scales) is dequantized into the parameter's dtype: no FP8 GEMM runs here.
     """
     if param.shape != loaded.shape:
         raise WeightsError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    if isinstance(loaded, Fp8Weight):
+        loaded = loaded.dequantize(param.dtype)
     with torch.no_grad():
         param.copy_(loaded)
 

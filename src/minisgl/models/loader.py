@@ -23,6 +23,7 @@ import torch
 
 from minisgl import env, plugins
 from minisgl.errors import ModelLoadError, UnknownArchitectureError, UnknownModelError, WeightsError
+from minisgl.layers.fp8 import checkpoint_quantization, with_fp8_weights
 from minisgl.models.config import ModelConfig, architecture_of
 from minisgl.models.names import ALIASES, check_model_name, looks_like_path
 from minisgl.models.registry import get_model_class
@@ -201,8 +202,9 @@ def load_model(
     """Build the registered model for a dir / .gguf / alias / hub id, or a live transformers model.
 
     A live PreTrainedModel contributes its config and current state_dict (in-memory fine-tunes
-    included). load_format "dummy" skips the weights files and fills parameters with small random
-    values (benchmarks). The returned config's dtype is the dtype the model was built in.
+    included). An FP8 checkpoint (quantization_config.quant_method "fp8") is dequantized into dtype.
+    load_format "dummy" skips the weights files and fills parameters with small random values
+    (benchmarks). The returned config's dtype is the dtype the model was built in.
     """
     from transformers import PreTrainedModel
 
@@ -216,6 +218,7 @@ def load_model(
         architecture = None
         weights = iter_weights(model_dir)
     architecture = architecture or architecture_of(hf_config)
+    fp8 = checkpoint_quantization(hf_config)  # an unsupported method fails before any weight is read
     plugins.get_plugin_manager()  # the plugins' architectures registered
     cls = get_model_class(architecture)  # before reading the config: an unknown one fails naming the registered ones
     config = ModelConfig.from_hf(hf_config, generation_config, architecture=architecture)
@@ -226,7 +229,7 @@ def load_model(
     if load_format == "dummy":
         _fill_dummy(instance)
     elif load_format == "auto":
-        instance.load_weights(weights)
+        instance.load_weights(with_fp8_weights(weights, fp8))
     else:
         raise ModelLoadError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     instance.eval()
