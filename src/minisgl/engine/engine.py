@@ -117,15 +117,7 @@ class Engine:
             self.model, self.model_config = load_model(
                 source, dtype=self.dtype, device=self.device, load_format=self.config.load_format
             )
-        if self.config.quantization == "fp8":
-            from minisgl.layers.fp8 import quantize_model_fp8
-
-            # No FP8 GEMM yet: the weights keep the model's dtype, with FP8's rounding (and its accuracy).
-            logger.info("fp8: %d weights rounded to FP8 per channel", quantize_model_fp8(self.model))
-        elif self.config.quantization is not None:
-            from minisgl.layers.linear import quantize_gemms
-
-            quantize_gemms(self.model, self.config.quantization)
+        self._quantize()
         self.tokenizer = getattr(model_source, "_minisgl_tokenizer", None) or (
             load_tokenizer(self.model_dir) if self.model_dir is not None else None
         )
@@ -137,6 +129,21 @@ class Engine:
             self.device,
             time.perf_counter() - t0,
         )
+
+    def _quantize(self) -> None:
+        """config.quantization applied to the loaded weights: fp16/int8 CPU GEMMs, or FP8 rounding."""
+        from minisgl.layers.fp8 import checkpoint_quantization, quantize_model_fp8
+        from minisgl.layers.linear import quantize_gemms
+
+        if self.config.quantization == "fp8":
+            if checkpoint_quantization(self.model_config.hf_config) is not None:
+                logger.info("fp8: the checkpoint's weights are FP8 already; not rounded again")
+                return
+            rounded = quantize_model_fp8(self.model)
+            # No FP8 GEMM yet: FP8's rounding (and its accuracy), not its memory or speed.
+            logger.info("fp8: %d weights rounded to FP8 per channel, computed in %s", rounded, self.dtype)
+        elif self.config.quantization is not None:
+            quantize_gemms(self.model, self.config.quantization)
 
     def _decode_graph_runner(self) -> Any:
         """CUDA graphs for decode batches, where the device, the config and the attention backend allow them."""

@@ -78,9 +78,10 @@ class Fp8Weight:
             self.block,
         )
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        scale = _expand(self.scale_inv.float(), self.qweight.shape, self.block)
-        return (self.qweight.float() * scale).to(dtype)
+    def dequantize(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The weight in dtype, computed on device (a GPU receives the FP8 bytes, half those of bf16)."""
+        scale = _expand(self.scale_inv.to(device, torch.float32), self.qweight.shape, self.block)
+        return (self.qweight.to(device).float() * scale).to(dtype)
 
 
 def quantize(weight: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:

@@ -32,7 +32,7 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor | Fp8Weight) -> None:
     if param.shape != loaded.shape:
         raise WeightsError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
     if isinstance(loaded, Fp8Weight):
-        loaded = loaded.dequantize(param.dtype)
+        loaded = loaded.dequantize(param.dtype, param.device)
     with torch.no_grad():
         param.copy_(loaded)
 
