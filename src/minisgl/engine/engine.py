@@ -132,8 +132,9 @@ class Engine:
 
     def _quantize(self) -> None:
         """config.quantization applied to the loaded weights: fp16/int8 CPU GEMMs, or FP8 rounding."""
-        from minisgl.layers.fp8 import checkpoint_quantization, quantize_model_fp8
+        from minisgl.layers.fp8 import checkpoint_quantization
         from minisgl.layers.linear import quantize_gemms
+        from minisgl.layers.quantize import quantize_model_fp8
 
         if self.config.quantization == "fp8":
             if checkpoint_quantization(self.model_config.hf_config) is not None:

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from minisgl.errors import ConfigError, WeightsError
-
-if TYPE_CHECKING:
-    from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -102,27 +99,6 @@ def round_through_fp8(weight: torch.Tensor) -> None:
     rows = weight.reshape(-1, weight.shape[-1])
     with torch.no_grad():
         weight.copy_(quantize(rows, (1, rows.shape[1])).dequantize(weight.dtype).view_as(weight))
-
-
-def quantize_model_fp8(model: "nn.Module") -> int:
-    """--quantization fp8: every linear of the decoder layers (and the experts) rounded to FP8 with per-channel
-    scales, computed back in the model's dtype; the embedding, the LM head and MoE routers stay as they are
-    (what vLLM and SGLang leave unquantized). How many weights were rounded."""
-    from minisgl.layers.linear import LinearBase
-    from minisgl.layers.moe import FusedMoE
-
-    routers = {id(m.gate) for m in model.modules() if isinstance(m, FusedMoE)}
-    routers |= {id(m.shared_expert_gate) for m in model.modules() if isinstance(m, FusedMoE)}
-    rounded = 0
-    for module in model.modules():
-        if isinstance(module, LinearBase) and id(module) not in routers:
-            round_through_fp8(module.weight)
-            rounded += 1
-        elif isinstance(module, FusedMoE):
-            round_through_fp8(module.gate_up_proj)
-            round_through_fp8(module.down_proj)
-            rounded += 2
-    return rounded
 
 
 @dataclass(frozen=True)
