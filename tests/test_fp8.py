@@ -117,8 +117,10 @@ def base_dir(tokenizer_dir, tmp_path_factory):
     return get
 
 
-def make_fp8_checkpoint(base: Path, out: Path, block: tuple[int, int]) -> tuple[Path, Path]:
-    """(FP8 checkpoint, its dequantized fp32 twin for HF) from base's per-tensor checkpoint layout."""
+def make_fp8_checkpoint(base: Path, out: Path, block: tuple[int, int] | str) -> tuple[Path, Path]:
+    """(FP8 checkpoint, its dequantized fp32 twin for HF) from base's per-tensor checkpoint layout. block: (bn, bk)
+    for block-wise scales (weight_scale_inv), "tensor" for one weight_scale per tensor with static activation
+    scales (input_scale), "channel" for compressed-tensors' per-channel weight_scale [N, 1]."""
     from safetensors.torch import load_file, save_file
 
     fp8_dir, ref_dir = out / "fp8", out / "dequantized"
@@ -126,28 +128,46 @@ def make_fp8_checkpoint(base: Path, out: Path, block: tuple[int, int]) -> tuple[
         shutil.copytree(base, d, ignore=shutil.ignore_patterns("*.safetensors"))
     fp8, ref = {}, {}
     for name, tensor in load_file(base / "model.safetensors").items():
-        if tensor.dim() == 2 and name.endswith(".weight") and not any(u in name for u in UNQUANTIZED):
-            q, scale_inv = reference_quantize(tensor, block)
-            fp8[name], fp8[name + "_scale_inv"] = q, scale_inv
-            ref[name] = reference_dequantize(q, scale_inv, block)
+        fp8[name] = ref[name] = tensor
+        if tensor.dim() != 2 or not name.endswith(".weight") or any(u in name for u in UNQUANTIZED):
+            continue
+        n, k = tensor.shape
+        tiles = block if isinstance(block, tuple) else (n, k) if block == "tensor" else (1, k)
+        q, scale = reference_quantize(tensor, tiles)
+        fp8[name], ref[name] = q, reference_dequantize(q, scale, tiles)
+        if block == "tensor":
+            fp8[name + "_scale"], fp8[name.removesuffix("weight") + "input_scale"] = scale.reshape(()), torch.ones(())
         else:
-            fp8[name] = ref[name] = tensor
+            fp8[name + ("_scale" if block == "channel" else "_scale_inv")] = scale
     save_file(fp8, fp8_dir / "model.safetensors", {"format": "pt"})
     save_file(ref, ref_dir / "model.safetensors", {"format": "pt"})
     config = json.loads((fp8_dir / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": list(block),
-    }
+    config["quantization_config"] = _quantization_config(block)
     (fp8_dir / "config.json").write_text(json.dumps(config))
     return fp8_dir, ref_dir
 
 
+def _quantization_config(block: tuple[int, int] | str) -> dict:
+    if block == "tensor":
+        return {"quant_method": "fp8", "activation_scheme": "static"}
+    if block == "channel":
+        weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+        activations = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+        group = {"targets": ["Linear"], "weights": weights, "input_activations": activations}
+        return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group}}
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+
+
 @pytest.mark.parametrize(
     "family, block",
-    [("llama", (128, 128)), ("qwen3", (128, 128)), ("qwen3_moe", (128, 128)), ("mixtral", (64, 48))],
+    [
+        ("llama", (128, 128)),
+        ("qwen3", (128, 128)),
+        ("qwen3_moe", (128, 128)),
+        ("mixtral", (64, 48)),
+        ("qwen3", "tensor"),
+        ("qwen3_moe", "channel"),
+    ],
 )
 def test_fp8_checkpoint_greedy_equals_hf_on_the_dequantized_weights(base_dir, tmp_path, family, block):
     fp8_dir, ref_dir = make_fp8_checkpoint(base_dir(family), tmp_path, block)
@@ -224,14 +244,28 @@ def test_an_fp8_weight_without_its_scales_is_a_weights_error(base_dir, tmp_path)
         load_model(fp8_dir)
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "compressed-tensors"])
-def test_an_unsupported_checkpoint_quantization_is_a_config_error_naming_fp8(tiny_model_dir, tmp_path, method):
-    model_dir = tmp_path / method
+INT4_GROUP = {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}
+
+
+@pytest.mark.parametrize(
+    "quantization_config",
+    [
+        {"quant_method": "awq", "bits": 4},
+        {"quant_method": "gptq", "bits": 4},
+        {"quant_method": "bitsandbytes", "load_in_4bit": True},
+        {"quant_method": "compressed-tensors", "config_groups": {"group_0": INT4_GROUP}},
+    ],
+    ids=["awq", "gptq", "bitsandbytes", "compressed-tensors-int4"],
+)
+def test_an_unsupported_checkpoint_quantization_is_a_config_error_naming_fp8(
+    tiny_model_dir, tmp_path, quantization_config
+):
+    model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir("qwen3"), model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": method, "bits": 4}
+    config["quantization_config"] = quantization_config
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(errors.ConfigError, match=f"{method}.*not supported.*fp8"):
+    with pytest.raises(errors.ConfigError, match="not supported: minisgl loads unquantized checkpoints and FP8"):
         LLM(str(model_dir), num_pages=64)
 
 

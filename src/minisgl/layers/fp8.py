@@ -25,8 +25,11 @@ logger = logging.getLogger(__name__)
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-# quant_method values of a checkpoint's quantization_config that load_model reads.
-SUPPORTED_CHECKPOINT_METHODS = ("fp8",)
+# The checkpoint quantizations load_model reads (quantization_config in config.json), for error messages.
+SUPPORTED = (
+    'FP8 ones: quant_method "fp8" (block-wise weight_scale_inv, or per-tensor weight_scale) or "compressed-tensors" '
+    "with FP8 weights and channel or tensor scales"
+)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -103,7 +106,7 @@ def round_through_fp8(weight: torch.Tensor) -> None:
 
 @dataclass(frozen=True)
 class Fp8CheckpointConfig:
-    """A checkpoint's `quantization_config` with quant_method "fp8"."""
+    """A checkpoint's FP8 `quantization_config` (quant_method "fp8", or compressed-tensors with FP8 weights)."""
 
     weight_block_size: tuple[int, int] | None  # None: per-tensor or per-channel `weight_scale` tensors
     activation_scheme: str  # "dynamic" or "static" (activation scales unused while weights are dequantized)
@@ -118,11 +121,12 @@ def checkpoint_quantization(hf_config: Any) -> Fp8CheckpointConfig | None:
     if not isinstance(qc, dict):
         qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
     method = str(qc.get("quant_method", "")).lower()
-    if method not in SUPPORTED_CHECKPOINT_METHODS:
+    if method == "compressed-tensors":
+        return _compressed_tensors_fp8(qc)
+    if method != "fp8":
         raise ConfigError(
             f"checkpoint quantization {method or qc!r} is not supported: minisgl loads unquantized checkpoints and "
-            f"{', '.join(SUPPORTED_CHECKPOINT_METHODS)} ones (block-wise FP8 with weight_scale_inv, or per-tensor "
-            "weight_scale); use the unquantized model, optionally with quantization='fp8'"
+            f"{SUPPORTED}; use the unquantized model, optionally with quantization='fp8'"
         )
     block = qc.get("weight_block_size")
     if block is not None and (len(block) != 2 or min(int(b) for b in block) < 1):
@@ -131,6 +135,26 @@ def checkpoint_quantization(hf_config: Any) -> Fp8CheckpointConfig | None:
         weight_block_size=(int(block[0]), int(block[1])) if block else None,
         activation_scheme=str(qc.get("activation_scheme", "dynamic")),
     )
+
+
+def _compressed_tensors_fp8(qc: dict[str, Any]) -> Fp8CheckpointConfig:
+    """llm-compressor's format when every group holds FP8 weights with per-channel or per-tensor `weight_scale`."""
+    groups = qc.get("config_groups") or {}
+    for name, group in groups.items():
+        w = group.get("weights") or {}
+        if (
+            w.get("type") != "float"
+            or int(w.get("num_bits") or 0) != 8
+            or w.get("strategy") not in ("channel", "tensor")
+        ):
+            raise ConfigError(
+                f"compressed-tensors group {name!r} ({w.get('type')} {w.get('num_bits')}-bit weights, strategy "
+                f"{w.get('strategy')!r}) is not supported: minisgl loads unquantized checkpoints and {SUPPORTED}"
+            )
+    if not groups:
+        raise ConfigError(f"a compressed-tensors quantization_config without config_groups: minisgl loads {SUPPORTED}")
+    static = any((g.get("input_activations") or {}).get("dynamic") is False for g in groups.values())
+    return Fp8CheckpointConfig(weight_block_size=None, activation_scheme="static" if static else "dynamic")
 
 
 def _scale_block(scale: torch.Tensor, shape: torch.Size, suffix: str, config: Fp8CheckpointConfig) -> tuple[int, int]:
