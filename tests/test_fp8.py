@@ -271,6 +271,8 @@ def test_an_unsupported_checkpoint_quantization_is_a_config_error_naming_fp8(
 
 def test_quantization_fp8_rounds_each_linear_per_output_channel(tiny_model_dir):
     """Every projection's rows equal their own FP8 rounding (scale max|row| / 448); embedding and head untouched."""
+    from safetensors.torch import load_file
+
     model_dir = tiny_model_dir("qwen3_moe")
     plain = LLM(str(model_dir), num_pages=64).scheduler.engine.model
     fp8 = LLM(str(model_dir), quantization="fp8", num_pages=64).scheduler.engine.model
@@ -286,6 +288,9 @@ def test_quantization_fp8_rounds_each_linear_per_output_channel(tiny_model_dir):
         torch.testing.assert_close(rounded[name].reshape(rows.shape), want, rtol=1e-6, atol=0, msg=name)
         checked += 1
     assert checked == 3 * 2 + 2 * 2 + 1 * 2  # qkv+o per layer, two sparse layers' experts, the dense layer's MLP
+    llm = LLM(str(model_dir), quantization="fp8", num_pages=64)
+    llm.load_weights(load_file(model_dir / "model.safetensors").items())  # new weights are rounded too
+    assert all(torch.equal(w, rounded[name]) for name, w in llm.scheduler.engine.model.named_parameters())
 
 
 def test_quantization_fp8_keeps_top1_agreement_with_fp32(tiny_model_dir):

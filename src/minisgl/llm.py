@@ -343,7 +343,7 @@ class LLM:
         """
         if self.config.tp > 1:
             raise InvalidRequestError("load_weights needs tp=1 (the ranks hold shards of the weights)")
-        self.scheduler.engine.model.load_weights(weights)
+        self.scheduler.engine.load_weights(weights)
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:

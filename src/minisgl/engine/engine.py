@@ -130,6 +130,14 @@ class Engine:
             time.perf_counter() - t0,
         )
 
+    def load_weights(self, weights: Any) -> None:
+        """(HF name, tensor) pairs into the running model: FP8 ones dequantized, quantization='fp8' applied again."""
+        from minisgl.layers.fp8 import checkpoint_quantization, with_fp8_weights
+
+        self.model.load_weights(with_fp8_weights(weights, checkpoint_quantization(self.model_config.hf_config)))
+        if self.config.quantization == "fp8":
+            self._quantize()
+
     def _quantize(self) -> None:
         """config.quantization applied to the loaded weights: fp16/int8 CPU GEMMs, or FP8 rounding."""
         from minisgl.layers.fp8 import checkpoint_quantization
