@@ -233,7 +233,7 @@ def test_quantization_fp8_leaves_an_fp8_checkpoint_as_it_is_and_runs_in_bfloat16
     assert len(out[0].token_ids) == 3
 
 
-def test_an_fp8_weight_without_its_scales_is_a_weights_error(base_dir, tmp_path):
+def test_fp8_weights_without_their_scales_or_quantization_config_are_a_weights_error(base_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
     fp8_dir, _ = make_fp8_checkpoint(base_dir("qwen3"), tmp_path, (128, 128))
@@ -241,6 +241,11 @@ def test_an_fp8_weight_without_its_scales_is_a_weights_error(base_dir, tmp_path)
     del tensors["model.layers.0.mlp.down_proj.weight_scale_inv"]
     save_file(tensors, fp8_dir / "model.safetensors", {"format": "pt"})
     with pytest.raises(errors.WeightsError, match="model.layers.0.mlp.down_proj.weight"):
+        load_model(fp8_dir)
+    config = json.loads((fp8_dir / "config.json").read_text())
+    del config["quantization_config"]
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(errors.WeightsError, match="FP8 data but config.json has no quantization_config"):
         load_model(fp8_dir)
 
 

@@ -178,15 +178,18 @@ def with_fp8_weights(
     scales_of: dict[str, tuple[torch.Tensor, str]] = {}
     skipped = 0
     for name, tensor in weights:
-        suffix = next((s for s in ("_scale_inv", "_scale") if name.endswith(".weight" + s)), None)
+        if config is None:  # an unquantized checkpoint: only FP8 data would be wrong here
+            if tensor.dtype in FP8_WEIGHT_DTYPES:
+                raise WeightsError(f"{name} is FP8 data but config.json has no quantization_config (quant_method fp8)")
+            yield name, tensor
+            continue
         if name.endswith(".input_scale"):
             skipped += 1  # static activation scales: activations stay in the model's dtype
             continue
+        suffix = next((s for s in ("_scale_inv", "_scale") if name.endswith(".weight" + s)), None)
         if suffix is None and tensor.dtype not in FP8_WEIGHT_DTYPES:
             yield name, tensor
             continue
-        if config is None:
-            raise WeightsError(f"{name} is FP8 data but config.json has no quantization_config (quant_method fp8)")
         base = name.removesuffix(suffix) if suffix else name
         if suffix:
             scales_of[base] = (tensor, suffix)
