@@ -27,8 +27,8 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The checkpoint quantizations load_model reads (quantization_config in config.json), for error messages.
 SUPPORTED = (
-    'FP8 ones: quant_method "fp8" (block-wise weight_scale_inv, or per-tensor weight_scale) or "compressed-tensors" '
-    "with FP8 weights and channel or tensor scales"
+    'FP8 ones: quant_method "fp8" (block-wise weight_scale_inv, or weight_scale per tensor or channel) or '
+    '"compressed-tensors" with FP8 weights and channel or tensor scales'
 )
 
 
@@ -89,7 +89,7 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:
     w = weight.detach().float()
     n, k = w.shape
     bn, bk = block
-    padded = torch.zeros(_ceil_div(n, bn) * bn, _ceil_div(k, bk) * bk)
+    padded = torch.zeros(_ceil_div(n, bn) * bn, _ceil_div(k, bk) * bk, device=w.device)
     padded[:n, :k] = w.abs()
     amax = padded.view(padded.shape[0] // bn, bn, -1, bk).amax(dim=(1, 3))
     scale_inv = amax.clamp(min=1e-12) / FP8_MAX  # an all-zero block keeps a tiny scale, its weights stay 0
@@ -101,7 +101,7 @@ def round_through_fp8(weight: torch.Tensor) -> None:
     """Replace each row of a weight (any leading dims) by its per-channel FP8 rounding, in place."""
     rows = weight.reshape(-1, weight.shape[-1])
     with torch.no_grad():
-        weight.copy_(quantize(rows, (1, rows.shape[1])).dequantize(weight.dtype).view_as(weight))
+        weight.copy_(quantize(rows, (1, rows.shape[1])).dequantize(weight.dtype, weight.device).view_as(weight))
 
 
 @dataclass(frozen=True)
