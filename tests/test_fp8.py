@@ -168,6 +168,14 @@ def _quantization_config(block: tuple[int, int] | str) -> dict:
         ("qwen3", "tensor"),
         ("qwen3_moe", "channel"),
     ],
+    ids=[
+        "llama-128x128",
+        "qwen3-128x128",
+        "qwen3_moe-128x128",
+        "mixtral-64x48",
+        "qwen3-per-tensor",
+        "qwen3_moe-ct-channel",
+    ],
 )
 def test_fp8_checkpoint_greedy_equals_hf_on_the_dequantized_weights(base_dir, tmp_path, family, block):
     fp8_dir, ref_dir = make_fp8_checkpoint(base_dir(family), tmp_path, block)
