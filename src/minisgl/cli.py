@@ -23,6 +23,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     group.add_argument(
         "--model", default="smollm2", help="model name, directory, hub id or GGUF file (default: smollm2)"
     )
+    notes = {"quantization": "fp8 (any device), fp16 or int8 (CPU float32 only); "}
     for f in fields(EngineConfig):
         if f.name in ("model", "extra", *skip):
             continue
@@ -37,7 +38,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                 type=_TYPES[kind],
                 default=argparse.SUPPRESS,
                 metavar=f.name.upper(),
-                help=f"default: {default_of(f)}",
+                help=notes.get(f.name, "") + f"default: {default_of(f)}",
             )
 
 
