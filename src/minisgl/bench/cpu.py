@@ -1,17 +1,21 @@
 """CPU decode side by side: HF generate, minisgl in fp32 and with each faster weight format.
 
-    minisgl bench cpu [--model smollm2] [--threads 2] [--tokens 64] [--concurrency 32] [--reps 3]
+    minisgl bench cpu [--model smollm2] [--threads 2] [--tokens 64] [--concurrency 32] [--reps 5]
 
-For each: tokens per second of one request (greedy, `--tokens` new tokens, best of `--reps`, the engines
-interleaved so that a noisy machine hurts them alike) and of `--concurrency` requests at once; for each
-quantization its top-1 agreement with fp32: the fp32 engine's greedy continuations of six prompts are fed
-back as prompts (teacher forcing) and each position's most likely token is compared with fp32's.
+For each: tokens per second of one request (greedy, `--tokens` new tokens) and of `--concurrency` requests
+at once (0 skips it), the median of `--reps` runs with the engines interleaved run by run so that a noisy
+machine hurts them alike, and its ratio to minisgl fp32 (the plain path); the load average is printed
+with the figures. For each quantization its top-1 agreement with fp32: the fp32 engine's greedy
+continuations of ten prompts are fed back as prompts (teacher forcing) and each position's most likely
+token is compared with fp32's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import statistics
 import time
 from typing import Any
 
@@ -24,6 +28,10 @@ PROMPTS = [
     "The three laws of thermodynamics are",
     "Water boils at",
     "List three fruits:",
+    "In 1969, the first humans",
+    "import numpy as np\n",
+    "The best way to learn a language is",
+    "Photosynthesis is the process",
 ]
 
 
@@ -31,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per request")
-    p.add_argument("--concurrency", type=int, default=32, help="requests at once for the batched figure")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=32, help="requests at once for the batched figure (0: none)")
+    p.add_argument("--reps", type=int, default=5, help="timed runs per engine (the median is shown)")
     p.add_argument("--modes", default="fp32,fp16,int8", help="comma-separated: fp32 and/or quantizations")
     p.add_argument("--no-hf", action="store_true", help="skip HF generate")
     p.add_argument("--json", help="also write the figures here")
@@ -99,7 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for mode in args.modes.split(","):
         llm = LLM(args.model, quantization=None if mode == "fp32" else mode, threads=args.threads, kv_cache_gb=0.25)
         engines[mode] = lambda prompts, llm=llm: llm.generate(prompts, params, use_tqdm=False)
-        engines[mode].llm = llm
+        engines[mode].llm, engines[mode].params = llm, params
     if not args.no_hf:
         model_dir = str(next(iter(engines.values())).llm.scheduler.engine.model_dir)
         engines["hf generate"] = _hf_generate(model_dir, args.tokens)
@@ -108,26 +116,61 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batched: dict[str, list[float]] = {name: [] for name in engines}
     for generate in engines.values():
         generate(PROMPTS[:1])  # warm-up: weights packed, caches allocated
+    load_before = os.getloadavg()[0]
     for _ in range(args.reps):
         for name, generate in engines.items():
             single[name].append(_tok_per_s(generate, PROMPTS[:1], args.tokens))
-            batched[name].append(_tok_per_s(generate, batch, args.tokens))
+            if batch:
+                batched[name].append(_tok_per_s(generate, batch, args.tokens))
+    load = (load_before, os.getloadavg()[0])
     result: dict[str, Any] = dict(
-        cpu=cpu_name(), threads=torch.get_num_threads(), date=time.strftime("%Y-%m-%d"), model=args.model, rows={}
+        cpu=cpu_name(),
+        threads=torch.get_num_threads(),
+        date=time.strftime("%Y-%m-%d"),
+        model=args.model,
+        load=load,
+        reps=args.reps,
+        rows={},
     )
+    _print_rows(result, engines, single, batched, args)
+    write_json(result, args.json)
+    return result
+
+
+def _print_rows(
+    result: dict[str, Any],
+    engines: dict[str, Any],
+    single: dict[str, list[float]],
+    batched: dict[str, list[float]],
+    args: argparse.Namespace,
+) -> None:
+    """Fill result["rows"] (medians, ratios to fp32, agreement) and print them as a table."""
     fp32 = engines.get("fp32")
     if fp32 is not None:
+        params = fp32.params
         prompt_ids = [fp32.llm.tokenizer.encode(p) for p in PROMPTS]
         reference = [o.token_ids for o in fp32.llm.generate(PROMPTS, params, use_tqdm=False)]
+    base = statistics.median(single["fp32"]) if fp32 is not None else None
+    load = result["load"]
     print(f"{result['cpu']}, {result['threads']} threads, {args.model}, {args.tokens} new tokens per request")
-    print(f"{'engine':<14}{'1 request tok/s':>18}{f'{args.concurrency} requests tok/s':>22}{'top-1 vs fp32':>16}")
+    print(f"median of {args.reps} interleaved runs; load average {load[0]:.2f} before, {load[1]:.2f} after")
+    print(
+        f"{'engine':<14}{'1 request tok/s':>17}{'vs fp32':>9}"
+        f"{f'{args.concurrency} requests tok/s':>22}{'top-1 vs fp32':>15}"
+    )
     for name in engines:
         agree = None
         if fp32 is not None and hasattr(engines[name], "llm") and name != "fp32":
             agree = agreement(engines[name].llm, prompt_ids, reference)
-        row = dict(single=max(single[name]), batched=max(batched[name]), agreement=agree)
+        one = statistics.median(single[name])
+        many = statistics.median(batched[name]) if batched[name] else None
+        ratio = one / base if base else None
+        row = dict(single=one, single_runs=single[name], batched=many, vs_fp32=ratio, agreement=agree)
         result["rows"][name] = row
-        shown = "" if agree is None else f"{agree:.1%}"
-        print(f"{name:<14}{row['single']:>18.1f}{row['batched']:>22.1f}{shown:>16}")
-    write_json(result, args.json)
-    return result
+        shown = [
+            f"{one:>17.1f}",
+            f"{ratio:>8.2f}x" if ratio is not None else f"{'':>9}",
+            f"{many:>22.1f}" if many is not None else f"{'-':>22}",
+            f"{agree:>15.1%}" if agree is not None else "",
+        ]
+        print(f"{name:<14}" + "".join(shown))
