@@ -156,7 +156,7 @@ def _print_rows(
     print(f"median of {args.reps} interleaved runs; load average {load[0]:.2f} before, {load[1]:.2f} after")
     print(
         f"{'engine':<14}{'1 request tok/s':>17}{'vs fp32':>9}"
-        f"{f'{args.concurrency} requests tok/s':>22}{'top-1 vs fp32':>15}"
+        f"{f'{args.concurrency} requests tok/s' if args.concurrency else 'batched (skipped)':>22}{'top-1 vs fp32':>15}"
     )
     for name in engines:
         agree = None
