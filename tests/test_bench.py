@@ -268,3 +268,21 @@ def test_bench_offline_repeat_alternates_the_sides():
     )
     assert calls == ["setup-a", "a", "b"] * 3
     assert [len(timings[s][0]) for s in "ab"] == [3, 3] and (timings["a"][1], timings["b"][1]) == (8, 9)
+
+
+def test_bench_cpu_prints_medians_ratios_to_fp32_and_int8_agreement(tiny_model_dir, tmp_path, capsys):
+    from minisgl.layers.linear import CpuGemm
+
+    if not CpuGemm.supports("int8"):
+        pytest.skip("no fbgemm int8 kernels in this torch/CPU")
+    out = tmp_path / "cpu.json"
+    model = str(tiny_model_dir("llama"))
+    args = ["cpu", "--model", model, "--modes", "fp32,int8", "--reps", "3", "--tokens", "4", "--concurrency", "2"]
+    main([*args, "--no-hf", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rows["fp32"]["vs_fp32"] == 1.0 and rows["fp32"]["agreement"] is None
+    int8 = rows["int8"]
+    assert len(int8["single_runs"]) == 3 and int8["single"] == sorted(int8["single_runs"])[1]  # the median
+    assert int8["vs_fp32"] == pytest.approx(int8["single"] / rows["fp32"]["single"])
+    assert 0.0 <= int8["agreement"] <= 1.0 and int8["batched"] > 0
+    assert "load average" in capsys.readouterr().out
