@@ -96,7 +96,9 @@ def smollm2_daemon(daemon_runtime_dir: Path) -> Iterator[DaemonHandle]:
     from minisgl.client import Client
     from minisgl.runtime.registry import Registry
 
-    with ThreadPoolExecutor(2) as pool:
+    # Kept for the whole module however long its other tests take (auto-started daemons stop after 300 idle s).
+    with ThreadPoolExecutor(2) as pool, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINISGL_IDLE_TIMEOUT", "0")
         clients = list(pool.map(lambda _: Client("smollm2", timeout=START_TIMEOUT_S, **SMOLLM2_ENGINE), range(2)))
     records = Registry().find("smollm2")
     assert len(records) == 1, f"expected one daemon, found {records}"

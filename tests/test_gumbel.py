@@ -22,7 +22,7 @@ LOGITS = [1.0, 0.2, -0.5, 2.0, 0.0, 1.5, -1.0, 0.7]
 
 
 def test_the_kernels_in_triton_interpreter_on_the_cpu():
-    run_interpreter_cases(__file__, passed=9)
+    run_interpreter_cases(__file__, passed=7)
 
 
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
@@ -40,6 +40,9 @@ def chi_square(ids: torch.Tensor, probs: torch.Tensor) -> float:
 @pytest.mark.parametrize("temperature", [0.6, 1.0, 2.5])
 def test_draws_follow_softmax_over_temperature(device, temperature):
     from minisgl.engine import gumbel
+
+    if device == "cpu" and temperature != 1.0:
+        pytest.skip("the interpreter checks one temperature (a minute per case); a GPU checks them all")
 
     rows = ROWS[device]
     batch = torch.tensor(LOGITS).repeat(rows, 1).to(device, torch.bfloat16)
@@ -188,7 +191,7 @@ def test_sharded_vocabulary_greedy_takes_the_first_argmax_on_every_rank(device):
 def test_sharded_vocabulary_draws_follow_softmax_and_agree_across_ranks(device, temperature):
     """Each rank draws Gumbel noise for its own columns only; the gathered winners still follow the whole row's
     softmax(logits / T), and every rank picks the same ids."""
-    rows = ROWS[device]
+    rows = ROWS[device] // 2  # each of the two ranks samples twice
     logits = torch.tensor(LOGITS).repeat(rows, 1)
     outs = sharded_sample(logits.to(device), torch.full((rows,), temperature, device=device), shards=2, seed=5)
     assert torch.equal(outs[0], outs[1])

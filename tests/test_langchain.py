@@ -58,6 +58,7 @@ def _daemon_env(mp: pytest.MonkeyPatch, runtime: Path) -> None:
     0.57 s/token with two threads, 0.13 s with one)."""
     mp.setenv("MINISGL_RUNTIME_DIR", str(runtime))
     mp.setenv("OMP_NUM_THREADS", "1")
+    mp.setenv("MINISGL_IDLE_TIMEOUT", "0")  # stopped at exit; on a slow run tests may be 300 s apart
 
 
 def _stop_daemons(runtime: Path) -> None:
