@@ -17,10 +17,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
+import psutil
 import pytest
 
 # A small KV pool: quick to allocate, plenty for the tests (free + cached == total is checked often).
@@ -107,3 +109,19 @@ def smollm2_daemon(daemon_runtime_dir: Path) -> Iterator[DaemonHandle]:
     yield handle
     for c in clients:
         c.close()
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """The pids still alive (zombies count as gone) after up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 import httpx
 import psutil
 import pytest
-from tests.daemon_fixtures import daemon_runtime_dir, free_port, start_serve, wait_http  # noqa: F401 - fixtures
+from tests.daemon_fixtures import daemon_runtime_dir, free_port, start_serve, wait_gone, wait_http  # noqa: F401 - fixtures
 
 from minisgl import errors
 from minisgl.client import AsyncClient, Client
@@ -324,22 +324,6 @@ def test_256_concurrent_streams_all_equal_offline_greedy_and_leak_nothing(served
 # stops its daemon; the scheduler's kill is in test_daemon.py, a tensor-parallel rank's in test_tp.py)
 
 
-def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """The processes still running (zombies count as gone) after up to `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = []
-        for p in procs:
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(p)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
-
-
 def http_stream_end(base: str) -> str:
     """How a long HTTP stream that is under way ends once a worker dies: its last event, or the transport's error."""
     body = {"input_ids": NORMAL_IDS, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}, "stream": True}
@@ -373,7 +357,7 @@ def kill_mid_stream(served: SimpleNamespace, worker: str) -> None:
             assert "error" in end or "Error" in end, end  # an error event, or the connection closed: never a hang
     assert served.proc.wait(60) == 1
     assert f"{worker} process (pid {pid}) exited unexpectedly" in served.log.read_text()
-    assert wait_gone(procs, 15) == []
+    assert wait_gone([p.pid for p in procs], 15) == []
 
 
 def test_a_killed_http_server_fails_waiting_clients_and_stops_the_daemon(served):

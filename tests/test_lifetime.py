@@ -14,25 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from daemon_fixtures import wait_gone
 from minisgl.lifetime import PARENT_ENV, parent_env
 
 CHILD = "from minisgl.lifetime import die_with_parent; import time; die_with_parent(); time.sleep(120)"
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """The pids still alive (zombies count as gone) after up to `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
 
 
 def start_parent(script: str) -> tuple[subprocess.Popen, int]:
