@@ -172,6 +172,14 @@ TP_FUSED_MB = _declare(
     int,
     "`tp_allreduce=fused`: MB of each of its two symmetric-memory slots (`EngineConfig.tp_fused_mb`)",
 )
+FP8_WEIGHT_ONLY_ROWS = _declare(
+    "MINISGL_FP8_WEIGHT_ONLY_ROWS",
+    "int",
+    64,
+    int,
+    "FP8 weights on a GPU: GEMMs of up to this many rows widen the FP8 weight in the kernel (inputs unquantized); "
+    "more rows quantize the inputs per row and run an FP8 x FP8 GEMM (layers/fp8_gemm.py)",
+)
 TP_VOCAB_SAMPLING = _declare(
     "MINISGL_TP_VOCAB_SAMPLING",
     "bool",

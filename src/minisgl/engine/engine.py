@@ -133,23 +133,35 @@ class Engine:
     def load_weights(self, weights: Any) -> None:
         """(HF name, tensor) pairs into the running model: FP8 ones dequantized, quantization='fp8' applied again."""
         from minisgl.layers.fp8 import checkpoint_quantization, with_fp8_weights
+        from minisgl.layers.quantize import is_fp8_on_gpu
 
+        if is_fp8_on_gpu(self.model):
+            raise ConfigError(
+                "load_weights into a model whose GEMMs run in FP8 on the GPU is not supported (its weights are e4m3 "
+                "now): build a new LLM from the updated checkpoint, or serve the model without quantization='fp8'"
+            )
         self.model.load_weights(with_fp8_weights(weights, checkpoint_quantization(self.model_config.hf_config)))
         if self.config.quantization == "fp8":
             self._quantize()
 
     def _quantize(self) -> None:
-        """config.quantization applied to the loaded weights: fp16/int8 CPU GEMMs, or FP8 rounding."""
+        """config.quantization applied to the loaded weights: fp16/int8 CPU GEMMs, or FP8 (GEMMs in FP8 on a GPU
+        that has them, for quantization='fp8' and FP8 checkpoints alike; else rounding in the model's dtype)."""
         from minisgl.layers.fp8 import checkpoint_quantization
+        from minisgl.layers.fp8_gemm import supported
         from minisgl.layers.linear import quantize_gemms
-        from minisgl.layers.quantize import quantize_model_fp8
+        from minisgl.layers.quantize import quantize_model_fp8, to_fp8_gemms
 
-        if self.config.quantization == "fp8":
-            if checkpoint_quantization(self.model_config.hf_config) is not None:
+        fp8_checkpoint = checkpoint_quantization(self.model_config.hf_config) is not None
+        if (self.config.quantization == "fp8" or fp8_checkpoint) and supported(self.device, self.dtype):
+            # A block-wise checkpoint was dequantized at load: its weights are re-quantized here per channel.
+            converted = to_fp8_gemms(self.model)
+            logger.info("fp8: %d weights in e4m3 with per-channel scales, FP8 GEMMs", converted)
+        elif self.config.quantization == "fp8":
+            if fp8_checkpoint:
                 logger.info("fp8: the checkpoint's weights are FP8 already; not rounded again")
                 return
             rounded = quantize_model_fp8(self.model)
-            # No FP8 GEMM yet: FP8's rounding (and its accuracy), not its memory or speed.
             logger.info("fp8: %d weights rounded to FP8 per channel, computed in %s", rounded, self.dtype)
         elif self.config.quantization is not None:
             quantize_gemms(self.model, self.config.quantization)

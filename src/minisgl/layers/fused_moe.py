@@ -9,7 +9,9 @@ scaled by the pair's routing weight, and the top_k rows of each token are summed
 The grouped GEMM is the design of vLLM's / SGLang's fused_moe_kernel: a program owns BLOCK_M rows of one
 expert's group and BLOCK_N output features; blocks past the padded total exit at once. Its block sizes follow
 the expected rows per expert (tokens * top_k / experts): small for decode, where the layer reads nearly every
-expert's weights and is bound by memory, larger for prefill.
+expert's weights and is bound by memory, larger for prefill. FP8 experts (layers/fp8_gemm.py's format: e4m3 with
+one scale per output channel) take the same kernel: each weight tile is widened to the activations' dtype in
+registers and the scales multiply the sums, so decode reads half the bytes and the activations stay unquantized.
 """
 
 from __future__ import annotations
@@ -63,12 +65,13 @@ def _gemm_kernel() -> Any:
 
     @triton.jit
     def gemm_kernel(
-        a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr,
-        N, K, num_pairs, num_rows_padded, stride_am, stride_be, stride_bn, stride_cm,
-        A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
+        a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr, b_scale_ptr,
+        N, K, num_pairs, num_rows_padded, stride_am, stride_be, stride_bn, stride_cm, stride_se,
+        A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, B_SCALED: tl.constexpr, PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):  # fmt: skip
-        # c[pair] = a[pair // A_ROW_DIV] @ b[expert]^T (* weights[pair]) for the pairs of each row block.
+        # c[pair] = a[pair // A_ROW_DIV] @ b[expert]^T (* weights[pair]) for the pairs of each row block; FP8 b
+        # (B_SCALED) is widened to a's dtype tile by tile and its per-channel scales applied to the sums.
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(num_rows_padded, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -91,9 +94,11 @@ def _gemm_kernel() -> Any:
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            acc += tl.dot(a, b, input_precision=PRECISION)
+            acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
+        if B_SCALED:
+            acc = acc * tl.load(b_scale_ptr + expert * stride_se + offs_n)[None, :]
         if MUL_WEIGHT:
             acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
         out_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -206,16 +211,18 @@ def _grouped_gemm(
     a_row_div: int,
     mul_weight: bool,
     config: dict[str, int],
+    b_scale: torch.Tensor | None = None,
 ) -> None:
     import triton
 
     sorted_ids, block_expert, total = grouping
     n, k = b.shape[1], b.shape[2]
     grid = (triton.cdiv(sorted_ids.numel(), config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    scaled = b_scale is not None
     _gemm_kernel()[grid](
-        a, b, out, weights, sorted_ids, block_expert, total, n, k, out.shape[0], sorted_ids.numel(),
-        a.stride(0), b.stride(0), b.stride(1), out.stride(0), a_row_div, mul_weight,
-        "ieee" if a.dtype == torch.float32 else "tf32", **config,
+        a, b, out, weights, sorted_ids, block_expert, total, b_scale if scaled else weights, n, k, out.shape[0],
+        sorted_ids.numel(), a.stride(0), b.stride(0), b.stride(1), out.stride(0), b_scale.stride(0) if scaled else 0,
+        a_row_div, mul_weight, scaled, "ieee" if a.dtype == torch.float32 else "tf32", **config,
     )  # fmt: skip
 
 
@@ -226,10 +233,12 @@ def fused_moe(
     down: torch.Tensor,
     top_k: int,
     renormalize: bool,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """sum_k w[t, k] * down[e] @ silu_and_mul(gate_up[e] @ x[t]) over the top_k experts e of each token t.
 
-    x [T, H] (contiguous), gate_up [E, 2I, H], down [E, H, I]; returns [T, H] in x's dtype.
+    x [T, H] (contiguous), gate_up [E, 2I, H], down [E, H, I]; returns [T, H] in x's dtype. FP8 experts (e4m3
+    gate_up and down) come with scales: (gate_up's [E, 2I], down's [E, H]) float32, one per output channel.
     """
     tokens, hidden = x.shape
     num_experts, inter = gate_up.shape[0], down.shape[2]
@@ -240,8 +249,10 @@ def fused_moe(
     grouping = align_by_expert(ids, num_experts, config["BLOCK_M"])
     pairs = tokens * top_k
     gate_up_out = torch.empty(pairs, 2 * inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, gate_up, gate_up_out, weights, grouping, top_k, False, config)
+    _grouped_gemm(
+        x, gate_up, gate_up_out, weights, grouping, top_k, False, config, None if scales is None else scales[0]
+    )
     act = SiluAndMul()(gate_up_out)
     down_out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, down, down_out, weights, grouping, 1, True, config)
+    _grouped_gemm(act, down, down_out, weights, grouping, 1, True, config, None if scales is None else scales[1])
     return down_out.view(tokens, top_k, hidden).sum(dim=1)

@@ -14,6 +14,7 @@ from minisgl import env
 from minisgl.distributed import all_reduce, get_tp_info, partial_out
 from minisgl.errors import WeightsError
 from minisgl.layers.fp8 import Fp8Weight
+from minisgl.layers.fp8_gemm import Fp8Gemm, fp8_linear
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -222,7 +223,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.gemm = CpuGemm()
+        self.gemm: CpuGemm | Fp8Gemm = CpuGemm()  # Fp8Gemm once layers/quantize.py makes the weight FP8
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         raise NotImplementedError
@@ -330,7 +331,9 @@ class RowParallelLinear(LinearBase):
             y = self.gemm(x, self.weight, bias)
             return all_reduce(y) if reduce else y
         x2 = x.reshape(-1, x.shape[-1])
-        if bias is None:
+        if isinstance(self.gemm, Fp8Gemm):
+            fp8_linear(x2, self.weight, self.gemm.scale, bias, out=out)
+        elif bias is None:
             torch.mm(x2, self.weight.t(), out=out)
         else:
             torch.addmm(bias, x2, self.weight.t(), out=out)

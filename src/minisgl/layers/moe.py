@@ -94,6 +94,8 @@ class FusedMoE(nn.Module):
         self.down_proj.shard_ids = tuple((e, 2) for e in range(num_experts))
         self.shared_expert = SharedExpert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False) if shared_intermediate_size else None
+        # FP8 experts on a GPU (layers/quantize.py: to_fp8_gemms): per-channel scales of gate_up and down.
+        self.fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         if not (isinstance(shard_id, tuple) and 0 <= shard_id[0] < self.num_experts):
@@ -110,7 +112,9 @@ class FusedMoE(nn.Module):
         if x.is_cuda:
             from minisgl.layers.fused_moe import fused_moe
 
-            out = fused_moe(x, router_logits, self.gate_up_proj, self.down_proj, self.top_k, self.renormalize)
+            out = fused_moe(
+                x, router_logits, self.gate_up_proj, self.down_proj, self.top_k, self.renormalize, self.fp8_scales
+            )
         else:
             weights, ids = route(router_logits, self.top_k, self.renormalize)
             out = experts_loop(x, weights, ids, self.gate_up_proj, self.down_proj)

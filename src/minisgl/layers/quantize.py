@@ -1,27 +1,77 @@
-"""--quantization fp8 on a built model: which weights are rounded to FP8 (layers/fp8.py holds the format)."""
+"""--quantization fp8 and FP8 checkpoints on a built model: which weights are FP8 (layers/fp8.py holds the format).
+
+On a GPU with FP8 GEMMs (layers/fp8_gemm.py: compute capability 9.0+, bf16 models) the weights become e4m3 with
+per-channel scales and the GEMMs read them as such (`to_fp8_gemms`): half the weight bytes in memory and per decode
+step. Elsewhere (the CPU, older GPUs) they are rounded to FP8 and computed back in the model's dtype
+(`quantize_model_fp8`): FP8's accuracy, not its memory or speed. Either way the same weights are FP8: every linear
+of the decoder layers and the experts; the embedding, the LM head and MoE routers stay as they are (what vLLM and
+SGLang leave unquantized).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import torch
 from torch import nn
 
 from minisgl.layers.fp8 import round_through_fp8
+from minisgl.layers.fp8_gemm import FP8, Fp8Gemm, quantize_per_channel
 from minisgl.layers.linear import LinearBase
 from minisgl.layers.moe import FusedMoE
 
 
-def quantize_model_fp8(model: nn.Module) -> int:
-    """--quantization fp8: every linear of the decoder layers (and the experts) rounded to FP8 with per-channel
-    scales, computed back in the model's dtype; the embedding, the LM head and MoE routers stay as they are
-    (what vLLM and SGLang leave unquantized). How many weights were rounded."""
-    routers = {id(m.gate) for m in model.modules() if isinstance(m, FusedMoE)}
-    routers |= {id(m.shared_expert_gate) for m in model.modules() if isinstance(m, FusedMoE)}
-    rounded = 0
+def _fp8_weights(model: nn.Module) -> Iterator[LinearBase | FusedMoE]:
+    """The modules whose weights are FP8: the decoder's linears (routers excepted) and the routed experts."""
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    routers = {id(m.gate) for m in moes} | {id(m.shared_expert_gate) for m in moes}
     for module in model.modules():
-        if isinstance(module, LinearBase) and id(module) not in routers:
-            round_through_fp8(module.weight)
-            rounded += 1
-        elif isinstance(module, FusedMoE):
-            round_through_fp8(module.gate_up_proj)
-            round_through_fp8(module.down_proj)
-            rounded += 2
+        if (isinstance(module, LinearBase) and id(module) not in routers) or isinstance(module, FusedMoE):
+            yield module
+
+
+def quantize_model_fp8(model: nn.Module) -> int:
+    """Every FP8 weight rounded to FP8 with per-channel scales, in place in the model's dtype; how many weights."""
+    rounded = 0
+    for module in _fp8_weights(model):
+        weights = [module.gate_up_proj, module.down_proj] if isinstance(module, FusedMoE) else [module.weight]
+        for weight in weights:
+            round_through_fp8(weight)
+        rounded += len(weights)
     return rounded
+
+
+def _to_fp8(weight: torch.Tensor) -> tuple[nn.Parameter, torch.Tensor]:
+    """(e4m3 parameter, float32 per-channel scales) of a weight [..., N, K], one leading index at a time (a stack
+    of experts never needs a float32 copy of the whole stack)."""
+    if weight.dim() == 2:
+        q, scale = quantize_per_channel(weight)
+        return nn.Parameter(q, requires_grad=False), scale
+    q = torch.empty(weight.shape, dtype=FP8, device=weight.device)
+    scale = torch.empty(weight.shape[:-1], dtype=torch.float32, device=weight.device)
+    for i in range(weight.shape[0]):
+        q[i], scale[i] = quantize_per_channel(weight[i])
+    return nn.Parameter(q, requires_grad=False), scale
+
+
+def to_fp8_gemms(model: nn.Module) -> int:
+    """Every FP8 weight replaced by e4m3 + per-channel scales, its GEMM by the FP8 one (CUDA, after the load);
+    how many weights. The bf16 copies are freed one by one, so the peak is the bf16 model plus one weight."""
+    converted = 0
+    for module in _fp8_weights(model):
+        if isinstance(module, FusedMoE):
+            module.gate_up_proj, gate_up_scale = _to_fp8(module.gate_up_proj)
+            module.down_proj, down_scale = _to_fp8(module.down_proj)
+            module.fp8_scales = (gate_up_scale, down_scale)
+            converted += 2
+        else:
+            module.weight, scale = _to_fp8(module.weight)
+            module.gemm = Fp8Gemm(scale)
+            converted += 1
+    torch.cuda.empty_cache()
+    return converted
+
+
+def is_fp8_on_gpu(model: nn.Module) -> bool:
+    """Whether to_fp8_gemms converted this model (its weights can no longer be loaded in place)."""
+    return any(isinstance(getattr(m, "gemm", None), Fp8Gemm) for m in model.modules())

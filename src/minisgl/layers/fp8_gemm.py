@@ -1,0 +1,183 @@
+"""FP8 GEMMs on the GPU: y = x W^T with W held in e4m3 and one float32 scale per output channel.
+
+A model served in FP8 on CUDA (quantization="fp8", or an FP8 checkpoint) keeps each linear's weight as
+Q [N, K] float8_e4m3fn and scale [N] float32, W ~= Q * scale[:, None] (layers/quantize.py converts them after the
+load). Two kernels compute the product, chosen by the number of rows M:
+
+- few rows (decode at small batch, `weight_only_rows()` and below): a Triton GEMM that reads the FP8 weight, widens
+  it to x's dtype in registers and applies the scale to the sum (W8A16). The step is bound by the weight bytes, which
+  FP8 halves; x is not quantized, so these rows lose nothing but the weights' rounding.
+- more rows (prefill, large decode batches): x quantized to e4m3 per row (one Triton kernel: max |x| of the row,
+  then the scaled cast), then torch._scaled_mm with row-wise scales (cuBLASLt/CUTLASS FP8 tensor cores, Hopper
+  and later), the output in x's dtype.
+
+Every shape is static for a given M and nothing syncs with the host, so both replay from CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from minisgl import env
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
+
+def weight_only_rows() -> int:
+    """Up to this many rows the W8A16 kernel runs (MINISGL_FP8_WEIGHT_ONLY_ROWS), above it the FP8 x FP8 GEMM."""
+    return env.FP8_WEIGHT_ONLY_ROWS.get()
+
+
+@functools.cache
+def _quant_rows_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per row: scale = max |x| / 448, then q = x / scale in e4m3 (saturating).
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * stride_x + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
+        tl.store(scale_ptr + row, scale)
+        for k in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * stride_x + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
+            q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+            tl.store(q_ptr + row * stride_q + k + offs, q.to(q_ptr.dtype.element_ty), mask=k + offs < K)
+
+    return quant_rows_kernel
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] e4m3, scale [M, 1] float32) with x ~= q * scale, one scale per row."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        block = min(4096, max(128, 1 << (k - 1).bit_length()))
+        _quant_rows_kernel()[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, block, num_warps=4)
+    return q, scale
+
+
+@functools.cache
+def _w8a16_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def w8a16_kernel(
+        a_ptr, b_ptr, scale_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # c[m, n] = scale[n] * sum_k a[m, k] * b[n, k], b widened from FP8 to a's dtype tile by tile.
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_left), other=0.0)
+            acc += tl.dot(a, b.to(a.dtype))
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        acc = acc * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+    return w8a16_kernel
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def w8a16_config(m: int, n: int, device: torch.device) -> dict[str, int]:
+    """Tiles for the weight-only kernel: BLOCK_N as wide as still gives every SM about two programs (one wave
+    of weight reads spread over the whole GPU), BLOCK_M the rows rounded up to the tensor cores' 16."""
+    sms = _num_sms(device.index or 0)
+    block_n = 128
+    while block_n > 16 and -(-n // block_n) < 2 * sms:
+        block_n //= 2
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256 if block_n <= 32 else 128, num_warps=4, num_stages=4)
+
+
+def w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (fp16/bf16) @ (qweight [N, K] e4m3 * scale [N])^T -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    if m:
+        cfg = w8a16_config(m, n, x.device)
+        grid = (-(-n // cfg["BLOCK_N"]), -(-m // cfg["BLOCK_M"]))
+        _w8a16_kernel()[grid](x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0), **cfg)
+    return out
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x (qweight * scale)^T (+ bias) for x [..., K] on CUDA, in x's dtype; into out [M, N] if given."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    if x2.shape[0] <= weight_only_rows():
+        y = w8a16(x2, qweight, scale, out)
+    else:
+        qx, sx = quantize_rows(x2)
+        y = torch._scaled_mm(qx, qweight.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+        if out is not None:
+            out.copy_(y)
+            y = out
+    if bias is not None:
+        y.add_(bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class Fp8Gemm:
+    """A linear's gemm (LinearBase.gemm) once its weight is FP8: the same call, y = gemm(x, weight, bias), with
+    weight the layer's e4m3 parameter and the per-channel scales held here."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self.scale = scale
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_linear(x, weight, self.scale, bias)
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., N, K] -> (e4m3 of the same shape, scale [..., N] float32): one scale (max |w| / 448) per row."""
+    w = weight.float()
+    scale = w.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    q = (w / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """FP8 GEMMs run here: a bf16 model (the row-wise scaled GEMM's output) on a CUDA device of compute capability
+    9.0 or later, with Triton."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
