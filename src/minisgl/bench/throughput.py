@@ -57,6 +57,7 @@ QWEN3_14B = dict(
     head_dim=128,
     tie_word_embeddings=False,
 )
+QWEN3_8B = dict(QWEN3_14B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32)
 QWEN3_30B_A3B = dict(
     QWEN3_06B,
     architectures=["Qwen3MoeForCausalLM"],
@@ -75,7 +76,7 @@ QWEN3_30B_A3B = dict(
     head_dim=128,
     tie_word_embeddings=False,
 )
-SHAPES = {"qwen3-0.6b": QWEN3_06B, "qwen3-14b": QWEN3_14B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+SHAPES = {"qwen3-0.6b": QWEN3_06B, "qwen3-8b": QWEN3_8B, "qwen3-14b": QWEN3_14B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
 def workload(num: int = 256) -> tuple[list[list[int]], list[int]]:
@@ -111,6 +112,8 @@ def run_minisgl(args: argparse.Namespace) -> dict[str, Any]:
         disable_cuda_graph=args.disable_cuda_graph,
         attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+        num_pages=args.num_pages,
     )
     init_s = time.perf_counter() - t0
     result = timed_workload(llm, llm.scheduler, workload())
@@ -125,6 +128,9 @@ def run_minisgl(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.latency:
         result.update(decode_latency(llm))
+    import torch
+
+    result["peak_gpu_gb"] = round(torch.cuda.max_memory_reserved() / 1e9, 1)  # weights, KV pool, graphs, activations
     return result
 
 
@@ -270,17 +276,20 @@ def hbm_bandwidth() -> float:
     return 2 * n * 20 / seconds
 
 
-def bandwidth_floor(bandwidth: float, c: dict[str, Any] = QWEN3_06B) -> dict[str, Any]:
+def bandwidth_floor(bandwidth: float, c: dict[str, Any] = QWEN3_06B, fp8: bool = False) -> dict[str, Any]:
     """Seconds the decode steps of the workload need at least: the bytes every step must read (the dense weights,
-    the expert weights its batch routes to, the KV of every running request) over the HBM bandwidth."""
+    the expert weights its batch routes to, the KV of every running request) over the HBM bandwidth. fp8: the
+    layers' linears and the experts in one byte a weight (the LM head, norms and routers stay bf16)."""
+    wb = 1 if fp8 else 2
     kv_per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 2
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     h, layers = c["hidden_size"], c["num_hidden_layers"]
     experts, top_k = c.get("num_experts", 0), c.get("num_experts_per_tok", 0)
     mlp = 0 if experts else 3 * h * c["intermediate_size"]
-    per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * h + 2 * c["head_dim"] + h * experts  # router: h * experts
-    dense_bytes = 2 * (layers * per_layer + c["vocab_size"] * h + h)  # the LM head (the embedding is gathered)
-    expert_bytes = 2 * 3 * h * c.get("moe_intermediate_size", 0) * layers  # one expert of every layer
+    linear = h * (q + 2 * kv) + q * h + mlp
+    per_layer = 2 * h + 2 * c["head_dim"] + h * experts  # norms, router (h * experts)
+    dense_bytes = wb * layers * linear + 2 * (layers * per_layer + c["vocab_size"] * h + h)  # LM head, final norm
+    expert_bytes = wb * 3 * h * c.get("moe_intermediate_size", 0) * layers  # one expert of every layer
     prompts, max_tokens = workload()
     # decode step j (1..o-1) of a request reads the KV of its prompt and j generated tokens
     kv_tokens = sum((o - 1) * len(p) + (o - 1) * o // 2 for p, o in zip(prompts, max_tokens))
@@ -332,9 +341,12 @@ def main_all(args: argparse.Namespace) -> None:
         "shape": args.shape,
         "max_prefill_tokens": args.max_prefill_tokens,
     }
-    results["floor"] = bandwidth_floor(hbm_bandwidth(), SHAPES[args.shape])
+    bandwidth = hbm_bandwidth()
+    results["floor"] = bandwidth_floor(bandwidth, SHAPES[args.shape])
     common = ["--max-prefill-tokens", str(args.max_prefill_tokens)]
-    results["minisgl"] = sub(model_dir, "run", "--latency", *common)
+    common += ["--num-pages", str(args.num_pages)] if args.num_pages else []
+    if not args.fp8_only:
+        results["minisgl"] = sub(model_dir, "run", "--latency", *common)
     if not args.quick:
         results["no_overlap"] = sub(model_dir, "run", "--disable-overlap", *common)
         results["no_cuda_graph"] = sub(model_dir, "run", "--disable-cuda-graph", *common)
@@ -343,6 +355,9 @@ def main_all(args: argparse.Namespace) -> None:
         results["fp8_kv"] = sub(
             model_dir, "run", "--latency", "--kv-cache-dtype", "fp8_e4m3", "--page-size", "16", *common
         )
+    if args.with_fp8 or args.fp8_only:  # FP8 weights: their own floor (half the linears' bytes)
+        results["fp8"] = sub(model_dir, "run", "--latency", "--quantization", "fp8", *common)
+        results["fp8"]["floor"] = bandwidth_floor(bandwidth, SHAPES[args.shape], fp8=True)
     if not args.skip_hf:
         results["hf"] = sub(model_dir, "hf", "--hf-batch", str(args.hf_batch), "--hf-requests", str(args.hf_requests))
     if args.report and Path(args.report).exists():
@@ -362,6 +377,7 @@ def print_table(r: dict[str, Any]) -> None:
         ("no_overlap", "  --disable-overlap"),
         ("no_cuda_graph", "  --disable-cuda-graph"),
         ("fp8_kv", "  --kv-cache-dtype fp8_e4m3 --page-size 16"),
+        ("fp8", "  --quantization fp8 (FP8 weights)"),
         ("hf", "HF generate (SDPA, static batches)"),
     ):
         if key in r and "output_tok_s" in r[key]:
@@ -383,6 +399,18 @@ def print_table(r: dict[str, Any]) -> None:
             f"{r['fp8_kv'].get('kv_slots')} KV slots (bf16: {main.get('kv_slots')}), decode attention "
             f"{r['fp8_kv'].get('decode_attention')}"
         )
+    if "decode_ms_per_token_bs1" in r.get("fp8", {}):
+        f8, floor8 = r["fp8"], r["fp8"]["floor"]["floor_output_tok_s"]
+        print(
+            f"FP8 weights: {f8['output_tok_s'] / floor8:.1%} of their own floor ({floor8} tok/s); batch-1 decode "
+            f"{f8['decode_ms_per_token_bs1']} ms/token; peak GPU memory {f8.get('peak_gpu_gb')} GB"
+        )
+        if "decode_ms_per_token_bs1" in main:
+            speed, bs1 = (
+                f8["output_tok_s"] / main["output_tok_s"],
+                main["decode_ms_per_token_bs1"] / f8["decode_ms_per_token_bs1"],
+            )
+            print(f"FP8 weights against bf16: throughput {speed:.2f}x, batch-1 decode {bs1:.2f}x")
     if "decode_ms_per_token_bs1" in main:
         print(f"decode latency, batch 1: {main['decode_ms_per_token_bs1']} ms/token (TTFT {main['ttft_ms_bs1']} ms)")
     if "hf" in r and "output_tok_s" in r["hf"] and "output_tok_s" in main:
@@ -410,6 +438,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto", help="run: auto (bf16) or fp8_e4m3 / fp8_e5m2")
     p.add_argument("--with-fp8-kv", action="store_true", help="all: one more row with an fp8_e4m3 KV cache")
+    p.add_argument("--with-fp8", action="store_true", help="all: one more row with FP8 weights (--quantization fp8)")
+    p.add_argument("--fp8-only", action="store_true", help="all: the FP8-weights row alone")
+    p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from free GPU memory)")
+    p.add_argument("--quantization", default=None, help="run: fp8 (FP8 weights, FP8 GEMMs on Hopper)")
     p.add_argument("--disable-overlap", action="store_true")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--latency", action="store_true")

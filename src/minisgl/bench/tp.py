@@ -13,8 +13,8 @@ Stages of `all` (each engine in its own process, so each sizes its KV pool from 
            with CUDA_VISIBLE_DEVICES=1, node 0 an LLM(nnodes=2, node_rank=0) with CUDA_VISIBLE_DEVICES=0,
            tcp rendezvous on 127.0.0.1; its outputs must equal the single-node TP=2 outputs.
   tput     the issue-8 offline workload (`minisgl bench throughput`'s workload()) on a Qwen3-14B-shaped dummy
-           model (40 layers, hidden 5120, 40 q / 8 kv heads, intermediate 17408, vocab 151936, untied),
-           bf16, TP=1 (one GPU) vs TP=2.
+           model (40 layers, hidden 5120, 40 q / 8 kv heads, intermediate 17408, vocab 151936, untied; --shape
+           qwen3-30b-a3b: the mixture-of-experts one), bf16, TP=1 (one GPU) vs TP=2.
   hfpatch  `minisgl bench hf-generate` --num-prompts 256 --device cuda on a Qwen3-0.6B-shaped HF checkpoint.
   kill     a `minisgl serve --tp 2` daemon (Qwen3-0.6B shape, dummy weights) has rank 1 SIGKILLed in the middle of a
            stream: the stream must end with a typed error, the daemon exit non-zero and nothing of its process
@@ -122,6 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--dist-init-addr")
+    p.add_argument("--shape", default="qwen3-14b", help="tput: the dummy model's shape (bench throughput's shapes)")
     p.add_argument("--tp2-env", default="", help='tput and kill: more TP=2 runs, ";"-separated, each "VAR=value ..."')
     p.add_argument("--profile", action="store_true", help="all/tput: profile TP=2's ranks over one batch after the run")
     p.add_argument("--profile-dir", help="bench: profile the ranks over one batch after the run, into this directory")

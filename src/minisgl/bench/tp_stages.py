@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from minisgl.bench.throughput import QWEN3_06B, QWEN3_14B
+from minisgl.bench.throughput import QWEN3_06B, SHAPES
 from minisgl.bench.tp_support import (
     PARITY_ENGINE,
     VOCAB,
@@ -239,8 +239,8 @@ def parse(out: str, tag: str) -> dict[str, Any] | None:
 
 
 def stage_tput(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log: Path) -> None:
-    model = write_config_dir(QWEN3_14B, Path(args.tokenizer_dir), "qwen3-14b-dummy-")
-    t = res.setdefault("tput", {"model": "Qwen3-14B-shaped dummy, bf16", "requests": args.num_requests})
+    model = write_config_dir(SHAPES[args.shape], Path(args.tokenizer_dir), f"{args.shape}-dummy-")
+    t = res.setdefault("tput", {"model": f"{args.shape}-shaped dummy, bf16", "requests": args.num_requests})
     runs: list[tuple[str, int, dict[str, str]]] = [("tp1", 1, {"CUDA_VISIBLE_DEVICES": "0"}), ("tp2", 2, {})]
     for extra in filter(None, args.tp2_env.split(";")):  # more TP=2 runs, each with its environment variables
         runs.append((f"tp2 {extra}", 2, dict(kv.split("=", 1) for kv in extra.split())))

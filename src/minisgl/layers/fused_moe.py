@@ -234,17 +234,19 @@ def fused_moe(
     top_k: int,
     renormalize: bool,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k w[t, k] * down[e] @ silu_and_mul(gate_up[e] @ x[t]) over the top_k experts e of each token t.
 
     x [T, H] (contiguous), gate_up [E, 2I, H], down [E, H, I]; returns [T, H] in x's dtype. FP8 experts (e4m3
     gate_up and down) come with scales: (gate_up's [E, 2I], down's [E, H]) float32, one per output channel.
+    out: where to write the result (distributed.partial_out's buffer, which the next norm all-reduces in place).
     """
     tokens, hidden = x.shape
     num_experts, inter = gate_up.shape[0], down.shape[2]
     weights, ids = route_topk(router_logits, top_k, renormalize)
     if tokens == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if out is None else out.zero_()
     config = block_config(tokens, top_k, num_experts)
     grouping = align_by_expert(ids, num_experts, config["BLOCK_M"])
     pairs = tokens * top_k
@@ -255,4 +257,6 @@ def fused_moe(
     act = SiluAndMul()(gate_up_out)
     down_out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, down, down_out, weights, grouping, 1, True, config, None if scales is None else scales[1])
-    return down_out.view(tokens, top_k, hidden).sum(dim=1)
+    if out is None:
+        return down_out.view(tokens, top_k, hidden).sum(dim=1)
+    return torch.sum(down_out.view(tokens, top_k, hidden), dim=1, out=out)

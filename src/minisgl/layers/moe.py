@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.distributed import all_reduce, get_tp_info, partial_out
 from minisgl.errors import WeightsError
 from minisgl.layers.activation import SiluAndMul
 from minisgl.layers.linear import (
@@ -112,8 +112,10 @@ class FusedMoE(nn.Module):
         if x.is_cuda:
             from minisgl.layers.fused_moe import fused_moe
 
+            # Partial sums the next norm reduces go straight into its buffer (tp_allreduce="fused").
+            into = None if reduce or self.shared_expert is not None else partial_out(x.shape[0], x.shape[1], x.dtype)
             out = fused_moe(
-                x, router_logits, self.gate_up_proj, self.down_proj, self.top_k, self.renormalize, self.fp8_scales
+                x, router_logits, self.gate_up_proj, self.down_proj, self.top_k, self.renormalize, self.fp8_scales, into
             )
         else:
             weights, ids = route(router_logits, self.top_k, self.renormalize)

@@ -1,0 +1,85 @@
+"""The FP8 GEMM kernels of layers/fp8_gemm.py and the FP8 experts of layers/fused_moe.py against float32 references.
+
+On a CUDA machine with FP8 (compute capability 9.0+) they run compiled on e4m3 weights (tests/test_gpu_fp8.py also
+runs whole models); on any machine with Triton the kernels' indexing and scaling run in Triton's interpreter
+(TRITON_INTERPRET=1, numpy on the CPU) in a fresh process, with float32 stand-ins for the e4m3 tensors (numpy has no
+FP8): the kernels widen whatever they load to the input's dtype, so only the rounding differs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
+
+
+def test_the_kernels_in_triton_interpreter_on_the_cpu():
+    run_interpreter_cases(__file__, passed=5, timeout=600)
+
+
+@pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
+def device(request: pytest.FixtureRequest) -> str:
+    interpreter_or_cuda(request.param)
+    if request.param == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("FP8 GEMMs need compute capability 9.0+")
+    return request.param
+
+
+def _weights(n: int, k: int, device: str, lead: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, per-channel scale): e4m3 on CUDA (quantized), a float32 stand-in with random scales in the
+    interpreter."""
+    from minisgl.layers.fp8_gemm import quantize_per_channel
+
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(*lead, n, k, generator=g) * 0.05
+    if device == "cuda":
+        return quantize_per_channel(w.cuda())
+    return w, torch.rand(*lead, n, generator=g) + 0.5
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 96, 80), (5, 256, 200), (33, 130, 64)])
+def test_weight_only_kernel_matches_float32(device, rows, k, n):
+    from minisgl.layers.fp8_gemm import w8a16
+
+    q, scale = _weights(n, k, device)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
+    got = w8a16(x, q, scale)
+    ref = x.float() @ (q.float() * scale[:, None]).t()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_scaled_experts_match_the_loop(device, tokens):
+    """fused_moe with per-channel expert scales against the loop over the scaled (dequantized) experts."""
+    from minisgl.layers.fused_moe import fused_moe
+    from minisgl.layers.moe import experts_loop, route
+
+    experts, hidden, inter, top_k = 6, 64, 48, 2
+    gate_up, s1 = _weights(2 * inter, hidden, device, (experts,))
+    down, s2 = _weights(hidden, inter, device, (experts,))
+    g = torch.Generator().manual_seed(tokens)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+    logits = torch.randn(tokens, experts, generator=g).to(device)
+    got = fused_moe(x, logits, gate_up, down, top_k, True, (s1, s2))
+    weights, ids = route(logits, top_k, True)
+    ref = experts_loop(x.float(), weights, ids, gate_up.float() * s1[..., None], down.float() * s2[..., None])
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+def test_row_quantization_bounds_each_row(device):
+    """quantize_rows: x ~= q * scale per row, max |q| = 448 on each row; an all-zero row stays zero."""
+    from minisgl.layers.fp8_gemm import FP8_MAX, quantize_rows
+
+    if device == "cpu":
+        pytest.skip("numpy has no e4m3: the row quantization runs on CUDA only")
+    x = torch.randn(9, 3000, device=device, dtype=torch.bfloat16) * torch.arange(9, device=device)[:, None]
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (9, 1)
+    assert torch.equal(q[0].float(), torch.zeros(3000, device=device))
+    torch.testing.assert_close(q[1:].float().abs().amax(dim=1), torch.full((8,), FP8_MAX, device=device))
+    torch.testing.assert_close(q.float() * scale, x.float(), atol=0.1 * x.float().abs().max().item() / 16, rtol=0.07)

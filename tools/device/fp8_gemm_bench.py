@@ -1,0 +1,86 @@
+"""FP8 GEMMs against bf16 on one CUDA GPU: a Qwen3-8B decoder layer's four GEMMs at each row count.
+
+    python3 tools/device/fp8_gemm_bench.py [--out fp8_gemm.json] [--rows 1,4,16,32,64,128,256,512]
+
+For each row count M: microseconds of the layer's GEMMs (qkv, o, gate_up, down) in bf16 (torch.mm), with the FP8
+weight-only kernel (layers/fp8_gemm.py: w8a16) and with the per-row input quantization + torch._scaled_mm, each
+replayed 50 times from a CUDA graph (launch costs as in decode). The last line gives the largest M at which the
+weight-only kernel is still faster: the value for MINISGL_FP8_WEIGHT_ONLY_ROWS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Callable
+
+import torch
+
+from minisgl.layers.fp8_gemm import quantize_per_channel, quantize_rows, w8a16
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # (K, N)
+
+
+def graph_us(fn: Callable[[], object], reps: int = 50) -> float:
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / reps)
+    return best
+
+
+def scaled(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    qx, sx = quantize_rows(x)
+    return torch._scaled_mm(qx, q.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", default="1,4,16,32,64,128,256,512")
+    p.add_argument("--out", default="fp8_gemm.json")
+    args = p.parse_args()
+    weights = {}
+    for name, (k, n) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        weights[name] = (w, *quantize_per_channel(w))
+    rows_out = []
+    print(f"{'M':>5s} {'bf16 us':>9s} {'w8a16 us':>9s} {'fp8xfp8 us':>11s}  per GEMM (bf16 / w8a16 / fp8xfp8)")
+    for m in [int(r) for r in args.rows.split(",")]:
+        per: dict[str, list[float]] = {}
+        for name, (w, q, s) in weights.items():
+            x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
+            per[name] = [
+                graph_us(lambda: torch.mm(x, w.t())),
+                graph_us(lambda: w8a16(x, q, s)),
+                graph_us(lambda: scaled(x, q, s)),
+            ]
+        totals = [sum(v[i] for v in per.values()) for i in range(3)]
+        rows_out.append({"rows": m, "bf16_us": totals[0], "w8a16_us": totals[1], "fp8_us": totals[2], "per": per})
+        detail = " ".join(f"{n}={v[0]:.1f}/{v[1]:.1f}/{v[2]:.1f}" for n, v in per.items())
+        print(f"{m:5d} {totals[0]:9.1f} {totals[1]:9.1f} {totals[2]:11.1f}  {detail}", flush=True)
+    weight_only = [r["rows"] for r in rows_out if r["w8a16_us"] <= r["fp8_us"]]
+    crossover = max(weight_only) if weight_only else 0
+    layer_bytes = sum(w.numel() for w, _, _ in weights.values())
+    print(f"layer weights {layer_bytes * 2 / 1e6:.0f} MB bf16, {layer_bytes / 1e6:.0f} MB fp8")
+    print(f"WEIGHT_ONLY_ROWS {crossover}")
+    with open(args.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows_out, "weight_only_rows": crossover}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
