@@ -41,7 +41,7 @@ def test_fp8_linear_matches_the_dequantized_product(rows, k, n):
     ref = _reference(x, q, scale) + bias.float()
     err = ((y.float() - ref).norm() / ref.norm()).item()
     assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
-    assert err < (0.01 if rows <= weight_only_rows() else 0.05), err
+    assert err < (0.01 if rows <= weight_only_rows() else 0.06), err  # x in e4m3: ~2^-4 / sqrt(3) rms
     out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
     fp8_linear(x, q, scale, bias, out=out)
     assert torch.equal(out, y)
