@@ -15,7 +15,7 @@ from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
 
 
 def test_the_kernels_in_triton_interpreter_on_the_cpu():
-    run_interpreter_cases(__file__, passed=5, timeout=600)
+    run_interpreter_cases(__file__, passed=6, timeout=600)
 
 
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
@@ -38,14 +38,15 @@ def _weights(n: int, k: int, device: str, lead: tuple[int, ...] = ()) -> tuple[t
     return w, torch.rand(*lead, n, generator=g) + 0.5
 
 
-@pytest.mark.parametrize(("rows", "k", "n"), [(1, 96, 80), (5, 256, 200), (33, 130, 64)])
-def test_weight_only_kernel_matches_float32(device, rows, k, n):
-    from minisgl.layers.fp8_gemm import w8a16
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 96, 80), (3, 1100, 40), (5, 256, 200), (33, 130, 64)])
+def test_weight_only_kernels_match_float32(device, rows, k, n):
+    """gemv (CUDA cores, up to GEMV_MAX_ROWS rows) and w8a16 (tensor cores) against x @ W^T in float32."""
+    from minisgl.layers.fp8_gemm import GEMV_MAX_ROWS, gemv, w8a16
 
     q, scale = _weights(n, k, device)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
-    got = w8a16(x, q, scale)
+    got = gemv(x, q, scale) if rows <= GEMV_MAX_ROWS else w8a16(x, q, scale)
     ref = x.float() @ (q.float() * scale[:, None]).t()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)

@@ -95,33 +95,14 @@ def periodic(bases: torch.Tensor, length: int) -> torch.Tensor:
     return bases.repeat(1, -(-length // LAG))[:, :length]
 
 
-@pytest.fixture(scope="module")
-def copier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 4-layer Qwen3 (hidden 256, 2 q / 1 kv heads of 128, vocab 4096) trained for 600 AdamW steps to
-    continue sequences of period LAG: each next token is the one LAG positions back, so every
-    prediction reads the KV cache through attention and RoPE, and a wrong page or position shows."""
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+def train_copier(config: Any, out: Path, key: str = "copier_train_accuracy_fp32") -> Path:
+    """config's model trained for 600 AdamW steps to continue sequences of period LAG (each next token is the one
+    LAG positions back), saved in bf16 with SmolLM2's tokenizer into out."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    out = tmp_path_factory.mktemp("copier")
     tok = AutoTokenizer.from_pretrained(tokenizer_dir())
-    config = Qwen3Config(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-        max_position_embeddings=4096,
-        rope_theta=1e4,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.eos_token_id,
-    )
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).cuda().train()
+    model = AutoModelForCausalLM.from_config(config).cuda().train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     # 300 steps at 3e-3, then a linear decay over 300 more (a few seconds on the GPU)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (600 - step) / 300))
@@ -136,7 +117,7 @@ def copier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with torch.inference_mode():
         x = periodic(torch.randint(COPY_LO, COPY_HI, (64, LAG), device="cuda", generator=gen), 96)
         acc = float((model(x).logits[:, LAG - 1 : -1].argmax(-1) == x[:, LAG:]).float().mean())
-    report("copier_train_accuracy_fp32", round(acc, 4))
+    report(key, round(acc, 4))
     assert acc > 0.98, f"the copier did not learn its task ({acc:.4f}): the parity test would be void"
     model.to(torch.bfloat16).save_pretrained(out)
     tok.save_pretrained(out)
@@ -144,6 +125,38 @@ def copier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     del model, opt
     release_gpu()
     return out
+
+
+def copier_config(**overrides: Any) -> dict[str, Any]:
+    """The copier's shape: 4 layers, hidden 256, 2 q / 1 kv heads of 128, vocab 4096, SmolLM2's special tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir())
+    tok_ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    return dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        max_position_embeddings=4096,
+        rope_theta=1e4,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        **tok_ids,
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="module")
+def copier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer Qwen3 (copier_config) trained to continue sequences of period LAG, so every prediction reads the
+    KV cache through attention and RoPE, and a wrong page or position shows."""
+    from transformers import Qwen3Config
+
+    return train_copier(Qwen3Config(**copier_config()), tmp_path_factory.mktemp("copier"))
 
 
 def make_prompts(n: int = 16, seed: int = 0) -> list[list[int]]:

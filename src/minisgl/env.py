@@ -175,7 +175,7 @@ TP_FUSED_MB = _declare(
 FP8_WEIGHT_ONLY_ROWS = _declare(
     "MINISGL_FP8_WEIGHT_ONLY_ROWS",
     "int",
-    64,
+    16,
     int,
     "FP8 weights on a GPU: GEMMs of up to this many rows widen the FP8 weight in the kernel (inputs unquantized); "
     "more rows quantize the inputs per row and run an FP8 x FP8 GEMM (layers/fp8_gemm.py)",

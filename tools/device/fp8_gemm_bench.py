@@ -2,10 +2,12 @@
 
     python3 tools/device/fp8_gemm_bench.py [--out fp8_gemm.json] [--rows 1,4,16,32,64,128,256,512]
 
+First the CUDA-core kernel (gemv) at one row under each of a few tile configurations (GEMV_BEST: the fastest).
+
 For each row count M: microseconds of the layer's GEMMs (qkv, o, gate_up, down) in bf16 (torch.mm), with the FP8
-weight-only kernel (layers/fp8_gemm.py: w8a16) and with the per-row input quantization + torch._scaled_mm, each
-replayed 50 times from a CUDA graph (launch costs as in decode). The last line gives the largest M at which the
-weight-only kernel is still faster: the value for MINISGL_FP8_WEIGHT_ONLY_ROWS.
+weight-only kernels (layers/fp8_gemm.py: gemv up to 4 rows, w8a16 above) and with the per-row input quantization +
+torch._scaled_mm, each replayed 50 times from a CUDA graph (launch costs as in decode). The last line gives the
+largest M at which the weight-only kernels are still faster: the value for MINISGL_FP8_WEIGHT_ONLY_ROWS.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from minisgl.layers.fp8_gemm import quantize_per_channel, quantize_rows, w8a16
+from minisgl.layers.fp8_gemm import gemv, quantize_per_channel, quantize_rows, w8a16
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # (K, N)
 
@@ -58,6 +60,21 @@ def main() -> None:
     for name, (k, n) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         weights[name] = (w, *quantize_per_channel(w))
+    gemv_configs = [
+        dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+        for bn, bk, w, st in [(16, 512, 4, 3), (8, 512, 4, 3), (16, 256, 4, 4), (32, 256, 4, 3), (8, 1024, 4, 2),
+                              (16, 1024, 8, 2), (4, 1024, 4, 3), (32, 512, 8, 2), (64, 128, 4, 4)]
+    ]  # fmt: skip
+    print("gemv at 1 row, us per GEMM (qkv / o / gate_up / down) and the layer's sum, by config:")
+    best: tuple[float, dict[str, int]] = (float("inf"), {})
+    for cfg in gemv_configs:
+        times = []
+        for w, q, s in weights.values():
+            x = torch.randn(1, w.shape[1], device="cuda", dtype=torch.bfloat16)
+            times.append(graph_us(lambda: gemv(x, q, s, config=cfg)))  # noqa: B023
+        print(f"  {cfg}: {' / '.join(f'{t:.1f}' for t in times)} = {sum(times):.1f}", flush=True)
+        best = min(best, (sum(times), cfg), key=lambda b: b[0])
+    print(f"GEMV_BEST {best[0]:.1f} {json.dumps(best[1])}")
     rows_out = []
     print(f"{'M':>5s} {'bf16 us':>9s} {'w8a16 us':>9s} {'fp8xfp8 us':>11s}  per GEMM (bf16 / w8a16 / fp8xfp8)")
     for m in [int(r) for r in args.rows.split(",")]:
@@ -65,9 +82,9 @@ def main() -> None:
         for name, (w, q, s) in weights.items():
             x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
             per[name] = [
-                graph_us(lambda: torch.mm(x, w.t())),
-                graph_us(lambda: w8a16(x, q, s)),
-                graph_us(lambda: scaled(x, q, s)),
+                graph_us(lambda: torch.mm(x, w.t())),  # noqa: B023
+                graph_us(lambda: (gemv if m <= 4 else w8a16)(x, q, s)),  # noqa: B023
+                graph_us(lambda: scaled(x, q, s)),  # noqa: B023
             ]
         totals = [sum(v[i] for v in per.values()) for i in range(3)]
         rows_out.append({"rows": m, "bf16_us": totals[0], "w8a16_us": totals[1], "fp8_us": totals[2], "per": per})

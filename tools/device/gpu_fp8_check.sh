@@ -38,4 +38,3 @@ if [[ $STAGES == *bench* ]]; then
   done
   echo "bench done $(( $(date +%s) - t0 ))s"
 fi
-for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$p" 2>/dev/null; done

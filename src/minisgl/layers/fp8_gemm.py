@@ -4,9 +4,10 @@ A model served in FP8 on CUDA (quantization="fp8", or an FP8 checkpoint) keeps e
 Q [N, K] float8_e4m3fn and scale [N] float32, W ~= Q * scale[:, None] (layers/quantize.py converts them after the
 load). Two kernels compute the product, chosen by the number of rows M:
 
-- few rows (decode at small batch, `weight_only_rows()` and below): a Triton GEMM that reads the FP8 weight, widens
-  it to x's dtype in registers and applies the scale to the sum (W8A16). The step is bound by the weight bytes, which
-  FP8 halves; x is not quantized, so these rows lose nothing but the weights' rounding.
+- few rows (decode at small batch, `weight_only_rows()` and below): a Triton kernel that reads the FP8 weight, widens
+  it in registers and applies the scale to the sum (W8A16): on the CUDA cores up to GEMV_MAX_ROWS rows (`gemv`),
+  on the tensor cores above (`w8a16`). The step is bound by the weight bytes, which FP8 halves; x is not quantized,
+  so these rows lose nothing but the weights' rounding.
 - more rows (prefill, large decode batches): x quantized to e4m3 per row (one Triton kernel: max |x| of the row,
   then the scaled cast), then torch._scaled_mm with row-wise scales (cuBLASLt/CUTLASS FP8 tensor cores, Hopper
   and later), the output in x's dtype.
@@ -101,6 +102,59 @@ def _w8a16_kernel() -> Any:
 
 
 @functools.cache
+def _gemv_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemv_kernel(
+        a_ptr, b_ptr, scale_ptr, c_ptr, N, K, stride_am, stride_bn, stride_cm,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # c[m, n] = scale[n] * sum_k a[m, k] * b[n, k] for the ROWS rows of a, on the CUDA cores: a program streams
+        # BLOCK_N rows of b (contiguous along K) once per row of a (the second pass hits L2).
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_mask = offs_n < N
+        b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+        scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
+        for m in tl.static_range(ROWS):
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                k_mask = k + offs_k < K
+                a = tl.load(a_ptr + m * stride_am + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+                b = tl.load(b_ptrs + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+                acc += b * a[None, :]
+            y = tl.sum(acc, axis=1) * scale
+            tl.store(c_ptr + m * stride_cm + offs_n, y.to(c_ptr.dtype.element_ty), mask=n_mask)
+
+    return gemv_kernel
+
+
+GEMV_MAX_ROWS = 4  # up to this many rows the CUDA-core kernel, then the tensor-core one (w8a16)
+GEMV_CONFIG = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
+
+
+def gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_ROWS) @ (qweight [N, K] e4m3 * scale [N])^T -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    cfg = config or GEMV_CONFIG
+    if m:
+        grid = (-(-n // cfg["BLOCK_N"]),)
+        _gemv_kernel()[grid](x, qweight, scale, out, n, k, x.stride(0), qweight.stride(0), out.stride(0), m, **cfg)
+    return out
+
+
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -139,7 +193,9 @@ def fp8_linear(
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    if x2.shape[0] <= weight_only_rows():
+    if x2.shape[0] <= GEMV_MAX_ROWS:
+        y = gemv(x2, qweight, scale, out)
+    elif x2.shape[0] <= weight_only_rows():
         y = w8a16(x2, qweight, scale, out)
     else:
         qx, sx = quantize_rows(x2)
