@@ -5,7 +5,7 @@
 First the CUDA-core kernel (gemv) at one row under each of a few tile configurations (GEMV_BEST: the fastest).
 
 For each row count M: microseconds of the layer's GEMMs (qkv, o, gate_up, down) in bf16 (torch.mm), with the FP8
-weight-only kernels (layers/fp8_gemm.py: gemv up to 4 rows, w8a16 above) and with the per-row input quantization +
+weight-only kernels (layers/fp8_gemm.py: gemv for one row, w8a16 above) and with the per-row input quantization +
 torch._scaled_mm, each replayed 50 times from a CUDA graph (launch costs as in decode). The last line gives the
 largest M at which the weight-only kernels are still faster: the value for MINISGL_FP8_WEIGHT_ONLY_ROWS.
 """
@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from minisgl.layers.fp8_gemm import gemv, quantize_per_channel, quantize_rows, w8a16
+from minisgl.layers.fp8_gemm import GEMV_MAX_ROWS, gemv, quantize_per_channel, quantize_rows, w8a16
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # (K, N)
 
@@ -83,7 +83,7 @@ def main() -> None:
             x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
             per[name] = [
                 graph_us(lambda: torch.mm(x, w.t())),  # noqa: B023
-                graph_us(lambda: (gemv if m <= 4 else w8a16)(x, q, s)),  # noqa: B023
+                graph_us(lambda: (gemv if m <= GEMV_MAX_ROWS else w8a16)(x, q, s)),  # noqa: B023
                 graph_us(lambda: scaled(x, q, s)),  # noqa: B023
             ]
         totals = [sum(v[i] for v in per.values()) for i in range(3)]
