@@ -242,6 +242,7 @@ def kill_rank_check(
         "2",
         "--address",
         address,
+        "--no-http",  # the stream under test is a ZeroMQ client's
         *serve_args,
     ]
     print("$", " ".join(cmd), flush=True)
