@@ -51,7 +51,7 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of node 0's rendezvous (default: a free loopback port)
     dist_timeout: float = 120.0  # seconds before a silent rank is declared dead
-    # One host, opt-in: "symm_mem" all-reduces through symmetric memory, "fused" also fuses the residual RMSNorm
+    # One CUDA host: "fused" (default) all-reduces with the residual RMSNorm in one kernel, "symm_mem", "nccl"
     tp_allreduce: str = _from_env(env.TP_ALLREDUCE.get)
     tp_fused_mb: int = _from_env(env.TP_FUSED_MB.get)  # tp_allreduce="fused": MB of each of its two slots
     # Opt-in: the decode graphs sample each rank's vocabulary shard and gather only the winners

@@ -40,6 +40,9 @@ WATCH_INTERVAL_S = 0.5  # how often rank 0 checks its ranks and ranks > 0 check 
 FAILURE_GRACE_S = 2.0  # after a collective errors out, how long rank 0 looks for the rank that failed
 EXIT_WAIT_S = 10.0  # how long a clean shutdown waits for the other ranks to leave
 STUCK_EXIT_S = 15.0  # after a failure, how long rank 0's step in flight may take to return before the process ends
+# The same with a symmetric-memory all-reduce (tp_allreduce "symm_mem" / "fused" on CUDA): its kernels wait for the
+# dead peer forever, so a step in flight never returns; only a step still before its first collective could.
+SYMM_STUCK_EXIT_S = 3.0
 
 
 class RankFailedError(MiniSGLError, RuntimeError):
@@ -272,14 +275,17 @@ class RankGroup:
         RankFailedError. One that does not is stuck in a kernel waiting for the dead peer forever (a
         symmetric-memory all-reduce cannot be aborted), and so would every later CUDA call of this process:
         the process ends, loudly, so that its parent (the daemon) reports the failure instead of hanging."""
-        deadline = time.monotonic() + STUCK_EXIT_S
+        c = self.config
+        symm = c.tp_allreduce != "nccl" and c.device != "cpu" and torch.cuda.is_available() and c.nnodes == 1
+        wait = min(STUCK_EXIT_S, SYMM_STUCK_EXIT_S) if symm else STUCK_EXIT_S
+        deadline = time.monotonic() + wait
         while not self._stop.wait(WATCH_INTERVAL_S):
             if self.step_started is None:
                 return  # no step in flight, or it came back: the caller sees RankFailedError
             if time.monotonic() > deadline:
                 leave(
                     1,
-                    f"{self._failure}; a step on this rank has not come back within {STUCK_EXIT_S:.0f}s "
+                    f"{self._failure}; a step on this rank has not come back within {wait:.0f}s "
                     "(stuck in a kernel waiting for the dead rank): this process exits",
                 )
 
