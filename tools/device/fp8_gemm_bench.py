@@ -53,7 +53,7 @@ def scaled(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--rows", default="1,4,16,32,64,128,256,512")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
     p.add_argument("--out", default="fp8_gemm.json")
     args = p.parse_args()
     weights = {}
@@ -75,6 +75,25 @@ def main() -> None:
         print(f"  {cfg}: {' / '.join(f'{t:.1f}' for t in times)} = {sum(times):.1f}", flush=True)
         best = min(best, (sum(times), cfg), key=lambda b: b[0])
     print(f"GEMV_BEST {best[0]:.1f} {json.dumps(best[1])}")
+    print("w8a16 at 16 rows, us per GEMM and the layer's sum, by config (BLOCK_N as w8a16_config picks unless given):")
+    best = (float("inf"), {})
+    for cfg in [
+        {},
+        dict(BLOCK_K=128, num_stages=4),
+        dict(BLOCK_K=512, num_stages=3),
+        dict(BLOCK_N=32, BLOCK_K=256, num_stages=4),
+        dict(BLOCK_N=32, BLOCK_K=512, num_stages=3),
+        dict(BLOCK_N=64, BLOCK_K=256, num_stages=3),
+        dict(BLOCK_K=256, num_stages=3, num_warps=2),
+        dict(BLOCK_K=512, num_stages=2, num_warps=8),
+    ]:
+        times = []
+        for w, q, s in weights.values():
+            x = torch.randn(16, w.shape[1], device="cuda", dtype=torch.bfloat16)
+            times.append(graph_us(lambda: w8a16(x, q, s, config=cfg)))  # noqa: B023
+        print(f"  {cfg}: {' / '.join(f'{t:.1f}' for t in times)} = {sum(times):.1f}", flush=True)
+        best = min(best, (sum(times), cfg), key=lambda b: b[0])
+    print(f"W8A16_BEST {best[0]:.1f} {json.dumps(best[1])}")
     rows_out = []
     print(f"{'M':>5s} {'bf16 us':>9s} {'w8a16 us':>9s} {'fp8xfp8 us':>11s}  per GEMM (bf16 / w8a16 / fp8xfp8)")
     for m in [int(r) for r in args.rows.split(",")]:

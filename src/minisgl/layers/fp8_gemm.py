@@ -85,13 +85,13 @@ def _w8a16_kernel() -> Any:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+        b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]  # rows of b, contiguous along K
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
-            b = tl.load(b_ptrs, mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_left), other=0.0)
-            acc += tl.dot(a, b.to(a.dtype))
+            b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_left), other=0.0)
+            acc += tl.dot(a, tl.trans(b.to(a.dtype)))
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         acc = acc * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
@@ -161,6 +161,9 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+W8A16_CONFIG = dict(BLOCK_K=256, num_warps=4, num_stages=4)
+
+
 def w8a16_config(m: int, n: int, device: torch.device) -> dict[str, int]:
     """Tiles for the weight-only kernel: BLOCK_N as wide as still gives every SM about two programs (one wave
     of weight reads spread over the whole GPU), BLOCK_M the rows rounded up to the tensor cores' 16."""
@@ -169,16 +172,22 @@ def w8a16_config(m: int, n: int, device: torch.device) -> dict[str, int]:
     while block_n > 16 and -(-n // block_n) < 2 * sms:
         block_n //= 2
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256 if block_n <= 32 else 128, num_warps=4, num_stages=4)
+    return dict(W8A16_CONFIG, BLOCK_M=block_m, BLOCK_N=block_n)
 
 
-def w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def w8a16(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
     """x [M, K] (fp16/bf16) @ (qweight [N, K] e4m3 * scale [N])^T -> [M, N] in x's dtype."""
     m, k = x.shape
     n = qweight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m:
-        cfg = w8a16_config(m, n, x.device)
+        cfg = {**w8a16_config(m, n, x.device), **(config or {})}
         grid = (-(-n // cfg["BLOCK_N"]), -(-m // cfg["BLOCK_M"]))
         _w8a16_kernel()[grid](x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0), **cfg)
     return out
