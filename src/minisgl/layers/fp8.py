@@ -6,9 +6,9 @@ Qwen3-FP8 checkpoints (quant_method "fp8", weight_block_size [128, 128], tensors
 Per-channel scales are the block (1, K), a per-tensor scale the block (N, K).
 
 Tensor-parallel shards slice Q and its scales together (Fp8Weight.narrow, called by the layers' weight loaders as
-they narrow a plain tensor), so a rank's shard must start on a block boundary. No FP8 GEMM runs yet: copy_checked
-dequantizes each shard at load into the model's dtype. A GPU FP8 GEMM would keep Q and scale_inv as the layer's
-parameters instead and quantize activations per token group in forward.
+they narrow a plain tensor), so a rank's shard must start on a block boundary. copy_checked dequantizes each shard at
+load into the model's dtype; on a GPU with FP8 GEMMs layers/quantize.py then makes the weights FP8 again with one
+scale per output channel (layers/fp8_gemm.py's format), which its kernels read.
 """
 
 from __future__ import annotations
