@@ -40,13 +40,13 @@ def _weights(n: int, k: int, device: str, lead: tuple[int, ...] = ()) -> tuple[t
 
 @pytest.mark.parametrize(("rows", "k", "n"), [(1, 96, 80), (3, 1100, 40), (5, 256, 200), (33, 130, 64)])
 def test_weight_only_kernels_match_float32(device, rows, k, n):
-    """gemv (CUDA cores, up to GEMV_MAX_ROWS rows) and w8a16 (tensor cores) against x @ W^T in float32."""
-    from minisgl.layers.fp8_gemm import GEMV_MAX_ROWS, gemv, w8a16
+    """weight_only (CUDA cores for one row, tensor cores above) against x @ W^T in float32."""
+    from minisgl.layers.fp8_gemm import weight_only
 
     q, scale = _weights(n, k, device)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
-    got = gemv(x, q, scale) if rows <= GEMV_MAX_ROWS else w8a16(x, q, scale)
+    got = weight_only(x, q, scale)
     ref = x.float() @ (q.float() * scale[:, None]).t()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)

@@ -2,10 +2,11 @@
 
     python3 tools/device/fp8_gemm_bench.py [--out fp8_gemm.json] [--rows 1,4,16,32,64,128,256,512]
 
-First the CUDA-core kernel (gemv) at one row under each of a few tile configurations (GEMV_BEST: the fastest).
+First the weight-only kernel at 1 row (CUDA cores) and 16 rows (tensor cores) under a few tile configurations
+(BEST_1, BEST_16: the fastest).
 
 For each row count M: microseconds of the layer's GEMMs (qkv, o, gate_up, down) in bf16 (torch.mm), with the FP8
-weight-only kernels (layers/fp8_gemm.py: gemv for one row, w8a16 above) and with the per-row input quantization +
+weight-only kernels (layers/fp8_gemm.py: weight_only) and with the per-row input quantization +
 torch._scaled_mm, each replayed 50 times from a CUDA graph (launch costs as in decode). The last line gives the
 largest M at which the weight-only kernels are still faster: the value for MINISGL_FP8_WEIGHT_ONLY_ROWS.
 """
@@ -18,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from minisgl.layers.fp8_gemm import GEMV_MAX_ROWS, gemv, quantize_per_channel, quantize_rows, w8a16
+from minisgl.layers.fp8_gemm import quantize_per_channel, quantize_rows, weight_only
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # (K, N)
 
@@ -46,6 +47,20 @@ def graph_us(fn: Callable[[], object], reps: int = 50) -> float:
     return best
 
 
+def sweep(weights: dict[str, tuple[torch.Tensor, ...]], rows: int, configs: list[dict[str, int]]) -> None:
+    """The weight-only kernel at `rows` rows under each tile configuration; prints the fastest as BEST_<rows>."""
+    print(f"weight-only kernel at {rows} rows, us per GEMM (qkv / o / gate_up / down) and the layer's sum, by tiles:")
+    best: tuple[float, dict[str, int]] = (float("inf"), {})
+    for cfg in configs:
+        times = []
+        for w, q, s in weights.values():
+            x = torch.randn(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
+            times.append(graph_us(lambda: weight_only(x, q, s, config=cfg)))  # noqa: B023
+        print(f"  {cfg}: {' / '.join(f'{t:.1f}' for t in times)} = {sum(times):.1f}", flush=True)
+        best = min(best, (sum(times), cfg), key=lambda b: b[0])
+    print(f"BEST_{rows} {best[0]:.1f} {json.dumps(best[1])}")
+
+
 def scaled(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     qx, sx = quantize_rows(x)
     return torch._scaled_mm(qx, q.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
@@ -60,40 +75,16 @@ def main() -> None:
     for name, (k, n) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         weights[name] = (w, *quantize_per_channel(w))
-    gemv_configs = [
+    sweep(weights, 1, [
         dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
         for bn, bk, w, st in [(16, 512, 4, 3), (8, 512, 4, 3), (16, 256, 4, 4), (32, 256, 4, 3), (8, 1024, 4, 2),
                               (16, 1024, 8, 2), (4, 1024, 4, 3), (32, 512, 8, 2), (64, 128, 4, 4)]
-    ]  # fmt: skip
-    print("gemv at 1 row, us per GEMM (qkv / o / gate_up / down) and the layer's sum, by config:")
-    best: tuple[float, dict[str, int]] = (float("inf"), {})
-    for cfg in gemv_configs:
-        times = []
-        for w, q, s in weights.values():
-            x = torch.randn(1, w.shape[1], device="cuda", dtype=torch.bfloat16)
-            times.append(graph_us(lambda: gemv(x, q, s, config=cfg)))  # noqa: B023
-        print(f"  {cfg}: {' / '.join(f'{t:.1f}' for t in times)} = {sum(times):.1f}", flush=True)
-        best = min(best, (sum(times), cfg), key=lambda b: b[0])
-    print(f"GEMV_BEST {best[0]:.1f} {json.dumps(best[1])}")
-    print("w8a16 at 16 rows, us per GEMM and the layer's sum, by config (BLOCK_N as w8a16_config picks unless given):")
-    best = (float("inf"), {})
-    for cfg in [
-        {},
-        dict(BLOCK_K=128, num_stages=4),
-        dict(BLOCK_K=512, num_stages=3),
-        dict(BLOCK_N=32, BLOCK_K=256, num_stages=4),
-        dict(BLOCK_N=32, BLOCK_K=512, num_stages=3),
-        dict(BLOCK_N=64, BLOCK_K=256, num_stages=3),
-        dict(BLOCK_K=256, num_stages=3, num_warps=2),
-        dict(BLOCK_K=512, num_stages=2, num_warps=8),
-    ]:
-        times = []
-        for w, q, s in weights.values():
-            x = torch.randn(16, w.shape[1], device="cuda", dtype=torch.bfloat16)
-            times.append(graph_us(lambda: w8a16(x, q, s, config=cfg)))  # noqa: B023
-        print(f"  {cfg}: {' / '.join(f'{t:.1f}' for t in times)} = {sum(times):.1f}", flush=True)
-        best = min(best, (sum(times), cfg), key=lambda b: b[0])
-    print(f"W8A16_BEST {best[0]:.1f} {json.dumps(best[1])}")
+    ])  # fmt: skip
+    sweep(weights, 16, [
+        dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+        for bn, bk, w, st in [(16, 256, 4, 4), (16, 128, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
+                              (64, 256, 4, 3), (16, 256, 2, 3), (16, 512, 8, 2)]
+    ])  # fmt: skip
     rows_out = []
     print(f"{'M':>5s} {'bf16 us':>9s} {'w8a16 us':>9s} {'fp8xfp8 us':>11s}  per GEMM (bf16 / w8a16 / fp8xfp8)")
     for m in [int(r) for r in args.rows.split(",")]:
@@ -102,7 +93,7 @@ def main() -> None:
             x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
             per[name] = [
                 graph_us(lambda: torch.mm(x, w.t())),  # noqa: B023
-                graph_us(lambda: (gemv if m <= GEMV_MAX_ROWS else w8a16)(x, q, s)),  # noqa: B023
+                graph_us(lambda: weight_only(x, q, s)),  # noqa: B023
                 graph_us(lambda: scaled(x, q, s)),  # noqa: B023
             ]
         totals = [sum(v[i] for v in per.values()) for i in range(3)]

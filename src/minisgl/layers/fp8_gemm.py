@@ -5,8 +5,8 @@ Q [N, K] float8_e4m3fn and scale [N] float32, W ~= Q * scale[:, None] (layers/qu
 load). Two kernels compute the product, chosen by the number of rows M:
 
 - few rows (decode at small batch, `weight_only_rows()` and below): a Triton kernel that reads the FP8 weight, widens
-  it in registers and applies the scale to the sum (W8A16): on the CUDA cores for one row (`gemv`),
-  on the tensor cores above (`w8a16`). The step is bound by the weight bytes, which FP8 halves; x is not quantized,
+  it in registers and applies the scale to the sum (W8A16, `weight_only`): on the CUDA cores for one row, on the
+  tensor cores above. The step is bound by the weight bytes, which FP8 halves; x is not quantized,
   so these rows lose nothing but the weights' rounding.
 - more rows (prefill, large decode batches): x quantized to e4m3 per row (one Triton kernel: max |x| of the row,
   then the scaled cast), then torch._scaled_mm with row-wise scales (cuBLASLt/CUTLASS FP8 tensor cores, Hopper
@@ -108,7 +108,7 @@ def _gemv_kernel() -> Any:
 
     @triton.jit
     def gemv_kernel(
-        a_ptr, b_ptr, scale_ptr, c_ptr, N, K, stride_am, stride_bn, stride_cm,
+        a_ptr, b_ptr, scale_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # c[m, n] = scale[n] * sum_k a[m, k] * b[n, k] for the ROWS rows of a, on the CUDA cores: a program streams
@@ -138,54 +138,37 @@ GEMV_MAX_ROWS = 1
 GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2)
 
 
-def gemv(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scale: torch.Tensor,
-    out: torch.Tensor | None = None,
-    config: dict[str, int] | None = None,
-) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_MAX_ROWS) @ (qweight [N, K] e4m3 * scale [N])^T -> [M, N] in x's dtype."""
-    m, k = x.shape
-    n = qweight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    cfg = config or GEMV_CONFIG
-    if m:
-        grid = (-(-n // cfg["BLOCK_N"]),)
-        _gemv_kernel()[grid](x, qweight, scale, out, n, k, x.stride(0), qweight.stride(0), out.stride(0), m, **cfg)
-    return out
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 # Up to 16 rows a Qwen3-8B layer's four GEMMs took 87 us with these tiles against bf16's 103 on an H200
 # (tools/device/fp8_gemm_bench.py's sweep); 64-row blocks take more rows.
 W8A16_CONFIG = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
 
 
-def w8a16_config(m: int, n: int, device: torch.device) -> dict[str, int]:
+def w8a16_config(m: int) -> dict[str, int]:
     """Tiles for the weight-only kernel: W8A16_CONFIG, BLOCK_M the rows rounded up to the tensor cores' 16."""
     return dict(W8A16_CONFIG, BLOCK_M=16 if m <= 16 else 32 if m <= 32 else 64)
 
 
-def w8a16(
+def weight_only(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scale: torch.Tensor,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (fp16/bf16) @ (qweight [N, K] e4m3 * scale [N])^T -> [M, N] in x's dtype."""
+    """x [M, K] (fp16/bf16) @ (qweight [N, K] e4m3 * scale [N])^T -> [M, N] in x's dtype, the weight widened in the
+    kernel: the CUDA-core GEMV up to GEMV_MAX_ROWS rows, the tensor-core kernel above; config overrides its tiles."""
     m, k = x.shape
     n = qweight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    if m:
-        cfg = {**w8a16_config(m, n, x.device), **(config or {})}
-        grid = (-(-n // cfg["BLOCK_N"]), -(-m // cfg["BLOCK_M"]))
-        _w8a16_kernel()[grid](x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0), **cfg)
+    if m == 0:
+        return out
+    if m <= GEMV_MAX_ROWS:
+        cfg: dict[str, int] = {**GEMV_CONFIG, **(config or {}), "ROWS": m}
+        kernel, grid = _gemv_kernel(), (-(-n // cfg["BLOCK_N"]),)
+    else:
+        cfg = {**w8a16_config(m), **(config or {})}
+        kernel, grid = _w8a16_kernel(), (-(-n // cfg["BLOCK_N"]), -(-m // cfg["BLOCK_M"]))
+    kernel[grid](x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0), **cfg)
     return out
 
 
@@ -200,10 +183,8 @@ def fp8_linear(
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    if x2.shape[0] <= GEMV_MAX_ROWS:
-        y = gemv(x2, qweight, scale, out)
-    elif x2.shape[0] <= weight_only_rows():
-        y = w8a16(x2, qweight, scale, out)
+    if x2.shape[0] <= weight_only_rows():
+        y = weight_only(x2, qweight, scale, out)
     else:
         qx, sx = quantize_rows(x2)
         y = torch._scaled_mm(qx, qweight.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
