@@ -2,6 +2,7 @@
 
     minisgl bench throughput --out out/bench.json             # everything, a table at the end
     minisgl bench throughput --shape qwen3-30b-a3b --quick --skip-hf   # the mixture-of-experts shape
+    minisgl bench throughput --shape qwen3-8b --quantization fp8       # bf16 and FP8 weights side by side
     minisgl bench throughput run --model-dir D [--disable-overlap] [--disable-cuda-graph] [--latency]
     minisgl bench throughput hf --model-dir D
 
@@ -355,7 +356,9 @@ def main_all(args: argparse.Namespace) -> None:
         results["fp8_kv"] = sub(
             model_dir, "run", "--latency", "--kv-cache-dtype", "fp8_e4m3", "--page-size", "16", *common
         )
-    if args.with_fp8 or args.fp8_only:  # FP8 weights: their own floor (half the linears' bytes)
+    if (
+        args.with_fp8 or args.fp8_only or args.quantization == "fp8"
+    ):  # FP8 weights: their own floor (half the linears' bytes)
         results["fp8"] = sub(model_dir, "run", "--latency", "--quantization", "fp8", *common)
         results["fp8"]["floor"] = bandwidth_floor(bandwidth, SHAPES[args.shape], fp8=True)
     if not args.skip_hf:
@@ -441,7 +444,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--with-fp8", action="store_true", help="all: one more row with FP8 weights (--quantization fp8)")
     p.add_argument("--fp8-only", action="store_true", help="all: the FP8-weights row alone")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized from free GPU memory)")
-    p.add_argument("--quantization", default=None, help="run: fp8 (FP8 weights, FP8 GEMMs on Hopper)")
+    p.add_argument(
+        "--quantization", default=None, help="run: fp8 (FP8 weights, FP8 GEMMs on Hopper); all: as --with-fp8"
+    )
     p.add_argument("--disable-overlap", action="store_true")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--latency", action="store_true")
