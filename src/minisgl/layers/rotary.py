@@ -59,6 +59,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
         self._cos_sin: torch.Tensor | None = None  # [max_position, head_dim] float32, flashinfer's layout
+        # rotate_cpu's [cos, cos] and [-sin, sin] per position (built on first use), and those of the last positions.
+        self._cos_sin_full: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._positions: torch.Tensor | None = None
+        self._selected: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
     def cos_sin(self) -> torch.Tensor:
         """[max_position, head_dim] float32: cos of each frequency, then sin (flashinfer's layout)."""
@@ -78,6 +82,21 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def rotate_cpu(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] (q and k side by side) rotated at positions [T], for float32 CPU tensors: HF's
+        x * cos + rotate_half(x) * sin in four ops, the same bits. Every layer of a forward passes the same positions
+        tensor: its cos/sin rows are selected once per forward."""
+        if positions is not self._positions:
+            if self._cos_sin_full is None:
+                cos, sin = self.cos_cache, self.sin_cache
+                self._cos_sin_full = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+            cos, sin = self._cos_sin_full
+            self._selected = cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
+            self._positions = positions
+        cos, sin = self._selected
+        # rotate_half(x) * sin == roll(x) * [-sin, sin]: negating x2 or sin gives the same products.
+        return x * cos + x.roll(self.head_dim // 2, -1) * sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

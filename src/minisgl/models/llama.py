@@ -84,6 +84,12 @@ class LlamaAttention(nn.Module):
             )
             return q, None, None
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        if self.q_norm is None and qkv.device.type == "cpu" and qkv.dtype == torch.float32:
+            # q and k side by side in qkv: one rotation of both, v a view (the fewest ops for CPU decode).
+            heads = self.num_heads + self.num_kv_heads
+            qk = self.rotary.rotate_cpu(positions, qkv.narrow(-1, 0, q_size + kv_size).view(-1, heads, self.head_dim))
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            return q, k, qkv.narrow(-1, q_size + kv_size, kv_size).view(-1, self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
