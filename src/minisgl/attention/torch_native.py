@@ -88,7 +88,9 @@ class TorchNativeMetadata(NamedTuple):
     max_extend: int
     max_seq: int
     mirror: str | None = None  # decode on the CPU: "append" to the dense copy, or "full" (rebuild it)
-    last_pos: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # ("append") (request, kv head, position)
+    # ("append") rows of the layer's copy viewed as [2 * rows * kv_heads * capacity, head_dim] that the new keys
+    # ([bs * kv_heads], request-major) and values (the second half) go to.
+    append_rows: torch.Tensor | None = None
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -100,7 +102,7 @@ class TorchNativeBackend(AttentionBackend):
         self.device = torch.device(device)
         self.scale = model_config.head_dim**-0.5
         self.mirror = DecodeMirror()
-        self._head_ids = torch.arange(kv_pool.k(0).shape[1])[None, :]  # appends index [request, kv head, position]
+        self._head_ids = torch.arange(kv_pool.k(0).shape[1])[None, :]  # [1, kv heads]
         self.num_layers = model_config.num_layers
 
     def prepare(self, batch: "Batch") -> None:
@@ -115,7 +117,7 @@ class TorchNativeBackend(AttentionBackend):
         # Padded query rows copy the limit of the request's last real query, so no row is all-masked (no NaN).
         q_clamped = torch.minimum(q_pos[None, :], (extend - 1)[:, None])
         visible = prefix[:, None] + q_clamped + 1  # [bs, max_extend] keys each query may see
-        mask = k_pos[None, None, :] < visible[:, :, None]
+        mask: torch.Tensor | None = k_pos[None, None, :] < visible[:, :, None]
 
         is_token = q_pos[None, :] < extend[:, None]
         token_to_padded = torch.arange(bs * max_extend)[is_token.flatten()]
@@ -128,8 +130,18 @@ class TorchNativeBackend(AttentionBackend):
         else:
             self.mirror.invalidate()
 
+        if self.device.type == "cpu":
+            # Additive once here rather than converted from bool by every layer's SDPA; none where nothing is
+            # masked (a decode batch of equal lengths, one request always): adding zeros changes no bit.
+            if bool(mask.all()):
+                mask = None
+            else:
+                mask = torch.zeros(mask.shape, dtype=self.kv_pool.model_dtype).masked_fill_(~mask, float("-inf"))
+
+        append_rows = None
         if mirror == "append":
             kv_indices = torch.empty(0, dtype=torch.int64)  # the dense copy has every key but the new ones
+            append_rows = self._append_rows(seq - 1)
         else:
             rows = batch.table_rows.to(self.page_table.device)
             slots = self.page_table.index_select(0, rows)[:, :max_seq]
@@ -138,15 +150,23 @@ class TorchNativeBackend(AttentionBackend):
             kv_indices = torch.where(in_seq, slots, slots[:, :1]).flatten()
         batch.attn_metadata = TorchNativeMetadata(
             kv_indices=kv_indices.to(self.device, non_blocking=True),
-            mask=mask.unsqueeze(1).to(self.device, non_blocking=True),
+            mask=None if mask is None else mask.unsqueeze(1).to(self.device, non_blocking=True),
             token_to_padded=token_to_padded.to(self.device, non_blocking=True),
             dense=token_to_padded.numel() == bs * max_extend,
             bs=bs,
             max_extend=max_extend,
             max_seq=max_seq,
             mirror=mirror,
-            last_pos=(torch.arange(bs)[:, None], self._head_ids, (seq - 1)[:, None]) if mirror == "append" else None,
+            append_rows=append_rows,
         )
+
+    def _append_rows(self, last: torch.Tensor) -> torch.Tensor:
+        """TorchNativeMetadata.append_rows for the new tokens at positions last [bs] of the copy's first bs rows."""
+        _, _, rows, kv_heads, capacity, _ = self.mirror.buffer.shape  # type: ignore[union-attr]
+        bs = last.shape[0]
+        request_head = torch.arange(bs)[:, None] * kv_heads + self._head_ids  # [bs, kv heads]
+        keys = (request_head * capacity + last[:, None]).flatten()
+        return torch.cat([keys, keys + rows * kv_heads * capacity])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: "Batch") -> torch.Tensor:
         self.kv_pool.store(layer_id, batch.out_loc, k, v)
@@ -162,16 +182,19 @@ class TorchNativeBackend(AttentionBackend):
                 for which in (0, 1)
             )
         if md.mirror is not None:
-            dense = self.mirror.buffer[layer_id, :, : md.bs]  # type: ignore[index]
+            layer_copy = self.mirror.buffer[layer_id]  # type: ignore[index]
             if md.mirror == "append":  # the pool's new entries, as a gather would read them
-                dense[0].index_put_(md.last_pos, self.kv_pool.as_read(k))
-                dense[1].index_put_(md.last_pos, self.kv_pool.as_read(v))
+                new = torch.cat([self.kv_pool.as_read(k), self.kv_pool.as_read(v)]).view(-1, head_dim)
+                layer_copy.view(-1, head_dim).index_copy_(0, md.append_rows, new)
+                dense = layer_copy[:, : md.bs]
             else:
+                dense = layer_copy[:, : md.bs]
                 dense[0, :, :, : md.max_seq], dense[1, :, :, : md.max_seq] = keys, values
             keys, values = dense[0, :, :, : md.max_seq], dense[1, :, :, : md.max_seq]
             if layer_id == self.num_layers - 1:
                 self.mirror.commit()
-        keys, values = keys.to(q.dtype), values.to(q.dtype)  # [bs, kv_heads, max_seq, head_dim]
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)  # [bs, kv_heads, max_seq, head_dim]
 
         if md.mirror is not None:
             # Decode: each KV head's group of query heads is its rows of queries, one SDPA without

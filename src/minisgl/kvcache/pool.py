@@ -63,10 +63,12 @@ class KVPool:
         """x as the pool holds it (fp8: saturated and rounded), in the pool's dtype."""
         if self.is_fp8:
             return x.clamp(-self._fp8_max, self._fp8_max).to(self.dtype)
-        return x.to(self.dtype)
+        return x if x.dtype == self.dtype else x.to(self.dtype)  # no dispatch per layer when nothing converts
 
     def as_read(self, x: torch.Tensor) -> torch.Tensor:
         """x as a read of the pool gives it back after storing (fp8: rounded, then upcast)."""
+        if not self.is_fp8 and x.dtype == self.dtype:
+            return x
         return self.as_stored(x).to(self.read_dtype)
 
     def store(self, layer: int, out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
