@@ -38,6 +38,7 @@ class DecodeMirror:
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
+        self.layer_rows: torch.Tensor | None = None  # buffer as [layers, 2 * rows * kv_heads * capacity, head_dim]
         self.rows: list[int] | None = None  # page-table rows of the requests it holds, in batch order
         self.seq_lens: list[int] = []
         self._pending: tuple[list[int], list[int]] | None = None
@@ -68,7 +69,13 @@ class DecodeMirror:
             self.buffer = torch.zeros(
                 num_layers, 2, len(rows), kv_heads, capacity, head_dim, dtype=dtype, device=device
             )
+            self.layer_rows = self.buffer.view(num_layers, -1, head_dim)
         return "full"
+
+    def views(self, bs: int, max_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of a forward's bs requests, [layers, bs, kv_heads, max_seq, head_dim] each."""
+        held = self.buffer[:, :, :bs, :, :max_seq]  # type: ignore[index]
+        return held[:, 0], held[:, 1]
 
     def commit(self) -> None:
         if self._pending is not None:
@@ -76,7 +83,7 @@ class DecodeMirror:
             self._pending = None
 
     def invalidate(self) -> None:
-        self.buffer, self.rows, self.seq_lens, self._pending = None, None, [], None
+        self.buffer, self.layer_rows, self.rows, self.seq_lens, self._pending = None, None, None, [], None
 
 
 class TorchNativeMetadata(NamedTuple):
@@ -91,6 +98,7 @@ class TorchNativeMetadata(NamedTuple):
     # ("append") rows of the layer's copy viewed as [2 * rows * kv_heads * capacity, head_dim] that the new keys
     # ([bs * kv_heads], request-major) and values (the second half) go to.
     append_rows: torch.Tensor | None = None
+    mirror_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # (mirror) DecodeMirror.views of this forward
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -158,6 +166,7 @@ class TorchNativeBackend(AttentionBackend):
             max_seq=max_seq,
             mirror=mirror,
             append_rows=append_rows,
+            mirror_kv=None if mirror is None else self.mirror.views(bs, max_seq),
         )
 
     def _append_rows(self, last: torch.Tensor) -> torch.Tensor:
@@ -182,15 +191,14 @@ class TorchNativeBackend(AttentionBackend):
                 for which in (0, 1)
             )
         if md.mirror is not None:
-            layer_copy = self.mirror.buffer[layer_id]  # type: ignore[index]
+            dense_keys, dense_values = md.mirror_kv  # type: ignore[misc]
             if md.mirror == "append":  # the pool's new entries, as a gather would read them
                 new = torch.cat([self.kv_pool.as_read(k), self.kv_pool.as_read(v)]).view(-1, head_dim)
-                layer_copy.view(-1, head_dim).index_copy_(0, md.append_rows, new)
-                dense = layer_copy[:, : md.bs]
+                self.mirror.layer_rows[layer_id].index_copy_(0, md.append_rows, new)  # type: ignore[index]
             else:
-                dense = layer_copy[:, : md.bs]
-                dense[0, :, :, : md.max_seq], dense[1, :, :, : md.max_seq] = keys, values
-            keys, values = dense[0, :, :, : md.max_seq], dense[1, :, :, : md.max_seq]
+                dense_keys[layer_id].copy_(keys)
+                dense_values[layer_id].copy_(values)
+            keys, values = dense_keys[layer_id], dense_values[layer_id]
             if layer_id == self.num_layers - 1:
                 self.mirror.commit()
         if keys.dtype != q.dtype:

@@ -40,6 +40,8 @@ class KVPool:
         self.device = torch.device(device)
         shape = (2, num_layers, num_pages * page_size, num_kv_heads, head_dim)
         self.buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+        # Each layer's (keys, values) views, made once: a layer's store or read takes no indexing ops.
+        self.layer_kv = [(self.buffer[0, layer], self.buffer[1, layer]) for layer in range(num_layers)]
 
     @property
     def num_slots(self) -> int:
@@ -47,10 +49,10 @@ class KVPool:
 
     def k(self, layer: int) -> torch.Tensor:
         """[num_slots, kv_heads, head_dim] keys of one layer."""
-        return self.buffer[0, layer]
+        return self.layer_kv[layer][0]
 
     def v(self, layer: int) -> torch.Tensor:
-        return self.buffer[1, layer]
+        return self.layer_kv[layer][1]
 
     def paged_k(self, layer: int) -> torch.Tensor:
         """[num_pages, page_size, kv_heads, head_dim] view (the layout paged kernels read)."""
@@ -73,15 +75,15 @@ class KVPool:
 
     def store(self, layer: int, out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v ([num_tokens, kv_heads, head_dim]) into the slots out_loc."""
-        for i, x in ((0, k), (1, v)):
-            dst, src = self.buffer[i, layer], self.as_stored(x)
+        for dst, x in zip(self.layer_kv[layer], (k, v)):
+            src = self.as_stored(x)
             if self.is_fp8:  # byte copies: not every device implements indexing ops for fp8
                 dst, src = dst.view(torch.uint8), src.view(torch.uint8)
             dst.index_copy_(0, out_loc, src)
 
     def gather(self, layer: int, which: int, slots: torch.Tensor) -> torch.Tensor:
         """[len(slots), kv_heads, head_dim] keys (which=0) or values (1) of one layer, in read_dtype."""
-        src = self.buffer[which, layer]
+        src = self.layer_kv[layer][which]
         if not self.is_fp8:
             return src.index_select(0, slots)
         return src.view(torch.uint8).index_select(0, slots).view(self.dtype).to(self.read_dtype)

@@ -172,7 +172,10 @@ class CpuGemm:
         if key != self._key:
             self._packed = _pack_quantized(kind, weight, bias)
             self._key = key
-        y = _run_quantized(kind, x.reshape(-1, x.shape[-1]), self._packed, bias if kind == "int8" else None)
+        bias = bias if kind == "int8" else None
+        if x.dim() == 2:  # the model's activations: no reshape round trip
+            return _run_quantized(kind, x, self._packed, bias)
+        y = _run_quantized(kind, x.reshape(-1, x.shape[-1]), self._packed, bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
