@@ -95,13 +95,15 @@ def _run_quantized(kind: str, x: torch.Tensor, packed: torch.Tensor, bias: torch
     """y = x W^T (+ b) over a packed weight [rows, in]; fp16 multiplies in fp32. int8 quantizes x on the fly to
     8 bits per tensor, which is per row in decode (one row per request); a prefill's rows are scaled to the same
     range first, so that each is quantized as finely as decode would (one outlier row would coarsen them all)."""
+    # The overloads themselves: an op packet's call first walks its arguments for script objects (the packed weight).
     if kind == "fp16":
-        return torch.ops.quantized.linear_dynamic_fp16(x, packed)
+        return torch.ops.quantized.linear_dynamic_fp16.default(x, packed)
+    linear = torch.ops.quantized.linear_dynamic.default
     if x.shape[0] == 1:
-        y = torch.ops.quantized.linear_dynamic(x, packed, False)
+        y = linear(x, packed, False)
     else:
         row_max = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
-        y = torch.ops.quantized.linear_dynamic(x / row_max, packed, False).mul_(row_max)
+        y = linear(x / row_max, packed, False).mul_(row_max)
     return y if bias is None else y.add_(bias)
 
 
