@@ -17,4 +17,4 @@ class SiluAndMul(nn.Module):
         if fi is not None:
             return fi.activation.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)  # in place: one allocation fewer per layer

@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32:  # torch's fused kernel: the same bits as the steps below, in one pass
-            return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
