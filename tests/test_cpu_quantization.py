@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams, errors
-from minisgl.layers.linear import CpuGemm, quantize_gemms
+from minisgl.layers.linear import RESCORED, RESCORED_TOP, CpuGemm, quantize_gemms
 
 pytestmark = pytest.mark.skipif(not CpuGemm.supports("fp16"), reason="no fbgemm kernels in this torch/CPU")
 
@@ -48,7 +48,26 @@ def test_a_changed_weight_is_packed_again():
     torch.testing.assert_close(gemm(x, w), x @ w.half().float().T, rtol=1e-4, atol=1e-4)
 
 
-def test_int8_quantization_switches_every_linear_and_keeps_the_lm_head_fp16(tiny_model_dir):
+def test_int8_rescored_gemm_scores_each_rows_top_outputs_in_fp32_and_the_rest_in_int8():
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 64), torch.randn(500, 64) * 0.1
+    gemm = CpuGemm()
+    gemm.quantized = RESCORED
+    y = gemm(x, w)
+    exact = x @ w.T
+    plain = CpuGemm()
+    plain.quantized = "int8"
+    approx = plain(x, w)
+    for row in range(3):
+        top = approx[row].topk(RESCORED_TOP).indices
+        torch.testing.assert_close(y[row, top], exact[row, top], rtol=1e-5, atol=1e-5)  # fp32's own scores
+        rest = torch.ones(500, dtype=torch.bool)
+        rest[top] = False
+        assert torch.equal(y[row, rest], approx[row, rest])  # the int8 GEMM's elsewhere
+    assert torch.equal(y.argmax(-1), exact.argmax(-1))
+
+
+def test_int8_quantization_switches_every_linear_and_rescores_the_lm_head(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama")), quantization="int8", num_pages=256)
     kinds = {
         name.rsplit(".", 1)[-1]: module.gemm.quantized
@@ -60,7 +79,7 @@ def test_int8_quantization_switches_every_linear_and_keeps_the_lm_head_fp16(tiny
         "o_proj": "int8",
         "gate_up_proj": "int8",
         "down_proj": "int8",
-        "lm_head": "fp16",
+        "lm_head": RESCORED,
     }
     out = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
