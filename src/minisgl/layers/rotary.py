@@ -62,7 +62,6 @@ class RotaryEmbedding(nn.Module):
         # rotate_cpu's [cos, cos] and [-sin, sin] per position (built on first use), and those of the last positions.
         self._cos_sin_full: tuple[torch.Tensor, torch.Tensor] | None = None
         self._positions: torch.Tensor | None = None
-        self._positions_version = -1
         self._selected: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
     def cos_sin(self) -> torch.Tensor:
@@ -88,13 +87,14 @@ class RotaryEmbedding(nn.Module):
         """x [T, heads, head_dim] (q and k side by side) rotated at positions [T], for float32 CPU tensors: HF's
         x * cos + rotate_half(x) * sin in four ops, the same bits. Every layer of a forward passes the same positions
         tensor: its cos/sin rows are selected once per forward."""
-        if positions is not self._positions or positions._version != self._positions_version:
+        # The engine builds a new positions tensor for each batch (an inference tensor: no version counter to check).
+        if positions is not self._positions:
             if self._cos_sin_full is None:
                 cos, sin = self.cos_cache, self.sin_cache
                 self._cos_sin_full = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
             cos, sin = self._cos_sin_full
             self._selected = cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
-            self._positions, self._positions_version = positions, positions._version  # an in-place edit re-selects
+            self._positions = positions
         cos, sin = self._selected
         # rotate_half(x) * sin == roll(x) * [-sin, sin]: negating x2 or sin gives the same products.
         return x * cos + x.roll(self.head_dim // 2, -1) * sin
