@@ -100,6 +100,8 @@ def write_model_dir(tokenizer_dir: Path, shape: str = "qwen3-0.6b") -> Path:
 
 
 def run_minisgl(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
     from minisgl import LLM
 
     t0 = time.perf_counter()
@@ -129,8 +131,6 @@ def run_minisgl(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.latency:
         result.update(decode_latency(llm))
-    import torch
-
     result["peak_gpu_gb"] = round(torch.cuda.max_memory_reserved() / 1e9, 1)  # weights, KV pool, graphs, activations
     return result
 

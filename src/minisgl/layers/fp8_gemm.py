@@ -206,6 +206,10 @@ class Fp8Gemm:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return fp8_linear(x, weight, self.scale, bias)
 
+    def into(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """out [M, N] = the same product, written where the caller says (CpuGemm.into's counterpart)."""
+        fp8_linear(x, weight, self.scale, bias, out=out)
+
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [..., N, K] -> (e4m3 of the same shape, scale [..., N] float32): one scale (max |w| / 448) per row."""

@@ -14,7 +14,7 @@ from minisgl import env
 from minisgl.distributed import all_reduce, get_tp_info, partial_out
 from minisgl.errors import WeightsError
 from minisgl.layers.fp8 import Fp8Weight
-from minisgl.layers.fp8_gemm import Fp8Gemm, fp8_linear
+from minisgl.layers.fp8_gemm import Fp8Gemm
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -168,6 +168,14 @@ class CpuGemm:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.PACK_BATCH_HINT)
             self._key = key
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+
+    @staticmethod
+    def into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """out [M, N] = x [M, K] W^T (+ b), written where the caller says (distributed.partial_out's buffer)."""
+        if bias is None:
+            torch.mm(x, weight.t(), out=out)
+        else:
+            torch.addmm(bias, x, weight.t(), out=out)
 
     def _quantized(self, kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """fbgemm's GEMM over a weight packed once (re-packed when the weight or bias changes)."""
@@ -350,11 +358,5 @@ class RowParallelLinear(LinearBase):
         if out is None:
             y = self.gemm(x, self.weight, bias)
             return all_reduce(y) if reduce else y
-        x2 = x.reshape(-1, x.shape[-1])
-        if isinstance(self.gemm, Fp8Gemm):
-            fp8_linear(x2, self.weight, self.gemm.scale, bias, out=out)
-        elif bias is None:
-            torch.mm(x2, self.weight.t(), out=out)
-        else:
-            torch.addmm(bias, x2, self.weight.t(), out=out)
+        self.gemm.into(out, x.reshape(-1, x.shape[-1]), self.weight, bias)
         return out.view(*x.shape[:-1], self.output_size)
