@@ -1,9 +1,10 @@
 """FP8 GEMMs against bf16 on one CUDA GPU: a Qwen3-8B decoder layer's four GEMMs at each row count.
 
-    python3 tools/device/fp8_gemm_bench.py [--out fp8_gemm.json] [--rows 1,4,16,32,64,128,256,512]
+    python3 tools/device/fp8_gemm_bench.py [--out fp8_gemm.json] [--rows 1,4,16,32,64,128,256]
 
 First the weight-only kernel at 1 row (CUDA cores) and 16 rows (tensor cores) under a few tile configurations
-(BEST_1, BEST_16: the fastest).
+(BEST_1, BEST_16: the fastest, and the fastest for each GEMM), then the down projection with and without the
+SiLU-and-mul kernel before it (the gated input).
 
 For each row count M: microseconds of the layer's GEMMs (qkv, o, gate_up, down) in bf16 (torch.mm), with the FP8
 weight-only kernels (layers/fp8_gemm.py: weight_only) and with the per-row input quantization +
@@ -19,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from minisgl.layers.fp8_gemm import quantize_per_channel, quantize_rows, weight_only
+from minisgl.layers.fp8_gemm import fp8_linear, quantize_per_channel, quantize_rows, weight_only
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # (K, N)
 
@@ -51,6 +52,7 @@ def sweep(weights: dict[str, tuple[torch.Tensor, ...]], rows: int, configs: list
     """The weight-only kernel at `rows` rows under each tile configuration; prints the fastest as BEST_<rows>."""
     print(f"weight-only kernel at {rows} rows, us per GEMM (qkv / o / gate_up / down) and the layer's sum, by tiles:")
     best: tuple[float, dict[str, int]] = (float("inf"), {})
+    per_shape: dict[str, tuple[float, dict[str, int]]] = {}
     for cfg in configs:
         times = []
         for w, q, s in weights.values():
@@ -58,7 +60,24 @@ def sweep(weights: dict[str, tuple[torch.Tensor, ...]], rows: int, configs: list
             times.append(graph_us(lambda: weight_only(x, q, s, config=cfg)))  # noqa: B023
         print(f"  {cfg}: {' / '.join(f'{t:.1f}' for t in times)} = {sum(times):.1f}", flush=True)
         best = min(best, (sum(times), cfg), key=lambda b: b[0])
+        for name, t in zip(weights, times):
+            per_shape[name] = min(per_shape.get(name, (float("inf"), {})), (t, cfg), key=lambda b: b[0])
     print(f"BEST_{rows} {best[0]:.1f} {json.dumps(best[1])}")
+    for name, (t, cfg) in per_shape.items():
+        print(f"  best for {name}: {t:.1f} us {json.dumps(cfg)}")
+
+
+def gated_down(weights: dict[str, tuple[torch.Tensor, ...]], rows: list[int]) -> None:
+    """The down projection after SiLU-and-mul: flashinfer's activation kernel then the FP8 GEMM, against the GEMM
+    reading the [gate | up] rows itself (gated=True), as the MLP runs it."""
+    import flashinfer
+
+    _, q, s = weights["down"]
+    for m in rows:
+        gate_up = torch.randn(m, 2 * q.shape[1], device="cuda", dtype=torch.bfloat16)
+        apart = graph_us(lambda: fp8_linear(flashinfer.activation.silu_and_mul(gate_up), q, s))  # noqa: B023
+        fused = graph_us(lambda: fp8_linear(gate_up, q, s, gated=True))  # noqa: B023
+        print(f"down at {m} rows: SiLU-and-mul + GEMM {apart:.1f} us, gated GEMM {fused:.1f} us", flush=True)
 
 
 def scaled(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -68,7 +87,7 @@ def scaled(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--out", default="fp8_gemm.json")
     args = p.parse_args()
     weights = {}
@@ -77,14 +96,16 @@ def main() -> None:
         weights[name] = (w, *quantize_per_channel(w))
     sweep(weights, 1, [
         dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
-        for bn, bk, w, st in [(16, 512, 4, 3), (8, 512, 4, 3), (16, 256, 4, 4), (32, 256, 4, 3), (8, 1024, 4, 2),
-                              (16, 1024, 8, 2), (4, 1024, 4, 3), (32, 512, 8, 2), (64, 128, 4, 4)]
+        for bn, bk, w, st in [(8, 1024, 4, 2), (8, 1024, 4, 3), (8, 2048, 4, 2), (8, 2048, 8, 2), (4, 2048, 4, 2),
+                              (4, 1024, 2, 2), (16, 1024, 8, 2), (16, 512, 4, 3), (8, 512, 4, 3), (8, 512, 2, 3),
+                              (2, 2048, 2, 2), (4, 4096, 4, 1)]
     ])  # fmt: skip
     sweep(weights, 16, [
         dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
         for bn, bk, w, st in [(16, 256, 4, 4), (16, 128, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
                               (64, 256, 4, 3), (16, 256, 2, 3), (16, 512, 8, 2)]
     ])  # fmt: skip
+    gated_down(weights, [1, 16, 64, 256])
     rows_out = []
     print(f"{'M':>5s} {'bf16 us':>9s} {'w8a16 us':>9s} {'fp8xfp8 us':>11s}  per GEMM (bf16 / w8a16 / fp8xfp8)")
     for m in [int(r) for r in args.rows.split(",")]:

@@ -12,6 +12,10 @@ load). Two kernels compute the product, chosen by the number of rows M:
   then the scaled cast), then torch._scaled_mm with row-wise scales (cuBLASLt/CUTLASS FP8 tensor cores, Hopper
   and later), the output in x's dtype.
 
+The MLP's down projection hands its [gate | up] input over as is (`gated`): the kernels apply SiLU-and-mul as they
+read it. On Hopper the Triton kernels launch with programmatic dependent launch, and the GEMV reads its first weight
+tile before it waits for the kernels before it (layers/fp8_gemm_kernels.py).
+
 Every shape is static for a given M and nothing syncs with the host, so both replay from CUDA graphs.
 """
 
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 
 from minisgl import env
+from minisgl.layers.fused import pdl_args
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -34,102 +39,25 @@ def weight_only_rows() -> int:
 
 
 @functools.cache
-def _quant_rows_kernel() -> Any:
-    import triton
-    import triton.language as tl
+def _kernels() -> dict[str, Any]:
+    """The Triton kernels (layers/fp8_gemm_kernels.py), imported on first use: "quant_rows", "w8a16" and "gemv"."""
+    from minisgl.layers import fp8_gemm_kernels as k
 
-    @triton.jit
-    def quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
-        # One program per row: scale = max |x| / 448, then q = x / scale in e4m3 (saturating).
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k in range(0, K, BLOCK):
-            x = tl.load(x_ptr + row * stride_x + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
-        tl.store(scale_ptr + row, scale)
-        for k in range(0, K, BLOCK):
-            x = tl.load(x_ptr + row * stride_x + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
-            q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-            tl.store(q_ptr + row * stride_q + k + offs, q.to(q_ptr.dtype.element_ty), mask=k + offs < K)
-
-    return quant_rows_kernel
+    return {"quant_rows": k.quant_rows_kernel, "w8a16": k.w8a16_kernel, "gemv": k.gemv_kernel}
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] e4m3, scale [M, 1] float32) with x ~= q * scale, one scale per row."""
-    m, k = x.shape
+def quantize_rows(x: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] e4m3, scale [M, 1] float32) with x ~= q * scale, one scale per row; gated: x is
+    [M, 2K] (gate | up) and silu(gate) * up is quantized."""
+    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     q = torch.empty(m, k, dtype=FP8, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         block = min(4096, max(128, 1 << (k - 1).bit_length()))
-        _quant_rows_kernel()[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, block, num_warps=4)
+        _kernels()["quant_rows"][(m,)](
+            x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, gated, BLOCK=block, num_warps=4, **pdl_args(x.device)
+        )
     return q, scale
-
-
-@functools.cache
-def _w8a16_kernel() -> Any:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def w8a16_kernel(
-        a_ptr, b_ptr, scale_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        # c[m, n] = scale[n] * sum_k a[m, k] * b[n, k], b widened from FP8 to a's dtype tile by tile.
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]  # rows of b, contiguous along K
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
-            b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_left), other=0.0)
-            acc += tl.dot(a, tl.trans(b.to(a.dtype)))
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-        acc = acc * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
-        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-
-    return w8a16_kernel
-
-
-@functools.cache
-def _gemv_kernel() -> Any:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def gemv_kernel(
-        a_ptr, b_ptr, scale_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        # c[m, n] = scale[n] * sum_k a[m, k] * b[n, k] for the ROWS rows of a, on the CUDA cores: a program streams
-        # BLOCK_N rows of b (contiguous along K) once per row of a (the second pass hits L2).
-        pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        n_mask = offs_n < N
-        b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
-        scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
-        for m in tl.static_range(ROWS):
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                k_mask = k + offs_k < K
-                a = tl.load(a_ptr + m * stride_am + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-                b = tl.load(b_ptrs + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-                acc += b * a[None, :]
-            y = tl.sum(acc, axis=1) * scale
-            tl.store(c_ptr + m * stride_cm + offs_n, y.to(c_ptr.dtype.element_ty), mask=n_mask)
-
-    return gemv_kernel
 
 
 # One row (decode of one request) on the CUDA cores: a Qwen3-8B layer's four GEMMs in 61 us against bf16's 106 on an
@@ -154,21 +82,26 @@ def weight_only(
     scale: torch.Tensor,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (fp16/bf16) @ (qweight [N, K] e4m3 * scale [N])^T -> [M, N] in x's dtype, the weight widened in the
-    kernel: the CUDA-core GEMV up to GEMV_MAX_ROWS rows, the tensor-core kernel above; config overrides its tiles."""
-    m, k = x.shape
+    kernel: the CUDA-core GEMV up to GEMV_MAX_ROWS rows, the tensor-core kernel above; config overrides its tiles.
+    gated: x is [M, 2K] (gate | up) and the product is silu(gate) * up's."""
+    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = qweight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return out
     if m <= GEMV_MAX_ROWS:
         cfg: dict[str, int] = {**GEMV_CONFIG, **(config or {}), "ROWS": m}
-        kernel, grid = _gemv_kernel(), (-(-n // cfg["BLOCK_N"]),)
+        kernel, grid = _kernels()["gemv"], (-(-n // cfg["BLOCK_N"]),)
     else:
         cfg = {**w8a16_config(m), **(config or {})}
-        kernel, grid = _w8a16_kernel(), (-(-n // cfg["BLOCK_N"]), -(-m // cfg["BLOCK_M"]))
-    kernel[grid](x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0), **cfg)
+        kernel, grid = _kernels()["w8a16"], (-(-n // cfg["BLOCK_N"]), -(-m // cfg["BLOCK_M"]))
+    kernel[grid](
+        x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0), GATED=gated, **cfg,
+        **pdl_args(x.device),
+    )  # fmt: skip
     return out
 
 
@@ -178,15 +111,17 @@ def fp8_linear(
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """y = x (qweight * scale)^T (+ bias) for x [..., K] on CUDA, in x's dtype; into out [M, N] if given."""
+    """y = x (qweight * scale)^T (+ bias) for x [..., K] on CUDA, in x's dtype; into out [M, N] if given.
+    gated: x is [..., 2K] (gate | up), and y is silu(gate) * up's product (the kernels apply SiLU-and-mul)."""
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     if x2.shape[0] <= weight_only_rows():
-        y = weight_only(x2, qweight, scale, out)
+        y = weight_only(x2, qweight, scale, out, gated=gated)
     else:
-        qx, sx = quantize_rows(x2)
+        qx, sx = quantize_rows(x2, gated)
         y = torch._scaled_mm(qx, qweight.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
         if out is not None:
             out.copy_(y)
@@ -198,17 +133,29 @@ def fp8_linear(
 
 class Fp8Gemm:
     """A linear's gemm (LinearBase.gemm) once its weight is FP8: the same call, y = gemm(x, weight, bias), with
-    weight the layer's e4m3 parameter and the per-channel scales held here."""
+    weight the layer's e4m3 parameter and the per-channel scales held here. It also takes a gated input
+    (`gated=True`: x is [gate | up], the product silu(gate) * up's), which spares the MLP its activation kernel."""
+
+    takes_gated = True
 
     def __init__(self, scale: torch.Tensor) -> None:
         self.scale = scale
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return fp8_linear(x, weight, self.scale, bias)
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+    ) -> torch.Tensor:
+        return fp8_linear(x, weight, self.scale, bias, gated=gated)
 
-    def into(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def into(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        gated: bool = False,
+    ) -> None:
         """out [M, N] = the same product, written where the caller says (CpuGemm.into's counterpart)."""
-        fp8_linear(x, weight, self.scale, bias, out=out)
+        fp8_linear(x, weight, self.scale, bias, out=out, gated=gated)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
