@@ -15,7 +15,7 @@ from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
 
 
 def test_the_kernels_in_triton_interpreter_on_the_cpu():
-    run_interpreter_cases(__file__, passed=8, timeout=600)
+    run_interpreter_cases(__file__, passed=6, timeout=600)
 
 
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
@@ -52,23 +52,6 @@ def test_weight_only_kernels_match_float32(device, rows, k, n):
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize(("rows", "k", "n"), [(1, 300, 48), (5, 160, 72)])
-def test_gated_input_applies_silu_and_mul(device, rows, k, n):
-    """weight_only with gated=True: x [M, 2K] (gate | up) multiplies silu(gate) * up (rounded to x's dtype, as the
-    SiLU-and-mul kernel writes it), the down projection's input, without a kernel of its own."""
-    from minisgl.layers.fp8_gemm import weight_only
-
-    q, scale = _weights(n, k, device)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    x = torch.randn(rows, 2 * k, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
-    got = weight_only(x, q, scale, gated=True)
-    gate, up = x.float().chunk(2, dim=-1)
-    act = (torch.nn.functional.silu(gate) * up).to(dtype).float()
-    ref = act @ (q.float() * scale[:, None]).t()
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
-
-
 @pytest.mark.parametrize("tokens", [3, 40])
 def test_scaled_experts_match_the_loop(device, tokens):
     """fused_moe with per-channel expert scales against the loop over the scaled (dequantized) experts."""
@@ -101,8 +84,3 @@ def test_row_quantization_bounds_each_row(device):
     assert torch.equal(q[0].float(), torch.zeros(3000, device=device))
     torch.testing.assert_close(q[1:].float().abs().amax(dim=1), torch.full((8,), FP8_MAX, device=device))
     torch.testing.assert_close(q.float() * scale, x.float(), atol=0.1 * x.float().abs().max().item() / 16, rtol=0.07)
-    gate, up = x.chunk(2, dim=-1)
-    qg, sg = quantize_rows(x, gated=True)
-    act = torch.nn.functional.silu(gate.float()) * up.float()
-    assert qg.shape == (9, 1500)
-    torch.testing.assert_close(qg.float() * sg, act, atol=0.1 * act.abs().max().item() / 16, rtol=0.07)

@@ -3,8 +3,8 @@
     python3 tools/device/fp8_gemm_bench.py [--out fp8_gemm.json] [--rows 1,4,16,32,64,128,256]
 
 First the weight-only kernel at 1 row (CUDA cores) and 16 rows (tensor cores) under a few tile configurations
-(BEST_1, BEST_16: the fastest, and the fastest for each GEMM), then the down projection with and without the
-SiLU-and-mul kernel before it (the gated input).
+(BEST_1, BEST_16: the fastest, and the fastest for each GEMM; without a configuration the kernels take
+layers/fp8_gemm.py's gemv_config and w8a16_config).
 
 For each row count M: microseconds of the layer's GEMMs (qkv, o, gate_up, down) in bf16 (torch.mm), with the FP8
 weight-only kernels (layers/fp8_gemm.py: weight_only) and with the per-row input quantization +
@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from minisgl.layers.fp8_gemm import fp8_linear, quantize_per_channel, quantize_rows, weight_only
+from minisgl.layers.fp8_gemm import quantize_per_channel, quantize_rows, weight_only
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # (K, N)
 
@@ -67,19 +67,6 @@ def sweep(weights: dict[str, tuple[torch.Tensor, ...]], rows: int, configs: list
         print(f"  best for {name}: {t:.1f} us {json.dumps(cfg)}")
 
 
-def gated_down(weights: dict[str, tuple[torch.Tensor, ...]], rows: list[int]) -> None:
-    """The down projection after SiLU-and-mul: flashinfer's activation kernel then the FP8 GEMM, against the GEMM
-    reading the [gate | up] rows itself (gated=True), as the MLP runs it."""
-    import flashinfer
-
-    _, q, s = weights["down"]
-    for m in rows:
-        gate_up = torch.randn(m, 2 * q.shape[1], device="cuda", dtype=torch.bfloat16)
-        apart = graph_us(lambda: fp8_linear(flashinfer.activation.silu_and_mul(gate_up), q, s))  # noqa: B023
-        fused = graph_us(lambda: fp8_linear(gate_up, q, s, gated=True))  # noqa: B023
-        print(f"down at {m} rows: SiLU-and-mul + GEMM {apart:.1f} us, gated GEMM {fused:.1f} us", flush=True)
-
-
 def scaled(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     qx, sx = quantize_rows(x)
     return torch._scaled_mm(qx, q.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
@@ -105,7 +92,6 @@ def main() -> None:
         for bn, bk, w, st in [(16, 256, 4, 4), (16, 128, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
                               (64, 256, 4, 3), (16, 256, 2, 3), (16, 512, 8, 2)]
     ])  # fmt: skip
-    gated_down(weights, [1, 16, 64, 256])
     rows_out = []
     print(f"{'M':>5s} {'bf16 us':>9s} {'w8a16 us':>9s} {'fp8xfp8 us':>11s}  per GEMM (bf16 / w8a16 / fp8xfp8)")
     for m in [int(r) for r in args.rows.split(",")]:
@@ -121,8 +107,8 @@ def main() -> None:
         rows_out.append({"rows": m, "bf16_us": totals[0], "w8a16_us": totals[1], "fp8_us": totals[2], "per": per})
         detail = " ".join(f"{n}={v[0]:.1f}/{v[1]:.1f}/{v[2]:.1f}" for n, v in per.items())
         print(f"{m:5d} {totals[0]:9.1f} {totals[1]:9.1f} {totals[2]:11.1f}  {detail}", flush=True)
-    weight_only = [r["rows"] for r in rows_out if r["w8a16_us"] <= r["fp8_us"]]
-    crossover = max(weight_only) if weight_only else 0
+    faster = [r["rows"] for r in rows_out if r["w8a16_us"] <= r["fp8_us"]]
+    crossover = max(faster) if faster else 0
     layer_bytes = sum(w.numel() for w, _, _ in weights.values())
     print(f"layer weights {layer_bytes * 2 / 1e6:.0f} MB bf16, {layer_bytes / 1e6:.0f} MB fp8")
     print(f"WEIGHT_ONLY_ROWS {crossover}")

@@ -12,9 +12,8 @@ load). Two kernels compute the product, chosen by the number of rows M:
   then the scaled cast), then torch._scaled_mm with row-wise scales (cuBLASLt/CUTLASS FP8 tensor cores, Hopper
   and later), the output in x's dtype.
 
-The MLP's down projection hands its [gate | up] input over as is (`gated`): the kernels apply SiLU-and-mul as they
-read it. On Hopper the Triton kernels launch with programmatic dependent launch, and the GEMV reads its first weight
-tile before it waits for the kernels before it (layers/fp8_gemm_kernels.py).
+On Hopper the Triton kernels launch with programmatic dependent launch, and the GEMV reads its first weight tile
+before it waits for the kernels before it (layers/fp8_gemm_kernels.py).
 
 Every shape is static for a given M and nothing syncs with the host, so both replay from CUDA graphs.
 """
@@ -46,24 +45,34 @@ def _kernels() -> dict[str, Any]:
     return {"quant_rows": k.quant_rows_kernel, "w8a16": k.w8a16_kernel, "gemv": k.gemv_kernel}
 
 
-def quantize_rows(x: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] e4m3, scale [M, 1] float32) with x ~= q * scale, one scale per row; gated: x is
-    [M, 2K] (gate | up) and silu(gate) * up is quantized."""
-    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] e4m3, scale [M, 1] float32) with x ~= q * scale, one scale per row."""
+    m, k = x.shape
     q = torch.empty(m, k, dtype=FP8, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         block = min(4096, max(128, 1 << (k - 1).bit_length()))
         _kernels()["quant_rows"][(m,)](
-            x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, gated, BLOCK=block, num_warps=4, **pdl_args(x.device)
+            x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, BLOCK=block, num_warps=4, **pdl_args(x.device)
         )
     return q, scale
 
 
-# One row (decode of one request) on the CUDA cores: a Qwen3-8B layer's four GEMMs in 61 us against bf16's 106 on an
-# H200 (tools/device/fp8_gemm_bench.py); at 4 rows the tensor-core kernel is faster (111 against 194 us).
+# One row (decode of one request) on the CUDA cores: a Qwen3-8B layer's four GEMMs in 54 us against bf16's 103 on an
+# H200 (tools/device/fp8_gemm_bench.py's sweep); at 4 rows the tensor-core kernel is faster (111 against 194 us).
 GEMV_MAX_ROWS = 1
 GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2)
+
+
+def gemv_config(n: int, k: int) -> dict[str, int]:
+    """The GEMV's tiles for an [n, k] weight: long rows (k >= 8192) split over twice the programs (Qwen3-8B's down
+    projection 15.4 against 16.4 us), wide weights (n >= 6144) in short tiles on two warps (qkv 6.3 against 7.2,
+    gate_up 27.8 against 29.7 us), GEMV_CONFIG otherwise (o, 4.3 us)."""
+    if k >= 8192:
+        return dict(BLOCK_N=4, BLOCK_K=2048, num_warps=4, num_stages=2)
+    if n >= 6144:
+        return dict(BLOCK_N=8, BLOCK_K=512, num_warps=2, num_stages=3)
+    return GEMV_CONFIG
 
 
 # Up to 16 rows a Qwen3-8B layer's four GEMMs took 87 us with these tiles against bf16's 103 on an H200
@@ -82,24 +91,22 @@ def weight_only(
     scale: torch.Tensor,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (fp16/bf16) @ (qweight [N, K] e4m3 * scale [N])^T -> [M, N] in x's dtype, the weight widened in the
-    kernel: the CUDA-core GEMV up to GEMV_MAX_ROWS rows, the tensor-core kernel above; config overrides its tiles.
-    gated: x is [M, 2K] (gate | up) and the product is silu(gate) * up's."""
-    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
+    kernel: the CUDA-core GEMV up to GEMV_MAX_ROWS rows, the tensor-core kernel above; config overrides its tiles."""
+    m, k = x.shape
     n = qweight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return out
     if m <= GEMV_MAX_ROWS:
-        cfg: dict[str, int] = {**GEMV_CONFIG, **(config or {}), "ROWS": m}
+        cfg: dict[str, int] = {**gemv_config(n, k), **(config or {}), "ROWS": m}
         kernel, grid = _kernels()["gemv"], (-(-n // cfg["BLOCK_N"]),)
     else:
         cfg = {**w8a16_config(m), **(config or {})}
         kernel, grid = _kernels()["w8a16"], (-(-n // cfg["BLOCK_N"]), -(-m // cfg["BLOCK_M"]))
     kernel[grid](
-        x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0), GATED=gated, **cfg,
+        x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0), **cfg,
         **pdl_args(x.device),
     )  # fmt: skip
     return out
@@ -111,17 +118,15 @@ def fp8_linear(
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
-    """y = x (qweight * scale)^T (+ bias) for x [..., K] on CUDA, in x's dtype; into out [M, N] if given.
-    gated: x is [..., 2K] (gate | up), and y is silu(gate) * up's product (the kernels apply SiLU-and-mul)."""
+    """y = x (qweight * scale)^T (+ bias) for x [..., K] on CUDA, in x's dtype; into out [M, N] if given."""
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     if x2.shape[0] <= weight_only_rows():
-        y = weight_only(x2, qweight, scale, out, gated=gated)
+        y = weight_only(x2, qweight, scale, out)
     else:
-        qx, sx = quantize_rows(x2, gated)
+        qx, sx = quantize_rows(x2)
         y = torch._scaled_mm(qx, qweight.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
         if out is not None:
             out.copy_(y)
@@ -133,29 +138,17 @@ def fp8_linear(
 
 class Fp8Gemm:
     """A linear's gemm (LinearBase.gemm) once its weight is FP8: the same call, y = gemm(x, weight, bias), with
-    weight the layer's e4m3 parameter and the per-channel scales held here. It also takes a gated input
-    (`gated=True`: x is [gate | up], the product silu(gate) * up's), which spares the MLP its activation kernel."""
-
-    takes_gated = True
+    weight the layer's e4m3 parameter and the per-channel scales held here."""
 
     def __init__(self, scale: torch.Tensor) -> None:
         self.scale = scale
 
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
-    ) -> torch.Tensor:
-        return fp8_linear(x, weight, self.scale, bias, gated=gated)
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_linear(x, weight, self.scale, bias)
 
-    def into(
-        self,
-        out: torch.Tensor,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        gated: bool = False,
-    ) -> None:
+    def into(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """out [M, N] = the same product, written where the caller says (CpuGemm.into's counterpart)."""
-        fp8_linear(x, weight, self.scale, bias, out=out, gated=gated)
+        fp8_linear(x, weight, self.scale, bias, out=out)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

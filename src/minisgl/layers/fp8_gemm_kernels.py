@@ -1,9 +1,7 @@
 """The Triton kernels behind layers/fp8_gemm.py; imported on first use, and only where Triton imports.
 
-Each takes GATED (its input is a [gate | up] row of 2K columns and it reads silu(gate) * up, rounded to the input's
-dtype as SiLU-and-mul writes it: the MLP's down projection needs no activation kernel of its own) and PDL (launched
-with programmatic dependent launch, layers/fused.py: it waits for the kernels before it with gdc_wait, after reading
-what they do not write, and lets the next kernel launch at once).
+Each takes PDL: launched with programmatic dependent launch (layers/fused.py), it waits for the kernels before it
+with gdc_wait, after reading only what they do not write, and lets the next kernel launch at once.
 """
 
 from __future__ import annotations
@@ -17,19 +15,8 @@ gdc_wait, gdc_launch_dependents = gdc()
 
 
 @triton.jit
-def load_input(ptrs, mask, K, GATED: tl.constexpr):
-    # The inputs at ptrs in float32: x, or silu(gate) * up with up K columns after gate.
-    if GATED:
-        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        return (gate / (1.0 + tl.exp(-gate)) * up).to(ptrs.dtype.element_ty).to(tl.float32)
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def quant_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr, GATED: tl.constexpr,
-    PDL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # One program per row: scale = max |x| / 448, then q = x / scale in e4m3 (saturating).
     if PDL:
@@ -39,20 +26,20 @@ def quant_rows_kernel(
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for k in range(0, K, BLOCK):
-        x = load_input(x_ptr + row * stride_x + k + offs, k + offs < K, K, GATED)
+        x = tl.load(x_ptr + row * stride_x + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
     tl.store(scale_ptr + row, scale)
     for k in range(0, K, BLOCK):
-        x = load_input(x_ptr + row * stride_x + k + offs, k + offs < K, K, GATED)
+        x = tl.load(x_ptr + row * stride_x + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
         q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * stride_q + k + offs, q.to(q_ptr.dtype.element_ty), mask=k + offs < K)
 
 
 @triton.jit
 def w8a16_kernel(
-    a_ptr, b_ptr, scale_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm, GATED: tl.constexpr,
-    PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr, b_ptr, scale_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # c[m, n] = scale[n] * sum_k a[m, k] * b[n, k], b widened from FP8 to a's dtype tile by tile.
     if PDL:
@@ -68,8 +55,7 @@ def w8a16_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
-        a = load_input(a_ptrs, (offs_m[:, None] < M) & (offs_k[None, :] < k_left), K, GATED)
-        a = a.to(a_ptr.dtype.element_ty)
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_left), other=0.0)
         acc += tl.dot(a, tl.trans(b.to(a.dtype)))
         a_ptrs += BLOCK_K
@@ -82,7 +68,7 @@ def w8a16_kernel(
 @triton.jit
 def gemv_kernel(
     a_ptr, b_ptr, scale_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
-    ROWS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # c[m, n] = scale[n] * sum_k a[m, k] * b[n, k] for the ROWS rows of a, on the CUDA cores: a program streams
     # BLOCK_N rows of b (contiguous along K) once per row of a (the second pass hits L2).
@@ -99,10 +85,10 @@ def gemv_kernel(
         gdc_launch_dependents()
     for m in tl.static_range(ROWS):
         a_row = a_ptr + m * stride_am
-        acc = b_first.to(tl.float32) * load_input(a_row + offs_k, offs_k < K, K, GATED)[None, :]
+        acc = b_first.to(tl.float32) * tl.load(a_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
         for k in range(BLOCK_K, K, BLOCK_K):
             k_mask = k + offs_k < K
-            a = load_input(a_row + k + offs_k, k_mask, K, GATED)
+            a = tl.load(a_row + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             b = tl.load(b_ptrs + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
             acc += b * a[None, :]
         y = tl.sum(acc, axis=1) * scale

@@ -350,15 +350,13 @@ class RowParallelLinear(LinearBase):
         size = param.shape[1]
         copy_checked(param, loaded.narrow(1, self.tp_rank * size, size))
 
-    def forward(self, x: torch.Tensor, reduce: bool = True, gated: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """x W^T summed over the ranks; reduce=False: this rank's partial sums, for a norm that reduces them
-        itself (RMSNorm.reduce_forward), written where its fused kernel reads them (distributed.partial_out).
-        gated: x is [..., 2 * input] (gate | up) and the product is silu(gate) * up's, for a gemm that `takes_gated`."""
+        itself (RMSNorm.reduce_forward), written where its fused kernel reads them (distributed.partial_out)."""
         bias = self.bias if self.tp_rank == 0 else None
-        extra = {"gated": True} if gated else {}
         out = None if reduce or self.tp_size == 1 else partial_out(x.numel() // x.shape[-1], self.output_size, x.dtype)
         if out is None:
-            y = self.gemm(x, self.weight, bias, **extra)
+            y = self.gemm(x, self.weight, bias)
             return all_reduce(y) if reduce else y
-        self.gemm.into(out, x.reshape(-1, x.shape[-1]), self.weight, bias, **extra)
+        self.gemm.into(out, x.reshape(-1, x.shape[-1]), self.weight, bias)
         return out.view(*x.shape[:-1], self.output_size)

@@ -111,10 +111,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if getattr(self.down_proj.gemm, "takes_gated", False):  # FP8 GEMMs apply SiLU-and-mul as they read
-            return self.down_proj(gate_up, reduce=reduce, gated=True)
-        return self.down_proj(self.act(gate_up), reduce=reduce)
+        return self.down_proj(self.act(self.gate_up_proj(x)), reduce=reduce)
 
 
 class LlamaDecoderLayer(nn.Module):
