@@ -15,7 +15,7 @@ from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
 
 
 def test_the_kernels_in_triton_interpreter_on_the_cpu():
-    run_interpreter_cases(__file__, passed=6, timeout=600)
+    run_interpreter_cases(__file__, passed=8, timeout=600)
 
 
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
@@ -49,6 +49,23 @@ def test_weight_only_kernels_match_float32(device, rows, k, n):
     got = weight_only(x, q, scale)
     ref = x.float() @ (q.float() * scale[:, None]).t()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("rows", "k", "inter"), [(1, 300, 40), (5, 160, 72)])
+def test_gate_up_epilogue_applies_silu_and_mul(device, rows, k, inter):
+    """weight_only(gate_up=True) on an MLP's [2I, K] gate_up weight: silu(gate) * up, as the GEMM followed by
+    SiLU-and-mul computes it (gate and up rounded to x's dtype first)."""
+    from minisgl.layers.fp8_gemm import weight_only
+
+    q, scale = _weights(2 * inter, k, device)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
+    got = weight_only(x, q, scale, gate_up=True)
+    gate, up = (x.float() @ (q.float() * scale[:, None]).t()).to(dtype).float().chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert got.shape == (rows, inter)
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 

@@ -4,7 +4,8 @@
 
 First the weight-only kernel at 1 row (CUDA cores) and 16 rows (tensor cores) under a few tile configurations
 (BEST_1, BEST_16: the fastest, and the fastest for each GEMM; without a configuration the kernels take
-layers/fp8_gemm.py's gemv_config and w8a16_config).
+layers/fp8_gemm.py's gemv_config and w8a16_config), then the gate_up GEMM with SiLU-and-mul in its epilogue against
+the two kernels.
 
 For each row count M: microseconds of the layer's GEMMs (qkv, o, gate_up, down) in bf16 (torch.mm), with the FP8
 weight-only kernels (layers/fp8_gemm.py: weight_only) and with the per-row input quantization +
@@ -67,6 +68,23 @@ def sweep(weights: dict[str, tuple[torch.Tensor, ...]], rows: int, configs: list
         print(f"  best for {name}: {t:.1f} us {json.dumps(cfg)}")
 
 
+def gate_up_epilogue(weights: dict[str, tuple[torch.Tensor, ...]]) -> None:
+    """The MLP's gate_up GEMM then flashinfer's SiLU-and-mul, against the GEMM applying it in its epilogue
+    (weight_only(gate_up=True)), at a few rows and, for one row, a few GEMV tiles."""
+    import flashinfer
+
+    _, q, s = weights["gate_up"]
+    for m in (1, 2, 8, 16):
+        x = torch.randn(m, q.shape[1], device="cuda", dtype=torch.bfloat16)
+        apart = graph_us(lambda: flashinfer.activation.silu_and_mul(weight_only(x, q, s)))  # noqa: B023
+        fused = graph_us(lambda: weight_only(x, q, s, gate_up=True))  # noqa: B023
+        print(f"gate_up at {m} rows: GEMM + SiLU-and-mul {apart:.1f} us, SiLU-and-mul in the epilogue {fused:.1f} us")
+    x = torch.randn(1, q.shape[1], device="cuda", dtype=torch.bfloat16)
+    for bn, bk, w, st in [(4, 512, 2, 3), (2, 1024, 2, 2), (4, 1024, 4, 2), (8, 512, 4, 3), (2, 512, 2, 3)]:
+        cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+        print(f"  fused gate_up, 1 row, {cfg}: {graph_us(lambda: weight_only(x, q, s, cfg, gate_up=True)):.1f} us")  # noqa: B023
+
+
 def scaled(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     qx, sx = quantize_rows(x)
     return torch._scaled_mm(qx, q.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
@@ -92,6 +110,7 @@ def main() -> None:
         for bn, bk, w, st in [(16, 256, 4, 4), (16, 128, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
                               (64, 256, 4, 3), (16, 256, 2, 3), (16, 512, 8, 2)]
     ])  # fmt: skip
+    gate_up_epilogue(weights)
     rows_out = []
     print(f"{'M':>5s} {'bf16 us':>9s} {'w8a16 us':>9s} {'fp8xfp8 us':>11s}  per GEMM (bf16 / w8a16 / fp8xfp8)")
     for m in [int(r) for r in args.rows.split(",")]:

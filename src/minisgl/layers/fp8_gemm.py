@@ -12,6 +12,7 @@ load). Two kernels compute the product, chosen by the number of rows M:
   then the scaled cast), then torch._scaled_mm with row-wise scales (cuBLASLt/CUTLASS FP8 tensor cores, Hopper
   and later), the output in x's dtype.
 
+Up to weight_only_rows() the MLP's gate_up GEMM also applies SiLU-and-mul in its epilogue (`Fp8Gemm.gate_up_silu`).
 On Hopper the Triton kernels launch with programmatic dependent launch, and the GEMV reads its first weight tile
 before it waits for the kernels before it (layers/fp8_gemm_kernels.py).
 
@@ -91,22 +92,27 @@ def weight_only(
     scale: torch.Tensor,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    gate_up: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (fp16/bf16) @ (qweight [N, K] e4m3 * scale [N])^T -> [M, N] in x's dtype, the weight widened in the
-    kernel: the CUDA-core GEMV up to GEMV_MAX_ROWS rows, the tensor-core kernel above; config overrides its tiles."""
+    kernel: the CUDA-core GEMV up to GEMV_MAX_ROWS rows, the tensor-core kernel above; config overrides its tiles.
+    gate_up: qweight is an MLP's gate_up weight [2N, K] and the result silu(gate) * up [M, N]."""
     m, k = x.shape
-    n = qweight.shape[0]
+    n = qweight.shape[0] // 2 if gate_up else qweight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return out
     if m <= GEMV_MAX_ROWS:
-        cfg: dict[str, int] = {**gemv_config(n, k), **(config or {}), "ROWS": m}
+        cfg: dict[str, int] = {**gemv_config(qweight.shape[0], k), "ROWS": m}
+        if gate_up:  # a program reads BLOCK_N rows of gate and as many of up
+            cfg["BLOCK_N"] = max(1, cfg["BLOCK_N"] // 2)
+        cfg.update(config or {})
         kernel, grid = _kernels()["gemv"], (-(-n // cfg["BLOCK_N"]),)
     else:
         cfg = {**w8a16_config(m), **(config or {})}
         kernel, grid = _kernels()["w8a16"], (-(-n // cfg["BLOCK_N"]), -(-m // cfg["BLOCK_M"]))
     kernel[grid](
-        x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0), **cfg,
+        x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0), GATE_UP=gate_up, **cfg,
         **pdl_args(x.device),
     )  # fmt: skip
     return out
@@ -149,6 +155,15 @@ class Fp8Gemm:
     def into(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """out [M, N] = the same product, written where the caller says (CpuGemm.into's counterpart)."""
         fp8_linear(x, weight, self.scale, bias, out=out)
+
+    def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of an MLP's gate_up weight [2I, K] in one kernel (no bias) where the weight-only kernels
+        take x's rows: [..., I]; None above, where the caller runs the GEMM and SiLU-and-mul apart."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] > weight_only_rows():
+            return None
+        y = weight_only(x2 if x2.is_contiguous() else x2.contiguous(), weight, self.scale, gate_up=True)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,10 @@
 """The Triton kernels behind layers/fp8_gemm.py; imported on first use, and only where Triton imports.
 
 Each takes PDL: launched with programmatic dependent launch (layers/fused.py), it waits for the kernels before it
-with gdc_wait, after reading only what they do not write, and lets the next kernel launch at once.
+with gdc_wait, after reading only what they do not write, and lets the next kernel launch at once. The weight-only
+kernels also take GATE_UP: b is an MLP's [2N, K] gate_up weight (gate rows, then up rows) and c[m, n] is
+silu(gate) * up, gate and up first rounded to c's dtype as the GEMM writes them and the product rounded as
+SiLU-and-mul writes it: the activation needs no kernel of its own.
 """
 
 from __future__ import annotations
@@ -12,6 +15,13 @@ import triton.language as tl
 from minisgl.layers.fused import gdc
 
 gdc_wait, gdc_launch_dependents = gdc()
+
+
+@triton.jit
+def silu_and_mul(gate, up, dtype: tl.constexpr):
+    # silu(gate) * up in float32 from gate and up rounded to dtype, as the unfused GEMM and SiLU-and-mul compute it.
+    gate = gate.to(dtype).to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -38,8 +48,8 @@ def quant_rows_kernel(
 
 @triton.jit
 def w8a16_kernel(
-    a_ptr, b_ptr, scale_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm, PDL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr, b_ptr, scale_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm, GATE_UP: tl.constexpr,
+    PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # c[m, n] = scale[n] * sum_k a[m, k] * b[n, k], b widened from FP8 to a's dtype tile by tile.
     if PDL:
@@ -53,14 +63,22 @@ def w8a16_kernel(
     a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]  # rows of b, contiguous along K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATE_UP:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_left), other=0.0)
         acc += tl.dot(a, tl.trans(b.to(a.dtype)))
+        if GATE_UP:
+            b = tl.load(b_ptrs + N * stride_bn, mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_left), other=0.0)
+            acc_up += tl.dot(a, tl.trans(b.to(a.dtype)))
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     acc = acc * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+    if GATE_UP:
+        up = acc_up * tl.load(scale_ptr + N + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        acc = silu_and_mul(acc, up, c_ptr.dtype.element_ty)
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
@@ -68,7 +86,7 @@ def w8a16_kernel(
 @triton.jit
 def gemv_kernel(
     a_ptr, b_ptr, scale_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
-    ROWS: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # c[m, n] = scale[n] * sum_k a[m, k] * b[n, k] for the ROWS rows of a, on the CUDA cores: a program streams
     # BLOCK_N rows of b (contiguous along K) once per row of a (the second pass hits L2).
@@ -80,16 +98,28 @@ def gemv_kernel(
     # The weights are no kernel's output: the first tile is read while the kernels before finish (PDL).
     scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
     b_first = tl.load(b_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+    if GATE_UP:
+        up_ptrs = b_ptrs + N * stride_bn
+        up_scale = tl.load(scale_ptr + N + offs_n, mask=n_mask, other=0.0)
+        up_first = tl.load(up_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     for m in tl.static_range(ROWS):
         a_row = a_ptr + m * stride_am
-        acc = b_first.to(tl.float32) * tl.load(a_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
+        a = tl.load(a_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        acc = b_first.to(tl.float32) * a[None, :]
+        if GATE_UP:
+            acc_up = up_first.to(tl.float32) * a[None, :]
         for k in range(BLOCK_K, K, BLOCK_K):
             k_mask = k + offs_k < K
             a = tl.load(a_row + k + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             b = tl.load(b_ptrs + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
             acc += b * a[None, :]
+            if GATE_UP:
+                b = tl.load(up_ptrs + k, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+                acc_up += b * a[None, :]
         y = tl.sum(acc, axis=1) * scale
+        if GATE_UP:
+            y = silu_and_mul(y, tl.sum(acc_up, axis=1) * up_scale, c_ptr.dtype.element_ty)
         tl.store(c_ptr + m * stride_cm + offs_n, y.to(c_ptr.dtype.element_ty), mask=n_mask)

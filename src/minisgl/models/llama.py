@@ -111,7 +111,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)), reduce=reduce)
+        fused = getattr(self.gate_up_proj.gemm, "gate_up_silu", None)  # FP8 GEMMs: SiLU-and-mul in the epilogue
+        act = fused(x, self.gate_up_proj.weight) if fused is not None else None
+        if act is None:
+            act = self.act(self.gate_up_proj(x))
+        return self.down_proj(act, reduce=reduce)
 
 
 class LlamaDecoderLayer(nn.Module):
