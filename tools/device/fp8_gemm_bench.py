@@ -82,7 +82,9 @@ def gate_up_epilogue(weights: dict[str, tuple[torch.Tensor, ...]]) -> None:
     x = torch.randn(1, q.shape[1], device="cuda", dtype=torch.bfloat16)
     for bn, bk, w, st in [(4, 512, 2, 3), (2, 1024, 2, 2), (4, 1024, 4, 2), (8, 512, 4, 3), (2, 512, 2, 3)]:
         cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
-        print(f"  fused gate_up, 1 row, {cfg}: {graph_us(lambda: weight_only(x, q, s, cfg, gate_up=True)):.1f} us")  # noqa: B023
+        print(
+            f"  fused gate_up, 1 row, {cfg}: {graph_us(lambda: weight_only(x, q, s, config=cfg, gate_up=True)):.1f} us"
+        )  # noqa: B023
 
 
 def scaled(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
