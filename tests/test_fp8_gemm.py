@@ -15,7 +15,7 @@ from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
 
 
 def test_the_kernels_in_triton_interpreter_on_the_cpu():
-    run_interpreter_cases(__file__, passed=8, timeout=600)
+    run_interpreter_cases(__file__, passed=9, timeout=600)
 
 
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
@@ -69,9 +69,13 @@ def test_gate_up_epilogue_applies_silu_and_mul(device, rows, k, inter):
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("tokens", [3, 40])
-def test_scaled_experts_match_the_loop(device, tokens):
-    """fused_moe with per-channel expert scales against the loop over the scaled (dequantized) experts."""
+@pytest.mark.parametrize(
+    ("tokens", "first", "local"), [(3, 0, 6), (40, 0, 6), (40, 2, 3)], ids=["3", "40", "40-experts-2-to-5-of-6"]
+)
+def test_scaled_experts_match_the_loop(device, tokens, first, local):
+    """fused_moe with per-channel expert scales against the loop over the scaled (dequantized) experts; a rank
+    holding experts [first, first + local) only (expert parallelism) against the loop over all experts with the
+    others' down projections zeroed."""
     from minisgl.layers.fused_moe import fused_moe
     from minisgl.layers.moe import experts_loop, route
 
@@ -82,9 +86,12 @@ def test_scaled_experts_match_the_loop(device, tokens):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
     logits = torch.randn(tokens, experts, generator=g).to(device)
-    got = fused_moe(x, logits, gate_up, down, top_k, True, (s1, s2))
+    mine = slice(first, first + local)
+    got = fused_moe(x, logits, gate_up[mine], down[mine], top_k, True, (s1[mine], s2[mine]), expert_offset=first)
     weights, ids = route(logits, top_k, True)
-    ref = experts_loop(x.float(), weights, ids, gate_up.float() * s1[..., None], down.float() * s2[..., None])
+    kept = torch.zeros(experts, 1, 1, device=device)
+    kept[mine] = 1.0
+    ref = experts_loop(x.float(), weights, ids, gate_up.float() * s1[..., None], down.float() * s2[..., None] * kept)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 

@@ -87,3 +87,86 @@ def test_expert_shards_hold_this_ranks_slice_of_every_expert():
     assert torch.equal(moe.down_proj[2], down[:, 6:])
     with pytest.raises(WeightsError, match="expert"):
         moe.down_proj.weight_loader(moe.down_proj, down, (3, 2))
+
+
+def _moe_of_rank(rank: int, size: int, expert_parallel: bool, **kw: int) -> torch.nn.Module:
+    from minisgl.distributed import set_tp_info
+    from minisgl.layers.moe import FusedMoE
+
+    set_tp_info(rank, size, expert_parallel)
+    try:
+        return FusedMoE(renormalize=True, **kw)
+    finally:
+        set_tp_info(0, 1)
+
+
+def test_expert_parallel_shards_hold_whole_experts_of_this_ranks_range():
+    """Rank 1 of tp=2 with expert parallelism holds experts 2 and 3 of 4, whole; the others' tensors are skipped."""
+    from minisgl.errors import WeightsError
+
+    moe = _moe_of_rank(1, 2, True, hidden_size=16, intermediate_size=12, num_experts=4, top_k=2)
+    assert moe.gate_up_proj.shape == (2, 24, 16) and moe.down_proj.shape == (2, 16, 12)
+    assert moe.gate_up_proj.shard_ids == tuple((e, j) for e in range(4) for j in (0, 1))  # every expert checked
+    moe.gate_up_proj.data.zero_()
+    moe.down_proj.data.zero_()
+    gate, up, down = torch.randn(12, 16), torch.randn(12, 16), torch.randn(16, 12)
+    for expert in (1, 3):  # expert 1 is rank 0's
+        moe.gate_up_proj.weight_loader(moe.gate_up_proj, gate, (expert, 0))
+        moe.gate_up_proj.weight_loader(moe.gate_up_proj, up, (expert, 1))
+        moe.down_proj.weight_loader(moe.down_proj, down, (expert, 2))
+    assert torch.equal(moe.gate_up_proj[1], torch.cat([gate, up])) and torch.equal(moe.down_proj[1], down)
+    assert not moe.gate_up_proj[0].any() and not moe.down_proj[0].any()
+    with pytest.raises(WeightsError, match="expert"):
+        moe.down_proj.weight_loader(moe.down_proj, down, (4, 2))
+
+
+@pytest.mark.parametrize("shared", [0, 8], ids=["routed", "with-shared-expert"])
+def test_expert_parallel_ranks_partial_sums_add_up_to_the_whole_layer(shared):
+    """Each rank of tp=2 computes its own experts' part (and its half of a shared expert) for every token in
+    float32; the two parts add up to the unsplit layer's output."""
+    sizes = dict(hidden_size=16, intermediate_size=12, num_experts=6, top_k=3, shared_intermediate_size=shared)
+    whole = _moe_of_rank(0, 1, False, **sizes)
+    ranks = [_moe_of_rank(r, 2, True, **sizes) for r in (0, 1)]
+    g = torch.Generator().manual_seed(0)
+    state = {name: torch.randn(p.shape, generator=g) for name, p in whole.named_parameters()}
+    whole.load_state_dict(state)
+    for rank, moe in enumerate(ranks):
+        mine = slice(3 * rank, 3 * rank + 3)
+        for name, p in moe.named_parameters():
+            if name in ("gate_up_proj", "down_proj"):
+                p.data.copy_(state[name][mine])
+            elif name == "shared_expert.down_proj.weight":  # the shared expert stays split across the ranks
+                p.data.copy_(state[name].chunk(2, dim=1)[rank])
+            elif name == "shared_expert.gate_up_proj.weight":  # this rank's half of the gate rows, then of the up rows
+                p.data.copy_(torch.cat([half.chunk(2)[rank] for half in state[name].chunk(2)]))
+            else:
+                p.data.copy_(state[name])
+    x = torch.randn(23, 16, generator=g)
+    with torch.no_grad():
+        want = whole(x)
+        parts = [moe(x, reduce=False) for moe in ranks]
+    assert all(part.abs().sum() > 0 for part in parts)
+    torch.testing.assert_close(parts[0] + parts[1], want, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_parallel_needs_the_experts_divisible_by_the_ranks():
+    from minisgl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="use a tp that divides 6, or moe_parallel='tp'"):
+        _moe_of_rank(0, 4, True, hidden_size=16, intermediate_size=12, num_experts=6, top_k=2)
+    _moe_of_rank(0, 4, False, hidden_size=16, intermediate_size=12, num_experts=6, top_k=2)  # "tp" splits I
+
+
+def test_moe_parallel_takes_tp_or_ep(monkeypatch):
+    from minisgl.config import EngineConfig
+    from minisgl.errors import ConfigError
+
+    monkeypatch.delenv("MINISGL_MOE_PARALLEL", raising=False)
+    assert EngineConfig().moe_parallel == "tp"
+    monkeypatch.setenv("MINISGL_MOE_PARALLEL", "ep")
+    assert EngineConfig().moe_parallel == "ep"
+    with pytest.raises(ConfigError, match="moe_parallel must be one of tp, ep"):
+        EngineConfig(moe_parallel="dp")
+    monkeypatch.setenv("MINISGL_MOE_PARALLEL", "dp")
+    with pytest.raises(ConfigError, match="MINISGL_MOE_PARALLEL must be one of tp, ep"):
+        EngineConfig()

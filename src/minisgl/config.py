@@ -14,6 +14,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's and SGLang's
 # --reasoning-parser names (vLLM's and SGLang's); all of these models write <think>...</think>.
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 TP_ALLREDUCES = ("nccl", "symm_mem", "fused")
+MOE_PARALLELS = ("tp", "ep")  # MoE experts under TP: each split across the ranks, or whole experts per rank
 
 
 def _from_env(read: Any) -> Any:
@@ -56,6 +57,8 @@ class EngineConfig:
     tp_fused_mb: int = _from_env(env.TP_FUSED_MB.get)  # tp_allreduce="fused": MB of each of its two slots
     # Opt-in: the decode graphs sample each rank's vocabulary shard and gather only the winners
     tp_vocab_sampling: bool = _from_env(env.TP_VOCAB_SAMPLING.get)
+    # MoE under TP: "tp" splits every expert's intermediate dimension, "ep" gives each rank whole experts
+    moe_parallel: str = _from_env(env.MOE_PARALLEL.get)
     # multi-node TP: a file (mode 600) with the secret every node shares (or MINISGL_TP_SECRET); distributed/auth.py
     tp_secret_file: str | None = None
     attention_backend: str = "auto"  # "torch", "flashinfer", "fa3", or "PREFILL,DECODE"
@@ -96,6 +99,8 @@ class EngineConfig:
             )
         if self.tp_allreduce not in TP_ALLREDUCES:
             raise ConfigError(f"tp_allreduce must be one of {', '.join(TP_ALLREDUCES)}, got {self.tp_allreduce!r}")
+        if self.moe_parallel not in MOE_PARALLELS:
+            raise ConfigError(f"moe_parallel must be one of {', '.join(MOE_PARALLELS)}, got {self.moe_parallel!r}")
         if self.tp_fused_mb < 1:
             raise ConfigError(f"tp_fused_mb must be >= 1, got {self.tp_fused_mb!r}")
         if self.max_running_requests < 1:

@@ -182,6 +182,16 @@ FP8_WEIGHT_ONLY_ROWS = _declare(
     "FP8 weights on a GPU: GEMMs of up to this many rows widen the FP8 weight in the kernel (inputs unquantized); "
     "more rows quantize the inputs per row and run an FP8 x FP8 GEMM (layers/fp8_gemm.py)",
 )
+MOE_PARALLEL = _declare(
+    "MINISGL_MOE_PARALLEL",
+    "str",
+    "tp",
+    str,
+    "TP with MoE models: `tp` splits each expert's intermediate dimension across the ranks; `ep` (opt-in, not yet "
+    "measured on GPUs) gives rank r of P the whole experts `[r*E/P, (r+1)*E/P)` (E a multiple of P); attention and "
+    "Qwen2-MoE's shared expert stay split either way (`EngineConfig.moe_parallel`)",
+    choices=("tp", "ep"),
+)
 TP_VOCAB_SAMPLING = _declare(
     "MINISGL_TP_VOCAB_SAMPLING",
     "bool",

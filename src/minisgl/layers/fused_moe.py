@@ -12,6 +12,11 @@ the expected rows per expert (tokens * top_k / experts): small for decode, where
 expert's weights and is bound by memory, larger for prefill. FP8 experts (layers/fp8_gemm.py's format: e4m3 with
 one scale per output channel) take the same kernel: each weight tile is widened to the activations' dtype in
 registers and the scales multiply the sums, so decode reads half the bytes and the activations stay unquantized.
+
+Under expert parallelism (layers/moe.py, moe_parallel="ep") a rank holds only the experts [expert_offset,
+expert_offset + E_local): routing still takes the top_k of all E router logits, the grouping drops the pairs
+routed to other ranks' experts (no GEMM computes them) and lays out the local experts only, and the top-k sum
+reads only the local pairs' rows (`_combine_kernel`), so the dropped rows, never written, add nothing.
 """
 
 from __future__ import annotations
@@ -114,10 +119,11 @@ def _grouping_kernels() -> tuple[Any, Any, Any]:
     import triton.language as tl
 
     @triton.jit
-    def count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
+    def count_kernel(ids_ptr, counts_ptr, num_pairs, expert_offset, num_local, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < num_pairs
-        tl.atomic_add(counts_ptr + tl.load(ids_ptr + offs, mask=mask, other=0), 1, mask=mask)
+        expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0) - expert_offset
+        mask = (offs < num_pairs) & (expert >= 0) & (expert < num_local)  # pairs of other ranks' experts drop out
+        tl.atomic_add(counts_ptr + tl.where(mask, expert, 0), 1, mask=mask)
 
     @triton.jit
     def layout_kernel(
@@ -138,13 +144,39 @@ def _grouping_kernels() -> tuple[Any, Any, Any]:
             tl.store(block_expert_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=blocks < num_blocks)
 
     @triton.jit
-    def scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, num_pairs, BLOCK: tl.constexpr):
+    def scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, num_pairs, expert_offset, num_local, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < num_pairs
-        row = tl.atomic_add(cursor_ptr + tl.load(ids_ptr + offs, mask=mask, other=0), 1, mask=mask)
-        tl.store(sorted_ids_ptr + row, offs, mask=mask)
+        expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0) - expert_offset
+        mask = (offs < num_pairs) & (expert >= 0) & (expert < num_local)
+        row = tl.atomic_add(cursor_ptr + tl.where(mask, expert, 0), 1, mask=mask)
+        tl.store(sorted_ids_ptr + tl.where(mask, row, 0), offs, mask=mask)
 
     return count_kernel, layout_kernel, scatter_kernel
+
+
+@functools.cache
+def _combine_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def combine_kernel(
+        down_ptr, ids_ptr, out_ptr, hidden, expert_offset, num_local, stride_out, TOP_K: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        # out[t] = the sum of the down rows of token t's pairs whose expert is local; the others' rows are not read.
+        token = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            pair = token * TOP_K + k
+            expert = tl.load(ids_ptr + pair) - expert_offset
+            width = tl.where((expert >= 0) & (expert < num_local), hidden, 0)  # a pair of another rank: none
+            row = tl.load(down_ptr + pair.to(tl.int64) * hidden + offs, mask=offs < width, other=0.0)
+            acc += row.to(tl.float32)
+        tl.store(out_ptr + token.to(tl.int64) * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < hidden)
+
+    return combine_kernel
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,15 +193,17 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 
 
 def align_by_expert(
-    ids: torch.Tensor, num_experts: int, block_m: int
+    ids: torch.Tensor, num_experts: int, block_m: int, expert_offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, slot) pairs by expert, each group padded to a multiple of block_m, on the device.
 
-    Returns sorted_ids [R] (pair index token * top_k + slot, or num_pairs where padding), block_expert [R / block_m]
-    (the expert of each row block) and total [1] (the padded rows in use). R = num_pairs + min(num_pairs, experts)
-    * (block_m - 1) rounded up to block_m: the most the padding can need, known from the shapes alone. Three
-    kernels: count the pairs per expert, lay out the experts' runs, scatter each pair to its expert's next row (the
-    order within an expert's run does not matter: the GEMM's rows are independent).
+    The experts are the num_experts local ones from expert_offset on (all of them without expert parallelism);
+    pairs whose expert is outside that range are left out. Returns sorted_ids [R] (pair index token * top_k + slot,
+    or num_pairs where padding), block_expert [R / block_m] (the local expert of each row block) and total [1] (the
+    padded rows in use). R = num_pairs + min(num_pairs, experts) * (block_m - 1) rounded up to block_m: the most the
+    padding can need, known from the shapes alone. Three kernels: count the pairs per expert, lay out the experts'
+    runs, scatter each pair to its expert's next row (the order within an expert's run does not matter: the GEMM's
+    rows are independent).
     """
     count_kernel, layout_kernel, scatter_kernel = _grouping_kernels()
     flat = ids.flatten()
@@ -181,10 +215,10 @@ def align_by_expert(
     block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
     chunk = 1024
     grid = (-(-num_pairs // chunk),)
-    count_kernel[grid](flat, counts, num_pairs, chunk)
+    count_kernel[grid](flat, counts, num_pairs, expert_offset, num_experts, chunk)
     block_e = max(16, 1 << (num_experts - 1).bit_length())
     layout_kernel[(1,)](counts, cursor, block_expert, total, num_experts, rows // block_m, block_m, block_e, 64)
-    scatter_kernel[grid](flat, cursor, sorted_ids, num_pairs, chunk)
+    scatter_kernel[grid](flat, cursor, sorted_ids, num_pairs, expert_offset, num_experts, chunk)
     return sorted_ids, block_expert, total
 
 
@@ -235,20 +269,23 @@ def fused_moe(
     renormalize: bool,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
+    expert_offset: int = 0,
 ) -> torch.Tensor:
     """sum_k w[t, k] * down[e] @ silu_and_mul(gate_up[e] @ x[t]) over the top_k experts e of each token t.
 
-    x [T, H] (contiguous), gate_up [E, 2I, H], down [E, H, I]; returns [T, H] in x's dtype. FP8 experts (e4m3
-    gate_up and down) come with scales: (gate_up's [E, 2I], down's [E, H]) float32, one per output channel.
+    x [T, H] (contiguous), router_logits [T, E], gate_up [E_local, 2I, H], down [E_local, H, I] holding the experts
+    [expert_offset, expert_offset + E_local) of the E (all of them unless expert parallelism splits them): the
+    pairs routed to other experts add nothing. Returns [T, H] in x's dtype. FP8 experts (e4m3 gate_up and down)
+    come with scales: (gate_up's [E_local, 2I], down's [E_local, H]) float32, one per output channel.
     out: where to write the result (distributed.partial_out's buffer, which the next norm all-reduces in place).
     """
     tokens, hidden = x.shape
-    num_experts, inter = gate_up.shape[0], down.shape[2]
+    num_local, inter = gate_up.shape[0], down.shape[2]
     weights, ids = route_topk(router_logits, top_k, renormalize)
     if tokens == 0:
         return torch.zeros_like(x) if out is None else out.zero_()
-    config = block_config(tokens, top_k, num_experts)
-    grouping = align_by_expert(ids, num_experts, config["BLOCK_M"])
+    config = block_config(tokens, top_k, router_logits.shape[1])  # rows per expert over all E: the same per rank
+    grouping = align_by_expert(ids, num_local, config["BLOCK_M"], expert_offset)
     pairs = tokens * top_k
     gate_up_out = torch.empty(pairs, 2 * inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(
@@ -257,6 +294,13 @@ def fused_moe(
     act = SiluAndMul()(gate_up_out)
     down_out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, down, down_out, weights, grouping, 1, True, config, None if scales is None else scales[1])
+    if num_local < router_logits.shape[1]:  # expert parallelism: the other ranks' pairs' rows were never written
+        out = torch.empty_like(x) if out is None else out
+        block_h = min(1024, max(16, 1 << (hidden - 1).bit_length()))
+        _combine_kernel()[(tokens, -(-hidden // block_h))](
+            down_out, ids, out, hidden, expert_offset, num_local, out.stride(0), top_k, block_h
+        )
+        return out
     if out is None:
         return down_out.view(tokens, top_k, hidden).sum(dim=1)
     return torch.sum(down_out.view(tokens, top_k, hidden), dim=1, out=out)
