@@ -11,6 +11,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.distributed.launch import RankFailedError, free_port
+from minisgl.layers.moe import FusedMoE
 
 PROMPTS = [[11, 12, 13, 14, 15], list(range(100, 160)), [7, 8, 9], list(range(300, 321))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -26,6 +27,19 @@ def test_tp2_greedy_equals_tp1(tiny_model_dir, family):
     model_dir = tiny_model_dir(family)
     ref = tp1_tokens(model_dir)
     with LLM(str(model_dir), tp=2, dist_timeout=60) as llm:
+        got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        llm.check_integrity()
+    assert got == ref
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_tp2_expert_parallel_greedy_equals_tp1(tiny_model_dir, family):
+    """moe_parallel="ep": each rank holds 4 of the 8 experts whole (Qwen2-MoE's shared expert stays split)."""
+    model_dir = tiny_model_dir(family)
+    ref = tp1_tokens(model_dir)
+    with LLM(str(model_dir), tp=2, moe_parallel="ep", dist_timeout=60) as llm:
+        moes = [m for m in llm.scheduler.engine.model.modules() if isinstance(m, FusedMoE)]
+        assert moes and all((m.expert_offset, m.gate_up_proj.shape[0]) == (0, 4) for m in moes)  # rank 0's half
         got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         llm.check_integrity()
     assert got == ref

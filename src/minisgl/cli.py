@@ -23,7 +23,10 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     group.add_argument(
         "--model", default="smollm2", help="model name, directory, hub id or GGUF file (default: smollm2)"
     )
-    notes = {"quantization": "fp8 (any device), fp16 or int8 (CPU float32 only); "}
+    notes = {
+        "quantization": "fp8 (any device), fp16 or int8 (CPU float32 only); ",
+        "moe_parallel": "MoE under --tp: tp (each expert split across the ranks) or ep (whole experts per rank); ",
+    }
     for f in fields(EngineConfig):
         if f.name in ("model", "extra", *skip):
             continue
