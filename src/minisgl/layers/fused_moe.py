@@ -15,8 +15,8 @@ registers and the scales multiply the sums, so decode reads half the bytes and t
 
 Under expert parallelism (layers/moe.py, moe_parallel="ep") a rank holds only the experts [expert_offset,
 expert_offset + E_local): routing still takes the top_k of all E router logits, the grouping drops the pairs
-routed to other ranks' experts (no GEMM computes them) and lays out the local experts only, and the top-k sum
-reads only the local pairs' rows (`_combine_kernel`), so the dropped rows, never written, add nothing.
+routed to other ranks' experts (no GEMM computes them) and lays out the local experts only; SiLU-and-mul and the
+top-k sum visit only the local pairs' rows (`_local_pair_kernels`), so the dropped rows, never written, add nothing.
 """
 
 from __future__ import annotations
@@ -155,9 +155,25 @@ def _grouping_kernels() -> tuple[Any, Any, Any]:
 
 
 @functools.cache
-def _combine_kernel() -> Any:
+def _local_pair_kernels() -> tuple[Any, Any]:
+    """Expert parallelism's two passes over the (token, slot) pairs that touch only the pairs of local experts."""
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def silu_and_mul_kernel(
+        gate_up_ptr, act_ptr, ids_ptr, inter, expert_offset, num_local, BLOCK: tl.constexpr
+    ):  # fmt: skip
+        # act[pair] = silu(gate) * up of the pair's gate_up row; another rank's pair reads and writes nothing.
+        pair = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        expert = tl.load(ids_ptr + pair) - expert_offset
+        mask = offs < tl.where((expert >= 0) & (expert < num_local), inter, 0)
+        row = gate_up_ptr + pair.to(tl.int64) * 2 * inter + offs
+        gate = tl.load(row, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(row + inter, mask=mask, other=0.0).to(tl.float32)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(act_ptr + pair.to(tl.int64) * inter + offs, act.to(act_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def combine_kernel(
@@ -176,7 +192,7 @@ def _combine_kernel() -> Any:
             acc += row.to(tl.float32)
         tl.store(out_ptr + token.to(tl.int64) * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < hidden)
 
-    return combine_kernel
+    return silu_and_mul_kernel, combine_kernel
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,6 +276,11 @@ def _grouped_gemm(
     )  # fmt: skip
 
 
+def _row_block(width: int) -> int:
+    """The columns one program of a row-wise pass takes: the row's width up to 1024, a power of two."""
+    return min(1024, max(16, 1 << (width - 1).bit_length()))
+
+
 def fused_moe(
     x: torch.Tensor,
     router_logits: torch.Tensor,
@@ -291,13 +312,21 @@ def fused_moe(
     _grouped_gemm(
         x, gate_up, gate_up_out, weights, grouping, top_k, False, config, None if scales is None else scales[0]
     )
-    act = SiluAndMul()(gate_up_out)
+    expert_parallel = num_local < router_logits.shape[1]  # the other ranks' pairs' rows are never written
+    if expert_parallel:
+        act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+        block_i = _row_block(inter)
+        _local_pair_kernels()[0][(pairs, -(-inter // block_i))](
+            gate_up_out, act, ids, inter, expert_offset, num_local, block_i
+        )
+    else:
+        act = SiluAndMul()(gate_up_out)
     down_out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, down, down_out, weights, grouping, 1, True, config, None if scales is None else scales[1])
-    if num_local < router_logits.shape[1]:  # expert parallelism: the other ranks' pairs' rows were never written
+    if expert_parallel:
         out = torch.empty_like(x) if out is None else out
-        block_h = min(1024, max(16, 1 << (hidden - 1).bit_length()))
-        _combine_kernel()[(tokens, -(-hidden // block_h))](
+        block_h = _row_block(hidden)
+        _local_pair_kernels()[1][(tokens, -(-hidden // block_h))](
             down_out, ids, out, hidden, expert_offset, num_local, out.stride(0), top_k, block_h
         )
         return out
