@@ -83,7 +83,7 @@ def test_variables_are_read_when_asked_for(monkeypatch):
         ("MINISGL_TP_FUSED_MB", "lots", "MINISGL_TP_FUSED_MB='lots' is not a valid int"),
         ("MINISGL_XQA", "maybe", "MINISGL_XQA='maybe' is not a valid bool"),
         ("MINISGL_TP_ALLREDUCE", "mpi", "MINISGL_TP_ALLREDUCE must be one of nccl, symm_mem, fused"),
-        ("MINISGL_MOE_PARALLEL", "dp", "MINISGL_MOE_PARALLEL must be one of tp, ep"),
+        ("MINISGL_MOE_PARALLEL", "dp", "MINISGL_MOE_PARALLEL must be one of auto, tp, ep"),
     ],
 )
 def test_a_bad_value_raises_a_config_error_naming_the_variable(monkeypatch, name, raw, match):

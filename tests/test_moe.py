@@ -93,7 +93,7 @@ def _moe_of_rank(rank: int, size: int, expert_parallel: bool, **kw: int) -> torc
     from minisgl.distributed import set_tp_info
     from minisgl.layers.moe import FusedMoE
 
-    set_tp_info(rank, size, expert_parallel)
+    set_tp_info(rank, size, "ep" if expert_parallel else "tp")
     try:
         return FusedMoE(renormalize=True, **kw)
     finally:
@@ -157,16 +157,16 @@ def test_expert_parallel_needs_the_experts_divisible_by_the_ranks():
     _moe_of_rank(0, 4, False, hidden_size=16, intermediate_size=12, num_experts=6, top_k=2)  # "tp" splits I
 
 
-def test_moe_parallel_takes_tp_or_ep(monkeypatch):
+def test_moe_parallel_takes_auto_tp_or_ep(monkeypatch):
     from minisgl.config import EngineConfig
     from minisgl.errors import ConfigError
 
     monkeypatch.delenv("MINISGL_MOE_PARALLEL", raising=False)
-    assert EngineConfig().moe_parallel == "tp"
+    assert EngineConfig().moe_parallel == "auto"
     monkeypatch.setenv("MINISGL_MOE_PARALLEL", "ep")
     assert EngineConfig().moe_parallel == "ep"
-    with pytest.raises(ConfigError, match="moe_parallel must be one of tp, ep"):
+    with pytest.raises(ConfigError, match="moe_parallel must be one of auto, tp, ep"):
         EngineConfig(moe_parallel="dp")
     monkeypatch.setenv("MINISGL_MOE_PARALLEL", "dp")
-    with pytest.raises(ConfigError, match="MINISGL_MOE_PARALLEL must be one of tp, ep"):
+    with pytest.raises(ConfigError, match="MINISGL_MOE_PARALLEL must be one of auto, tp, ep"):
         EngineConfig()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,14 +33,19 @@ def test_tp2_greedy_equals_tp1(tiny_model_dir, family):
     assert got == ref
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
-def test_tp2_expert_parallel_greedy_equals_tp1(tiny_model_dir, family):
-    """moe_parallel="ep": each rank holds 4 of the 8 experts whole (Qwen2-MoE's shared expert stays split)."""
+@pytest.mark.parametrize(("family", "layout"), [("qwen3_moe", "tp"), ("mixtral", "tp"), ("qwen2_moe", "ep")])
+def test_tp2_moe_layouts_greedy_equal_tp1(tiny_model_dir, family, layout):
+    """moe_parallel="tp": each rank holds every expert with half its intermediate dimension; "ep" (what "auto", the
+    default, picks for 8 experts over 2 ranks): each rank holds 4 of the 8 experts whole (Qwen2-MoE's shared expert
+    stays split)."""
     model_dir = tiny_model_dir(family)
     ref = tp1_tokens(model_dir)
-    with LLM(str(model_dir), tp=2, moe_parallel="ep", dist_timeout=60) as llm:
+    with LLM(str(model_dir), tp=2, moe_parallel=layout, dist_timeout=60) as llm:
+        config = json.loads((model_dir / "config.json").read_text())
+        inter = config.get("moe_intermediate_size", config["intermediate_size"])
+        want = (8, inter // 2) if layout == "tp" else (4, inter)  # rank 0's experts and the slice of I of each
         moes = [m for m in llm.scheduler.engine.model.modules() if isinstance(m, FusedMoE)]
-        assert moes and all((m.expert_offset, m.gate_up_proj.shape[0]) == (0, 4) for m in moes)  # rank 0's half
+        assert moes and all((m.gate_up_proj.shape[0], m.gate_up_proj.shape[1] // 2) == want for m in moes)
         got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         llm.check_integrity()
     assert got == ref

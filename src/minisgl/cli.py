@@ -25,7 +25,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     )
     notes = {
         "quantization": "fp8 (any device), fp16 or int8 (CPU float32 only); ",
-        "moe_parallel": "MoE under --tp: tp (each expert split across the ranks) or ep (whole experts per rank); ",
+        "moe_parallel": "MoE under --tp: ep (whole experts per rank), tp (each expert split across the ranks) or "
+        "auto (ep where the ranks divide the experts); ",
     }
     for f in fields(EngineConfig):
         if f.name in ("model", "extra", *skip):

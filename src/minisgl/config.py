@@ -14,7 +14,11 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's and SGLang's
 # --reasoning-parser names (vLLM's and SGLang's); all of these models write <think>...</think>.
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 TP_ALLREDUCES = ("nccl", "symm_mem", "fused")
-MOE_PARALLELS = ("tp", "ep")  # MoE experts under TP: each split across the ranks, or whole experts per rank
+MOE_PARALLELS = (
+    "auto",
+    "tp",
+    "ep",
+)  # MoE experts under TP: whole experts per rank where E divides, each split, or whole
 
 
 def _from_env(read: Any) -> Any:

@@ -185,12 +185,13 @@ FP8_WEIGHT_ONLY_ROWS = _declare(
 MOE_PARALLEL = _declare(
     "MINISGL_MOE_PARALLEL",
     "str",
-    "tp",
+    "auto",
     str,
-    "TP with MoE models: `tp` splits each expert's intermediate dimension across the ranks; `ep` (opt-in, not yet "
-    "measured on GPUs) gives rank r of P the whole experts `[r*E/P, (r+1)*E/P)` (E a multiple of P); attention and "
-    "Qwen2-MoE's shared expert stay split either way (`EngineConfig.moe_parallel`)",
-    choices=("tp", "ep"),
+    "TP with MoE models: `ep` gives rank r of P the whole experts `[r*E/P, (r+1)*E/P)` (E a multiple of P); `tp` "
+    "splits each expert's intermediate dimension across the ranks; `auto`: `ep` where P divides E (1.06x `tp` at "
+    "TP=2 on 2x H200), else `tp`; attention and Qwen2-MoE's shared expert stay split either way "
+    "(`EngineConfig.moe_parallel`)",
+    choices=("auto", "tp", "ep"),
 )
 TP_VOCAB_SAMPLING = _declare(
     "MINISGL_TP_VOCAB_SAMPLING",

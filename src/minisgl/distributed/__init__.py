@@ -32,7 +32,7 @@ SYMM_MEM_MAX_BYTES = 8 * 2**20  # tensors up to this size take the symmetric-mem
 class TPInfo:
     rank: int = 0
     size: int = 1
-    expert_parallel: bool = False  # MoE layers hold whole experts per rank (EngineConfig.moe_parallel="ep")
+    moe_parallel: str = "auto"  # how MoE layers lay out their experts over the ranks (EngineConfig.moe_parallel)
 
     @property
     def is_primary(self) -> bool:
@@ -42,9 +42,9 @@ class TPInfo:
 _TP = TPInfo()
 
 
-def set_tp_info(rank: int, size: int, expert_parallel: bool = False) -> None:
+def set_tp_info(rank: int, size: int, moe_parallel: str = "auto") -> None:
     global _TP
-    _TP = TPInfo(rank, size, expert_parallel)
+    _TP = TPInfo(rank, size, moe_parallel)
 
 
 def get_tp_info() -> TPInfo:

@@ -126,7 +126,7 @@ def init_distributed(config: EngineConfig, rank: int, store: Any) -> None:
         world_size=config.tp,
         timeout=datetime.timedelta(seconds=config.dist_timeout),
     )
-    set_tp_info(rank, config.tp, expert_parallel=config.moe_parallel == "ep")
+    set_tp_info(rank, config.tp, moe_parallel=config.moe_parallel)
     if use_cuda and config.nnodes == 1:  # one host: the GPUs reach each other's memory
         setup_symm_mem(torch.device("cuda", torch.cuda.current_device()), config.tp_allreduce, config.tp_fused_mb)
 

@@ -2,11 +2,13 @@
 
 The experts' weights are stacked at load time: gate_up_proj [E, 2 * I, H] (gate rows, then up rows) and
 down_proj [E, H, I]. Under tensor parallelism over P ranks the experts are laid out one of two ways
-(EngineConfig.moe_parallel): "tp" (the default) splits each expert's intermediate dimension I across the ranks
-like the dense MLP's, so every rank holds every expert, [E, 2 * I / P, H]; "ep" (expert parallelism) gives rank r
-the whole experts [r * E / P, (r + 1) * E / P), [E / P, 2 * I, H]. Either way the router is replicated, every rank
-sees every token (the activations are replicated at the MoE input) and computes its part of each token's sum (under
-"ep" the pairs routed to another rank's experts add nothing here), and one all-reduce per layer sums the ranks.
+(EngineConfig.moe_parallel): "ep" (expert parallelism) gives rank r the whole experts [r * E / P, (r + 1) * E / P),
+[E / P, 2 * I, H]; "tp" splits each expert's intermediate dimension I across the ranks like the dense MLP's, so
+every rank holds every expert, [E, 2 * I / P, H]; "auto" (the default) is "ep" where P divides E, else "tp" ("ep"
+measured 1.06x "tp" end to end at TP=2 on Qwen3-30B-A3B's shape: whole experts make longer GEMMs). Either way the
+router is replicated, every rank sees every token (the activations are replicated at the MoE input) and computes
+its part of each token's sum (under "ep" the pairs routed to another rank's experts add nothing here), and one
+all-reduce per layer sums the ranks.
 
 On CUDA one fused path runs (layers/fused_moe.py: routing kernel, tokens grouped by expert on the GPU, two
 grouped GEMMs); elsewhere a plain loop over the experts that received tokens, in expert order like HF's.
@@ -82,7 +84,7 @@ class SharedExpert(nn.Module):
 class FusedMoE(nn.Module):
     """The routed experts of one layer (and Qwen2-MoE's shared expert where shared_intermediate_size > 0);
     forward(x [T, H]) -> [T, H] (this rank's partial sums if reduce=False). Under TP with expert parallelism
-    (distributed.TPInfo.expert_parallel) this rank holds whole experts [expert_offset, expert_offset + E / P)."""
+    (distributed.TPInfo.moe_parallel) this rank holds whole experts [expert_offset, expert_offset + E / P)."""
 
     def __init__(
         self,
@@ -96,16 +98,19 @@ class FusedMoE(nn.Module):
         super().__init__()
         tp = get_tp_info()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        if tp.expert_parallel and num_experts % tp.size:
+        # "auto": whole experts wherever the ranks divide them (faster at TP=2 on Qwen3-30B-A3B, docs/benchmarks.md)
+        divides = num_experts % tp.size == 0
+        ep = tp.size > 1 and (tp.moe_parallel == "ep" or (tp.moe_parallel == "auto" and divides))
+        if tp.moe_parallel == "ep" and not divides:
             raise ConfigError(
                 f"moe_parallel='ep' gives each of the {tp.size} ranks the same number of whole experts, but the "
                 f"model has {num_experts}: use a tp that divides {num_experts}, or moe_parallel='tp'"
             )
         # This rank's experts (all of them under "tp") and the slice of I it holds of each (all of it under "ep").
-        self.num_local_experts = num_experts // tp.size if tp.expert_parallel else num_experts
-        self.expert_offset = tp.rank * self.num_local_experts if tp.expert_parallel else 0
-        self.inter = intermediate_size if tp.expert_parallel else divide(intermediate_size, tp.size)
-        self.inter_start = 0 if tp.expert_parallel else tp.rank * self.inter
+        self.num_local_experts = num_experts // tp.size if ep else num_experts
+        self.expert_offset = tp.rank * self.num_local_experts if ep else 0
+        self.inter = intermediate_size if ep else divide(intermediate_size, tp.size)
+        self.inter_start = 0 if ep else tp.rank * self.inter
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)  # the router
         local = self.num_local_experts
         self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * self.inter, hidden_size), requires_grad=False)
