@@ -68,6 +68,40 @@ def sweep(weights: dict[str, tuple[torch.Tensor, ...]], rows: int, configs: list
         print(f"  best for {name}: {t:.1f} us {json.dumps(cfg)}")
 
 
+def cold_layers(configs: list[dict[str, int]], layers: int = 8) -> None:
+    """One row through `layers` distinct layers' weights, as decode reads them (no weight is in L2 when its GEMM
+    starts; the sweeps above replay one weight, which L2 partly holds below ~50 MB): us per GEMM for each shape under
+    each GEMV tile configuration (gate_up with SiLU-and-mul in its epilogue, as the MLP runs it), then a layer's four
+    GEMMs chained with the default tiles against bf16's cuBLAS."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    stack = {
+        name: [quantize_per_channel(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02)
+               for _ in range(layers)]
+        for name, (k, n) in SHAPES.items()
+    }  # fmt: skip
+    x = {name: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for name, (k, _) in SHAPES.items()}
+    print(f"one row, {layers} distinct layers' weights, us per GEMM (qkv / o / gate_up+SiLU / down), by tiles:")
+    for cfg in configs:
+        times = [
+            graph_us(lambda: [weight_only(x[n], q, s, config=cfg, gate_up=n == "gate_up") for q, s in stack[n]], 10)  # noqa: B023
+            / layers
+            for n in SHAPES
+        ]
+        print(f"  {cfg}: {' / '.join(f'{t:.1f}' for t in times)} = {sum(times):.1f}", flush=True)
+
+    def fp8_chain() -> None:
+        for i in range(layers):
+            for n in SHAPES:
+                weight_only(x[n], *stack[n][i], gate_up=n == "gate_up")
+
+    fp8_us = graph_us(fp8_chain, 10) / layers
+    stack.clear()  # free the FP8 copies before the bf16 ones
+    bf16 = [{n: torch.randn(nn, k, device="cuda", dtype=torch.bfloat16) for n, (k, nn) in SHAPES.items()}]
+    bf16 += [{n: torch.randn_like(w) for n, w in bf16[0].items()} for _ in range(layers - 1)]
+    bf16_us = graph_us(lambda: [torch.mm(x[n], w[n].t()) for w in bf16 for n in SHAPES], 10) / layers
+    print(f"a layer's four GEMMs, cold, default tiles: FP8 {fp8_us:.1f} us against bf16 {bf16_us:.1f} us", flush=True)
+
+
 def gate_up_epilogue(weights: dict[str, tuple[torch.Tensor, ...]]) -> None:
     """The MLP's gate_up GEMM then flashinfer's SiLU-and-mul, against the GEMM applying it in its epilogue
     (weight_only(gate_up=True)), at a few rows and, for one row, a few GEMV tiles."""
@@ -113,6 +147,11 @@ def main() -> None:
                               (64, 256, 4, 3), (16, 256, 2, 3), (16, 512, 8, 2)]
     ])  # fmt: skip
     gate_up_epilogue(weights)
+    cold_layers([{}] + [
+        dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+        for bn, bk, w, st in [(8, 1024, 4, 2), (8, 512, 2, 3), (4, 2048, 4, 2), (4, 1024, 2, 3), (4, 512, 2, 4),
+                              (2, 1024, 1, 3), (8, 256, 2, 4), (16, 512, 4, 3), (4, 2048, 8, 3)]
+    ])  # fmt: skip
     rows_out = []
     print(f"{'M':>5s} {'bf16 us':>9s} {'w8a16 us':>9s} {'fp8xfp8 us':>11s}  per GEMM (bf16 / w8a16 / fp8xfp8)")
     for m in [int(r) for r in args.rows.split(",")]:
