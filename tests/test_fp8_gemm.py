@@ -15,7 +15,7 @@ from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
 
 
 def test_the_kernels_in_triton_interpreter_on_the_cpu():
-    run_interpreter_cases(__file__, passed=9, timeout=600)
+    run_interpreter_cases(__file__, passed=11, timeout=600)
 
 
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
@@ -67,6 +67,24 @@ def test_gate_up_epilogue_applies_silu_and_mul(device, rows, k, inter):
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert got.shape == (rows, inter)
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("tokens", "hidden"), [(1, 96), (5, 200)])
+def test_add_rmsnorm_matches_the_fused_add_norm(device, tokens, hidden):
+    """add_rmsnorm (the norm before an FP8 GEMM): residual += x, x = RMSNorm(residual) * w, the norm taken from the
+    float32 sum before it is rounded, as flashinfer's fused_add_rmsnorm computes it."""
+    from minisgl.layers.fp8_gemm import add_rmsnorm
+
+    g = torch.Generator().manual_seed(tokens)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x, res = (torch.randn(tokens, hidden, generator=g).to(device, dtype) for _ in range(2))
+    w = (torch.rand(hidden, generator=g) + 0.5).to(device, dtype)
+    total = x.float() + res.float()
+    want = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+    add_rmsnorm(x, res, w, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(res.float(), total.to(dtype).float(), atol=0, rtol=0)
+    torch.testing.assert_close(x.float(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,25 @@ def _kernels() -> dict[str, Any]:
     """The Triton kernels (layers/fp8_gemm_kernels.py), imported on first use: "quant_rows", "w8a16" and "gemv"."""
     from minisgl.layers import fp8_gemm_kernels as k
 
-    return {"quant_rows": k.quant_rows_kernel, "w8a16": k.w8a16_kernel, "gemv": k.gemv_kernel}
+    return {
+        "quant_rows": k.quant_rows_kernel,
+        "w8a16": k.w8a16_kernel,
+        "gemv": k.gemv_kernel,
+        "add_rmsnorm": k.add_rmsnorm_kernel,
+    }
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """flashinfer's fused_add_rmsnorm (in place: residual += x, x = RMSNorm(residual) * weight) for x [T, H] on
+    CUDA, as a kernel that lets the next one launch at its start (PDL): the norms before FP8 GEMMs take it
+    (RMSNorm.early_dependents), so a GEMM reads its first weight tiles while the norm runs."""
+    tokens, hidden = x.shape
+    if tokens:
+        block = 1 << (hidden - 1).bit_length()
+        _kernels()["add_rmsnorm"][(tokens,)](
+            x, residual, weight, hidden, eps, x.stride(0), residual.stride(0), BLOCK=block,
+            num_warps=min(16, max(4, block // 512)), **pdl_args(x.device),
+        )  # fmt: skip
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -123,3 +123,25 @@ def gemv_kernel(
         if GATE_UP:
             y = silu_and_mul(y, tl.sum(acc_up, axis=1) * up_scale, c_ptr.dtype.element_ty)
         tl.store(c_ptr + m * stride_cm + offs_n, y.to(c_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def add_rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, H, eps, stride_x, stride_r, PDL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # One row: res <- x + res, x <- (x + res) * rsqrt(mean((x + res)^2) + eps) * w, in float32 from the unrounded
+    # sum (flashinfer's fused_add_rmsnorm). It lets the next kernel launch first thing: the FP8 GEMM after it reads
+    # its first weight tiles while this runs (flashinfer's norm lets it launch only at its end).
+    if PDL:
+        gdc_launch_dependents()
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    s = x + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(res_ptr + row * stride_r + offs, s.to(res_ptr.dtype.element_ty), mask=mask)
+    rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / H + eps)
+    tl.store(x_ptr + row * stride_x + offs, (s * rms * w).to(x_ptr.dtype.element_ty), mask=mask)

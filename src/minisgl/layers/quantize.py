@@ -19,6 +19,7 @@ from minisgl.layers.fp8 import round_through_fp8
 from minisgl.layers.fp8_gemm import FP8, Fp8Gemm, quantize_per_channel
 from minisgl.layers.linear import LinearBase
 from minisgl.layers.moe import FusedMoE
+from minisgl.layers.norm import RMSNorm
 
 
 def _fp8_weights(model: nn.Module) -> Iterator[LinearBase | FusedMoE]:
@@ -68,6 +69,9 @@ def to_fp8_gemms(model: nn.Module) -> int:
             module.weight, scale = _to_fp8(module.weight)
             module.gemm = Fp8Gemm(scale)
             converted += 1
+    for module in model.modules():  # their kernels let the FP8 GEMMs after them launch at once (Fp8Gemm's PDL)
+        if isinstance(module, RMSNorm):
+            module.early_dependents = True
     torch.cuda.empty_cache()
     return converted
 
