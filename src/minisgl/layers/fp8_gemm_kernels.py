@@ -51,9 +51,7 @@ def w8a16_kernel(
     a_ptr, b_ptr, scale_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm, GATE_UP: tl.constexpr,
     PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # c[m, n] = scale[n] * sum_k a[m, k] * b[n, k] on the tensor cores, b widened from FP8 to a's dtype tile by tile.
-    # The weight rows are the MMA's long side ("swap AB": c^T = b a^T, a tile of BLOCK_N weight rows by BLOCK_M of
-    # a's few rows), so a handful of rows does not leave most of each MMA empty.
+    # c[m, n] = scale[n] * sum_k a[m, k] * b[n, k], b widened from FP8 to a's dtype tile by tile.
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -64,25 +62,25 @@ def w8a16_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]  # rows of b, contiguous along K
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if GATE_UP:
-        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
-        a = tl.trans(tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0))
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_left), other=0.0)
-        acc += tl.dot(b.to(a.dtype), a)
+        acc += tl.dot(a, tl.trans(b.to(a.dtype)))
         if GATE_UP:
             b = tl.load(b_ptrs + N * stride_bn, mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_left), other=0.0)
-            acc_up += tl.dot(b.to(a.dtype), a)
+            acc_up += tl.dot(a, tl.trans(b.to(a.dtype)))
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    acc = acc * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)[:, None]
+    acc = acc * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
     if GATE_UP:
-        up = acc_up * tl.load(scale_ptr + N + offs_n, mask=offs_n < N, other=0.0)[:, None]
+        up = acc_up * tl.load(scale_ptr + N + offs_n, mask=offs_n < N, other=0.0)[None, :]
         acc = silu_and_mul(acc, up, c_ptr.dtype.element_ty)
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[None, :] * stride_cm + offs_n[:, None]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 @triton.jit
