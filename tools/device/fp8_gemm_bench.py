@@ -143,9 +143,14 @@ def main() -> None:
     ])  # fmt: skip
     sweep(weights, 16, [
         dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
-        for bn, bk, w, st in [(16, 256, 4, 4), (16, 128, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
-                              (64, 256, 4, 3), (16, 256, 2, 3), (16, 512, 8, 2)]
+        for bn, bk, w, st in [(32, 256, 4, 4), (32, 512, 4, 3), (16, 256, 2, 3), (64, 256, 4, 3)]
     ])  # fmt: skip
+    for rows in (32, 64):
+        sweep(weights, rows, [
+            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+            for bm, bn, bk, w, st in [(16, 32, 256, 4, 4), (16, 64, 256, 4, 3), (32, 32, 256, 4, 4),
+                                      (32, 64, 128, 4, 4), (rows, 64, 128, 4, 3), (rows, 128, 64, 8, 3)]
+        ])  # fmt: skip
     gate_up_epilogue(weights)
     cold_layers([{}] + [
         dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
