@@ -94,14 +94,14 @@ def gemv_config(n: int, k: int) -> dict[str, int]:
     return GEMV_CONFIG
 
 
-# Up to 16 rows a Qwen3-8B layer's four GEMMs took 87 us with these tiles against bf16's 103 on an H200
-# (tools/device/fp8_gemm_bench.py's sweep); 64-row blocks take more rows.
-W8A16_CONFIG = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
+# Up to 16 rows a Qwen3-8B layer's four GEMMs took 86 us with these tiles against bf16's 103 on an H200
+# (tools/device/fp8_gemm_bench.py's sweep); taller tiles were slower (160 us at 32 rows with BLOCK_M 32).
+W8A16_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
 
 
 def w8a16_config(m: int) -> dict[str, int]:
-    """Tiles for the weight-only kernel: W8A16_CONFIG, BLOCK_M the rows rounded up to the tensor cores' 16."""
-    return dict(W8A16_CONFIG, BLOCK_M=16 if m <= 16 else 32 if m <= 32 else 64)
+    """Tiles for the weight-only tensor-core kernel: W8A16_CONFIG, rows in blocks of the tensor cores' 16."""
+    return dict(W8A16_CONFIG)
 
 
 def weight_only(
