@@ -87,6 +87,38 @@ def test_add_rmsnorm_matches_the_fused_add_norm(device, tokens, hidden):
     torch.testing.assert_close(x.float(), want, atol=tol, rtol=tol)
 
 
+def test_the_norm_hands_its_row_quantization_to_the_gemm_it_feeds(device):
+    """Above the weight-only rows add_rmsnorm(quantize_for=gemm) also quantizes its output per row, exactly as
+    quantize_rows would, and hands it over: that GEMM's next call on the same tensor skips its own quantization."""
+    from minisgl.layers.fp8_gemm import Fp8Gemm, add_rmsnorm, quantize_rows
+
+    if device == "cpu":
+        pytest.skip("numpy has no e4m3: the row quantization runs on CUDA only")
+    x, res = torch.randn(40, 256, device=device, dtype=torch.bfloat16), torch.randn(40, 256, device=device).bfloat16()
+    gemm = Fp8Gemm(torch.ones(8, device=device))
+    add_rmsnorm(x, res, torch.ones(256, device=device, dtype=torch.bfloat16), 1e-6, quantize_for=gemm)
+    q, scale = gemm._take(x)
+    want_q, want_scale = quantize_rows(x)
+    assert torch.equal(scale, want_scale) and torch.equal(q.float(), want_q.float())
+    assert gemm._take(x) is None  # used once
+
+
+def test_a_handed_over_quantization_serves_only_its_own_tensor():
+    """Fp8Gemm takes a norm's quantization only for the tensor it was made from, once; any call clears it."""
+    from minisgl.layers.fp8_gemm import Fp8Gemm
+
+    gemm = Fp8Gemm(torch.ones(4))
+    x, other = torch.randn(3, 8), torch.randn(3, 8)
+    q, scale = torch.zeros(3, 8), torch.ones(3, 1)
+    gemm.hand_over(x, q, scale)
+    assert gemm._take(other) is None and gemm._take(x) is None  # the miss cleared it
+    gemm.hand_over(x, q, scale)
+    assert gemm._take(x[:2]) is None  # same storage, another shape
+    gemm.hand_over(x, q, scale)
+    got = gemm._take(x)
+    assert got is not None and got[0] is q and got[1] is scale
+
+
 @pytest.mark.parametrize(
     ("tokens", "first", "local"), [(3, 0, 6), (40, 0, 6), (40, 2, 3)], ids=["3", "40", "40-experts-2-to-5-of-6"]
 )

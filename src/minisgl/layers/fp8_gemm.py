@@ -51,17 +51,27 @@ def _kernels() -> dict[str, Any]:
     }
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quantize_for: Fp8Gemm | None = None
+) -> None:
     """flashinfer's fused_add_rmsnorm (in place: residual += x, x = RMSNorm(residual) * weight) for x [T, H] on
     CUDA, as a kernel that lets the next one launch at its start (PDL): the norms before FP8 GEMMs take it
-    (RMSNorm.early_dependents), so a GEMM reads its first weight tiles while the norm runs."""
+    (RMSNorm.early_dependents), so a GEMM reads its first weight tiles while the norm runs. quantize_for: the FP8
+    GEMM that x feeds; above weight_only_rows() the kernel also quantizes x per row and hands it that GEMM
+    (Fp8Gemm.hand_over), which then skips its own quantization kernel."""
     tokens, hidden = x.shape
-    if tokens:
-        block = 1 << (hidden - 1).bit_length()
-        _kernels()["add_rmsnorm"][(tokens,)](
-            x, residual, weight, hidden, eps, x.stride(0), residual.stride(0), BLOCK=block,
-            num_warps=min(16, max(4, block // 512)), **pdl_args(x.device),
-        )  # fmt: skip
+    if not tokens:
+        return
+    quant = quantize_for is not None and tokens > weight_only_rows()
+    q = torch.empty(tokens, hidden, dtype=FP8, device=x.device) if quant else x
+    scale = torch.empty(tokens, 1, dtype=torch.float32, device=x.device) if quant else x
+    block = 1 << (hidden - 1).bit_length()
+    _kernels()["add_rmsnorm"][(tokens,)](
+        x, residual, weight, q, scale, hidden, eps, x.stride(0), residual.stride(0), q.stride(0), FP8_MAX, quant,
+        BLOCK=block, num_warps=min(16, max(4, block // 512)), **pdl_args(x.device),
+    )  # fmt: skip
+    if quant and quantize_for is not None:
+        quantize_for.hand_over(x, q, scale)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,15 +152,17 @@ def fp8_linear(
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """y = x (qweight * scale)^T (+ bias) for x [..., K] on CUDA, in x's dtype; into out [M, N] if given."""
+    """y = x (qweight * scale)^T (+ bias) for x [..., K] on CUDA, in x's dtype; into out [M, N] if given.
+    quantized: x already quantized per row (quantize_rows' (q, scale), made by the norm before)."""
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     if x2.shape[0] <= weight_only_rows():
         y = weight_only(x2, qweight, scale, out)
     else:
-        qx, sx = quantize_rows(x2)
+        qx, sx = quantized if quantized is not None else quantize_rows(x2)
         y = torch._scaled_mm(qx, qweight.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
         if out is not None:
             out.copy_(y)
@@ -166,13 +178,25 @@ class Fp8Gemm:
 
     def __init__(self, scale: torch.Tensor) -> None:
         self.scale = scale
+        self._handed: tuple[int, torch.Size, torch.Tensor, torch.Tensor] | None = None
+
+    def hand_over(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """x's per-row quantization (q, scale), made by the norm that wrote x: the next call on x uses it."""
+        self._handed = (x.data_ptr(), x.shape, q, scale)
+
+    def _take(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The handed-over quantization if this call's input is the tensor it was made from; cleared either way."""
+        handed, self._handed = self._handed, None
+        if handed is None or handed[0] != x.data_ptr() or handed[1] != x.shape:
+            return None
+        return handed[2], handed[3]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return fp8_linear(x, weight, self.scale, bias)
+        return fp8_linear(x, weight, self.scale, bias, quantized=self._take(x))
 
     def into(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """out [M, N] = the same product, written where the caller says (CpuGemm.into's counterpart)."""
-        fp8_linear(x, weight, self.scale, bias, out=out)
+        fp8_linear(x, weight, self.scale, bias, out=out, quantized=self._take(x))
 
     def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of an MLP's gate_up weight [2I, K] in one kernel (no bias) where the weight-only kernels

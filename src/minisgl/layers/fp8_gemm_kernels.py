@@ -127,11 +127,13 @@ def gemv_kernel(
 
 @triton.jit
 def add_rmsnorm_kernel(
-    x_ptr, res_ptr, w_ptr, H, eps, stride_x, stride_r, PDL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, H, eps, stride_x, stride_r, stride_q, FP8_MAX: tl.constexpr,
+    QUANT: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # One row: res <- x + res, x <- (x + res) * rsqrt(mean((x + res)^2) + eps) * w, in float32 from the unrounded
     # sum (flashinfer's fused_add_rmsnorm). It lets the next kernel launch first thing: the FP8 GEMM after it reads
-    # its first weight tiles while this runs (flashinfer's norm lets it launch only at its end).
+    # its first weight tiles while this runs (flashinfer's norm lets it launch only at its end). QUANT: also the
+    # rounded output quantized per row for the FP8 x FP8 GEMM after it, as quant_rows_kernel would (q, scale).
     if PDL:
         gdc_launch_dependents()
     offs = tl.arange(0, BLOCK)
@@ -144,4 +146,11 @@ def add_rmsnorm_kernel(
     s = x + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(res_ptr + row * stride_r + offs, s.to(res_ptr.dtype.element_ty), mask=mask)
     rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / H + eps)
-    tl.store(x_ptr + row * stride_x + offs, (s * rms * w).to(x_ptr.dtype.element_ty), mask=mask)
+    y = (s * rms * w).to(x_ptr.dtype.element_ty)
+    tl.store(x_ptr + row * stride_x + offs, y, mask=mask)
+    if QUANT:
+        y = y.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / FP8_MAX
+        tl.store(scale_ptr + row, scale)
+        q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)

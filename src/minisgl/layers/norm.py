@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from minisgl.distributed import all_reduce, fused_reduce_norm
-from minisgl.layers.fp8_gemm import add_rmsnorm
+from minisgl.layers.fp8_gemm import Fp8Gemm, add_rmsnorm
 from minisgl.layers.fused import fused_ops
 from minisgl.layers.linear import copy_checked
 
@@ -19,8 +19,10 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = self.weight_loader
         # The mean's divisor and eps as float32 scalars: CPU ops take them without a conversion each call.
         self._size_eps = (torch.tensor(float(hidden_size)), torch.tensor(eps))
-        # Set where an FP8 GEMM follows (layers/quantize.py): the residual form lets the next kernel launch at once.
+        # Set where an FP8 GEMM follows (layers/quantize.py): the residual form lets the next kernel launch at once,
+        # and quantizes its output per row for quantizes_for, the FP8 GEMM it feeds, where that GEMM takes it.
         self.early_dependents = False
+        self.quantizes_for: Fp8Gemm | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         copy_checked(param, loaded)
@@ -50,7 +52,7 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return fi.norm.rmsnorm(x, self.weight, self.eps)
             if self.early_dependents and x.dim() == 2:
-                add_rmsnorm(x, residual, self.weight, self.eps)
+                add_rmsnorm(x, residual, self.weight, self.eps, self.quantizes_for)
             else:
                 fi.norm.fused_add_rmsnorm(x, residual, self.weight, self.eps)
             return x, residual

@@ -72,8 +72,22 @@ def to_fp8_gemms(model: nn.Module) -> int:
     for module in model.modules():  # their kernels let the FP8 GEMMs after them launch at once (Fp8Gemm's PDL)
         if isinstance(module, RMSNorm):
             module.early_dependents = True
+    _pair_norms(model)
     torch.cuda.empty_cache()
     return converted
+
+
+def _pair_norms(model: nn.Module) -> None:
+    """Each decoder layer's norms quantize their outputs for the FP8 GEMM they feed (the QKV projection, a dense
+    MLP's gate_up): that GEMM needs no quantization kernel of its own above the weight-only rows."""
+    for layer in model.modules():
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        for norm, linear in (
+            (getattr(layer, "input_layernorm", None), getattr(attn, "qkv_proj", None)),
+            (getattr(layer, "post_attention_layernorm", None), getattr(mlp, "gate_up_proj", None)),
+        ):
+            if isinstance(norm, RMSNorm) and isinstance(getattr(linear, "gemm", None), Fp8Gemm):
+                norm.quantizes_for = linear.gemm
 
 
 def is_fp8_on_gpu(model: nn.Module) -> bool:
