@@ -2,7 +2,7 @@
 
     minisgl bench profile cpu-gemm     # GFLOP/s of F.linear (MKL) vs oneDNN, plain and packed weight
     minisgl bench profile cpu-step     # SmolLM2 fp32: one batch-32 decode step replayed, then profiled
-    minisgl bench profile gpu [--disable-overlap] [--disable-cuda-graph]   # issue 8's workload on a GPU
+    minisgl bench profile gpu [--shape S] [--quantization fp8] [--disable-overlap] [--disable-cuda-graph]
 
 `cpu-gemm` uses SmolLM2's shapes (hidden 576, qkv 960, gate_up 3072, down 1536 -> 576, LM head 49,152)
 at decode (1-64 rows) and prefill (256-3,183 rows) sizes. `cpu-step` runs the offline benchmark's 32
@@ -12,11 +12,11 @@ is a steady decode step: the attention backend's dense KV copy is told it holds 
 batch's new tokens, so it appends them (`--rebuild`: every replay rebuilds the copy from the pool,
 as the first step after the batch changed does).
 
-`gpu` runs the 256-request workload of `minisgl bench throughput` (Qwen3-0.6B-shaped dummy model,
-bf16) step by step and reports the whole run's time by forward kind (prefill; decode by batch size), wall
-time per step and the time the host waits for the GPU (event syncs) over stretches of the run, the GPU
-kernels by total time over 20 steps at batch ~256 and 20 steps of the tail (torch.profiler), the host's
-Python hot spots (cProfile), and with `--whole-run` every kernel of a second, profiled pass.
+`gpu` runs the 256-request workload of `minisgl bench throughput` (a dummy model of its `--shape`, Qwen3-0.6B's by
+default, bf16 or `--quantization fp8`) step by step and reports the whole run's time by forward kind (prefill;
+decode by batch size), wall time per step and the time the host waits for the GPU (event syncs) over stretches of
+the run, the GPU kernels by total time over 20 steps at batch ~256 and 20 steps of the tail (torch.profiler), the
+host's Python hot spots (cProfile), and with `--whole-run` every kernel of a second, profiled pass.
 """
 
 from __future__ import annotations
@@ -116,9 +116,10 @@ def _dummy_llm(args: argparse.Namespace) -> Any:
     from minisgl.bench.throughput import write_model_dir
 
     return LLM(
-        str(write_model_dir(Path(args.tokenizer_dir))),
+        str(write_model_dir(Path(args.tokenizer_dir), args.shape)),
         dtype="bfloat16",
         load_format="dummy",
+        quantization=args.quantization,
         max_prefill_tokens=args.max_prefill_tokens,
         disable_overlap=args.disable_overlap,
         disable_cuda_graph=args.disable_cuda_graph,
@@ -288,6 +289,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=str(env.TOKENIZER_DIR.get() or "tok"),
         help="gpu: tokenizer files for the dummy model",
     )
+    p.add_argument("--shape", default="qwen3-0.6b", help="gpu: the dummy model's shape (bench throughput's shapes)")
+    p.add_argument("--quantization", default=None, help="gpu: e.g. fp8")
     p.add_argument("--disable-overlap", action="store_true", help="gpu")
     p.add_argument("--disable-cuda-graph", action="store_true", help="gpu")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="gpu")
