@@ -55,10 +55,12 @@ def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quantize_for: Fp8Gemm | None = None
 ) -> None:
     """flashinfer's fused_add_rmsnorm (in place: residual += x, x = RMSNorm(residual) * weight) for x [T, H] on
-    CUDA, as a kernel that lets the next one launch at its start (PDL): the norms before FP8 GEMMs take it
-    (RMSNorm.early_dependents), so a GEMM reads its first weight tiles while the norm runs. quantize_for: the FP8
-    GEMM that x feeds; above weight_only_rows() the kernel also quantizes x per row and hands it that GEMM
-    (Fp8Gemm.hand_over), which then skips its own quantization kernel."""
+    CUDA, as a kernel that lets the next one launch before it computes (PDL): the norms before FP8 GEMMs take it
+    (RMSNorm.early_dependents), so a GEMM reads its first weight tiles while the norm runs. Before the one-row GEMV
+    it does so before it even waits for the kernel before it (3.23 -> 3.08 ms a Qwen3-8B token on an H200); before
+    the multi-row kernels, whose waiting programs would hold SMs the previous GEMM still needs, only after.
+    quantize_for: the FP8 GEMM that x feeds; above weight_only_rows() the kernel also quantizes x per row and hands
+    it that GEMM (Fp8Gemm.hand_over), which then skips its own quantization kernel."""
     tokens, hidden = x.shape
     if not tokens:
         return
@@ -68,7 +70,7 @@ def add_rmsnorm(
     block = 1 << (hidden - 1).bit_length()
     _kernels()["add_rmsnorm"][(tokens,)](
         x, residual, weight, q, scale, hidden, eps, x.stride(0), residual.stride(0), q.stride(0), FP8_MAX, quant,
-        BLOCK=block, num_warps=min(16, max(4, block // 512)), **pdl_args(x.device),
+        EARLY=tokens <= GEMV_MAX_ROWS, BLOCK=block, num_warps=min(16, max(4, block // 512)), **pdl_args(x.device),
     )  # fmt: skip
     if quant and quantize_for is not None:
         quantize_for.hand_over(x, q, scale)

@@ -128,19 +128,22 @@ def gemv_kernel(
 @triton.jit
 def add_rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, H, eps, stride_x, stride_r, stride_q, FP8_MAX: tl.constexpr,
-    QUANT: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr,
+    QUANT: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # One row: res <- x + res, x <- (x + res) * rsqrt(mean((x + res)^2) + eps) * w, in float32 from the unrounded
-    # sum (flashinfer's fused_add_rmsnorm). It lets the next kernel launch first thing: the FP8 GEMM after it reads
-    # its first weight tiles while this runs (flashinfer's norm lets it launch only at its end). QUANT: also the
-    # rounded output quantized per row for the FP8 x FP8 GEMM after it, as quant_rows_kernel would (q, scale).
-    if PDL:
+    # sum (flashinfer's fused_add_rmsnorm). It lets the next kernel launch before it computes (flashinfer's norm: at
+    # its end), so the FP8 GEMM after it reads its first weight tiles meanwhile; EARLY (the one-row GEMV next): even
+    # before it waits for the kernel before it. QUANT: also the rounded output quantized per row for the FP8 x FP8
+    # GEMM after it, as quant_rows_kernel would (q, scale).
+    if PDL and EARLY:
         gdc_launch_dependents()
     offs = tl.arange(0, BLOCK)
     mask = offs < H
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()
+        if not EARLY:
+            gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     s = x + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
