@@ -17,36 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Callable
 
 import torch
+from graph_timing import graph_us
 
 from minisgl.layers.fp8_gemm import quantize_per_channel, quantize_rows, weight_only
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # (K, N)
-
-
-def graph_us(fn: Callable[[], object], reps: int = 50) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / reps)
-    return best
 
 
 def sweep(weights: dict[str, tuple[torch.Tensor, ...]], rows: int, configs: list[dict[str, int]]) -> None:

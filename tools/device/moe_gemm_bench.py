@@ -21,36 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Callable
 
 import torch
+from graph_timing import graph_us
 
 from minisgl.layers.fused_moe import fused_moe
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
-
-
-def graph_us(fn: Callable[[], object], reps: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / reps)
-    return best
 
 
 def layouts() -> dict[str, tuple[torch.Tensor, torch.Tensor, int]]:
@@ -100,7 +77,7 @@ def main() -> None:
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
         logits = torch.randn(tokens, EXPERTS, device="cuda", dtype=torch.bfloat16)
-        us = {name: graph_us(lambda w=w: run(x, logits, w)) for name, w in weights.items() if name != "tp1"}  # noqa: B023
+        us = {name: graph_us(lambda w=w: run(x, logits, w), 20) for name, w in weights.items() if name != "tp1"}  # noqa: B023
         ep = max(us["ep0"], us["ep1"])
         rows.append({"tokens": tokens, **{f"{k}_us": v for k, v in us.items()}, "ep_over_tp": ep / us["tp0"]})
         print(
