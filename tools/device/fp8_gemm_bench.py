@@ -4,7 +4,7 @@
 
 First the weight-only kernel at 1 row (CUDA cores) and 16 rows (tensor cores) under a few tile configurations
 (BEST_1, BEST_16: the fastest, and the fastest for each GEMM; without a configuration the kernels take
-layers/fp8_gemm.py's gemv_config and w8a16_config), then the gate_up GEMM with SiLU-and-mul in its epilogue against
+layers/fp8_gemm.py's gemv_config and W8A16_CONFIG), then the gate_up GEMM with SiLU-and-mul in its epilogue against
 the two kernels.
 
 For each row count M: microseconds of the layer's GEMMs (qkv, o, gate_up, down) in bf16 (torch.mm), with the FP8

@@ -111,11 +111,6 @@ def gemv_config(n: int, k: int) -> dict[str, int]:
 W8A16_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
 
 
-def w8a16_config(m: int) -> dict[str, int]:
-    """Tiles for the weight-only tensor-core kernel: W8A16_CONFIG, rows in blocks of the tensor cores' 16."""
-    return dict(W8A16_CONFIG)
-
-
 def weight_only(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -139,7 +134,7 @@ def weight_only(
         cfg.update(config or {})
         kernel, grid = _kernels()["gemv"], (-(-n // cfg["BLOCK_N"]),)
     else:
-        cfg = {**w8a16_config(m), **(config or {})}
+        cfg = {**W8A16_CONFIG, **(config or {})}
         kernel, grid = _kernels()["w8a16"], (-(-n // cfg["BLOCK_N"]), -(-m // cfg["BLOCK_M"]))
     kernel[grid](
         x, qweight, scale, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0), GATE_UP=gate_up, **cfg,
