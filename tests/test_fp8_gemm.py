@@ -15,7 +15,7 @@ from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
 
 
 def test_the_kernels_in_triton_interpreter_on_the_cpu():
-    run_interpreter_cases(__file__, passed=11, timeout=600)
+    run_interpreter_cases(__file__, passed=14, timeout=600)
 
 
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
@@ -66,6 +66,31 @@ def test_gate_up_epilogue_applies_silu_and_mul(device, rows, k, inter):
     ref = torch.nn.functional.silu(gate) * up
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert got.shape == (rows, inter)
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    ("rows", "k", "n", "gate_up"), [(3, 256, 80, False), (40, 300, 200, False), (70, 256, 96, True)]
+)
+def test_w8a8_kernel_matches_float32(device, rows, k, n, gate_up):
+    """w8a8 (decode batches: x quantized per row, FP8 x FP8 on the tensor cores) against (q_x * s_x) @ (q_w * s_w)^T
+    in float32; gate_up: silu(gate) * up of the two halves, each rounded to the output dtype first."""
+    from minisgl.layers.fp8_gemm import quantize_rows, w8a8
+
+    q, scale = _weights(n, k, device)
+    g = torch.Generator().manual_seed(rows)
+    if device == "cuda":
+        qx, sx = quantize_rows(torch.randn(rows, k, generator=g).to(device, torch.bfloat16))
+        dtype = torch.bfloat16
+    else:
+        qx, sx, dtype = torch.randn(rows, k, generator=g), torch.rand(rows, 1, generator=g) + 0.5, torch.float32
+    got = w8a8(qx, sx, q, scale, dtype, gate_up=gate_up)
+    ref = (qx.float() * sx) @ (q.float() * scale[:, None]).t()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    if gate_up:
+        gate, up = ref.to(dtype).float().chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+    assert got.shape == ref.shape
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 

@@ -21,7 +21,7 @@ import json
 import torch
 from graph_timing import graph_us
 
-from minisgl.layers.fp8_gemm import quantize_per_channel, quantize_rows, weight_only
+from minisgl.layers.fp8_gemm import quantize_per_channel, quantize_rows, w8a8, weight_only
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # (K, N)
 
@@ -98,6 +98,63 @@ def gate_up_epilogue(weights: dict[str, tuple[torch.Tensor, ...]]) -> None:
         )  # noqa: B023
 
 
+W8A8_TILES = [(bm, bn, bk, st) for bm in (16, 32, 64) for bn in (32, 64, 128) for bk in (128, 256) for st in (3, 5)]
+
+
+def w8a8_sweep(rows_list: list[int], copies: int = 4) -> dict[str, object]:
+    """The FP8 x FP8 kernel (w8a8) at each row count under each tile configuration, through `copies` distinct weights
+    of each shape (as decode reads them: mostly not in L2), against bf16's cuBLAS and torch._scaled_mm (gate_up:
+    then flashinfer's SiLU-and-mul; w8a8 applies it in its epilogue). Prints per M the fastest tiles of each GEMM
+    and the layer's sums; returns them for the JSON."""
+    import flashinfer
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    stack = {
+        name: [quantize_per_channel(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02)
+               for _ in range(copies)]
+        for name, (k, n) in SHAPES.items()
+    }  # fmt: skip
+    result: dict[str, object] = {}
+    print(f"w8a8 sweep, {copies} weights a shape, us per GEMM: bf16 / _scaled_mm / best w8a8 (its tiles)")
+    for m in rows_list:
+        bf16_sum = scaled_sum = best_sum = 0.0
+        best_cfgs = {}
+        for name, (k, n) in SHAPES.items():
+            gate_up = name == "gate_up"
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            qx, sx = quantize_rows(x)
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+            bf16 = graph_us(lambda: [torch.mm(x, w.t()) for w in ws], 10) / 2  # noqa: B023
+
+            def via_scaled_mm(q, s):
+                y = torch._scaled_mm(qx, q.t(), scale_a=sx, scale_b=s.view(1, -1), out_dtype=torch.bfloat16)  # noqa: B023
+                return flashinfer.activation.silu_and_mul(y) if gate_up else y  # noqa: B023
+
+            base = graph_us(lambda: [via_scaled_mm(q, s) for q, s in stack[name]], 10) / copies  # noqa: B023
+            ref = via_scaled_mm(*stack[name][0]).float()
+            best = (float("inf"), {})
+            for bm, bn, bk, st in W8A8_TILES:
+                if bm > max(16, m) * 2:
+                    continue
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st)
+                try:
+                    got = w8a8(qx, sx, *stack[name][0], torch.bfloat16, config=cfg, gate_up=gate_up).float()
+                    t = graph_us(lambda: [w8a8(qx, sx, q, s, torch.bfloat16, config=cfg, gate_up=gate_up)  # noqa: B023
+                                          for q, s in stack[name]], 10) / copies  # fmt: skip
+                except Exception as e:  # noqa: BLE001 - tiles that do not fit the shared memory
+                    print(f"    M={m} {name} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                if not torch.allclose(got, ref, atol=2e-2, rtol=2e-2):
+                    raise SystemExit(f"w8a8 differs from _scaled_mm at M={m} {name} {cfg}")
+                best = min(best, (t, cfg), key=lambda b: b[0])
+            print(f"  M={m:3d} {name:8s} {bf16:7.1f} / {base:7.1f} / {best[0]:7.1f}  {json.dumps(best[1])}", flush=True)
+            bf16_sum, scaled_sum, best_sum = bf16_sum + bf16, scaled_sum + base, best_sum + best[0]
+            best_cfgs[name] = {"us": best[0], "config": best[1], "bf16_us": bf16, "scaled_mm_us": base}
+        print(f"M={m:3d} layer: bf16 {bf16_sum:.1f} / _scaled_mm {scaled_sum:.1f} / w8a8 {best_sum:.1f} us", flush=True)
+        result[str(m)] = best_cfgs
+    return result
+
+
 def scaled(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     qx, sx = quantize_rows(x)
     return torch._scaled_mm(qx, q.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
@@ -107,7 +164,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--out", default="fp8_gemm.json")
+    p.add_argument("--w8a8-sweep", default="", help="row counts: only the FP8 x FP8 kernel's tile sweep")
     args = p.parse_args()
+    if args.w8a8_sweep:
+        found = w8a8_sweep([int(r) for r in args.w8a8_sweep.split(",")])
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "w8a8": found}, f, indent=2)
+        return
     weights = {}
     for name, (k, n) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02

@@ -47,6 +47,7 @@ def _kernels() -> dict[str, Any]:
         "quant_rows": k.quant_rows_kernel,
         "w8a16": k.w8a16_kernel,
         "gemv": k.gemv_kernel,
+        "w8a8": k.w8a8_kernel,
         "add_rmsnorm": k.add_rmsnorm_kernel,
     }
 
@@ -143,6 +144,43 @@ def weight_only(
     return out
 
 
+# Up to W8A8_MAX_ROWS rows (decode batches) x is quantized per row and multiplied on the FP8 tensor cores by a Triton
+# kernel whose tiles suit few rows (w8a8_config); above it torch._scaled_mm, whose tiles suit prefill.
+W8A8_MAX_ROWS = 256
+
+
+def w8a8_config(m: int, n: int, k: int) -> dict[str, int]:
+    """The FP8 x FP8 kernel's tiles for m rows of an [n, k] weight."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+
+
+def w8a8(
+    qx: torch.Tensor,
+    sx: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+    gate_up: bool = False,
+) -> torch.Tensor:
+    """(qx [M, K] e4m3 * sx [M, 1]) @ (qweight [N, K] e4m3 * scale [N])^T -> [M, N] in out_dtype, on the FP8
+    tensor cores; config overrides the tiles. gate_up: as weight_only's."""
+    m, k = qx.shape
+    n = qweight.shape[0] // 2 if gate_up else qweight.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=qx.device) if out is None else out
+    if m == 0:
+        return out
+    cfg = {**w8a8_config(m, n, k), **(config or {})}
+    grid = (-(-m // cfg["BLOCK_M"]), -(-n // cfg["BLOCK_N"]))
+    _kernels()["w8a8"][grid](
+        qx, sx, qweight, scale, out, m, n, k, qx.stride(0), qweight.stride(0), out.stride(0), GATE_UP=gate_up, **cfg,
+        **pdl_args(qx.device),
+    )  # fmt: skip
+    return out
+
+
 def fp8_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -158,6 +196,8 @@ def fp8_linear(
         x2 = x2.contiguous()
     if x2.shape[0] <= weight_only_rows():
         y = weight_only(x2, qweight, scale, out)
+    elif x2.shape[0] <= W8A8_MAX_ROWS:
+        y = w8a8(*(quantized if quantized is not None else quantize_rows(x2)), qweight, scale, x.dtype, out)
     else:
         qx, sx = quantized if quantized is not None else quantize_rows(x2)
         y = torch._scaled_mm(qx, qweight.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
@@ -196,12 +236,18 @@ class Fp8Gemm:
         fp8_linear(x, weight, self.scale, bias, out=out, quantized=self._take(x))
 
     def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of an MLP's gate_up weight [2I, K] in one kernel (no bias) where the weight-only kernels
-        take x's rows: [..., I]; None above, where the caller runs the GEMM and SiLU-and-mul apart."""
+        """silu(gate) * up of an MLP's gate_up weight [2I, K] in one kernel (no bias) where the weight-only or the
+        W8A8 kernel takes x's rows: [..., I]; None above, where the caller runs the GEMM and SiLU-and-mul apart."""
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] > weight_only_rows():
+        rows = x2.shape[0]
+        if rows > W8A8_MAX_ROWS:
             return None
-        y = weight_only(x2 if x2.is_contiguous() else x2.contiguous(), weight, self.scale, gate_up=True)
+        x2 = x2 if x2.is_contiguous() else x2.contiguous()
+        quantized = self._take(x)
+        if rows <= weight_only_rows():
+            y = weight_only(x2, weight, self.scale, gate_up=True)
+        else:
+            y = w8a8(*(quantized or quantize_rows(x2)), weight, self.scale, x.dtype, gate_up=True)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -84,6 +84,48 @@ def w8a16_kernel(
 
 
 @triton.jit
+def w8a8_kernel(
+    a_ptr, a_scale_ptr, b_ptr, scale_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm, GATE_UP: tl.constexpr,
+    PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # c[m, n] = a_scale[m] * scale[n] * sum_k a[m, k] * b[n, k], a and b both e4m3 (FP8 tensor cores). Programs
+    # with the same columns run next to each other (pid_m varies fastest), so a weight tile that several row blocks
+    # need is read from memory once and then from L2.
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATE_UP:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k[None, :] < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask, other=0.0)
+        b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask, other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+        if GATE_UP:
+            b = tl.load(b_ptrs + N * stride_bn, mask=n_mask[:, None] & k_mask, other=0.0)
+            acc_up = tl.dot(a, tl.trans(b), acc_up)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    a_scale = tl.load(a_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+    acc = acc * a_scale * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if GATE_UP:
+        up = acc_up * a_scale * tl.load(scale_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
+        acc = silu_and_mul(acc, up, c_ptr.dtype.element_ty)
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def gemv_kernel(
     a_ptr, b_ptr, scale_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm,
     ROWS: tl.constexpr, GATE_UP: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
