@@ -98,7 +98,13 @@ def gate_up_epilogue(weights: dict[str, tuple[torch.Tensor, ...]]) -> None:
         )  # noqa: B023
 
 
-W8A8_TILES = [(bm, bn, bk, st) for bm in (16, 32, 64) for bn in (32, 64, 128) for bk in (128, 256) for st in (3, 5)]
+W8A8_TILES = [
+    (bm, bn, bk, st, 8 if bm == 128 else 4)
+    for bm in (16, 32, 64, 128)
+    for bn in (32, 64, 128)
+    for bk in (128, 256)
+    for st in (3, 5)
+]
 
 
 def w8a8_sweep(rows_list: list[int], copies: int = 4) -> dict[str, object]:
@@ -133,10 +139,10 @@ def w8a8_sweep(rows_list: list[int], copies: int = 4) -> dict[str, object]:
             base = graph_us(lambda: [via_scaled_mm(q, s) for q, s in stack[name]], 10) / copies  # noqa: B023
             ref = via_scaled_mm(*stack[name][0]).float()
             best = (float("inf"), {})
-            for bm, bn, bk, st in W8A8_TILES:
-                if bm > max(16, m) * 2:
+            for bm, bn, bk, st, warps in W8A8_TILES:
+                if bm > max(16, m) * 2 or bm * 4 < m:
                     continue
-                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st)
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=st)
                 try:
                     got = w8a8(qx, sx, *stack[name][0], torch.bfloat16, config=cfg, gate_up=gate_up).float()
                     t = graph_us(lambda: [w8a8(qx, sx, q, s, torch.bfloat16, config=cfg, gate_up=gate_up)  # noqa: B023
@@ -160,21 +166,8 @@ def scaled(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     return torch._scaled_mm(qx, q.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
-    p.add_argument("--out", default="fp8_gemm.json")
-    p.add_argument("--w8a8-sweep", default="", help="row counts: only the FP8 x FP8 kernel's tile sweep")
-    args = p.parse_args()
-    if args.w8a8_sweep:
-        found = w8a8_sweep([int(r) for r in args.w8a8_sweep.split(",")])
-        with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "w8a8": found}, f, indent=2)
-        return
-    weights = {}
-    for name, (k, n) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        weights[name] = (w, *quantize_per_channel(w))
+def tile_sweeps(weights: dict[str, tuple[torch.Tensor, ...]]) -> None:
+    """The weight-only kernels' tile sweeps (1 and 16 rows, then 32 and 64), the gate_up epilogue, the cold layers."""
     sweep(weights, 1, [
         dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
         for bn, bk, w, st in [(8, 1024, 4, 2), (8, 1024, 4, 3), (8, 2048, 4, 2), (8, 2048, 8, 2), (4, 2048, 4, 2),
@@ -197,8 +190,30 @@ def main() -> None:
         for bn, bk, w, st in [(8, 1024, 4, 2), (8, 512, 2, 3), (4, 2048, 4, 2), (4, 1024, 2, 3), (4, 512, 2, 4),
                               (2, 1024, 1, 3), (8, 256, 2, 4), (16, 512, 4, 3), (4, 2048, 8, 3)]
     ])  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--out", default="fp8_gemm.json")
+    p.add_argument("--w8a8-sweep", default="", help="row counts: only the FP8 x FP8 kernel's tile sweep")
+    p.add_argument("--table-only", action="store_true", help="only the table of the kernels by row count")
+    args = p.parse_args()
+    if args.w8a8_sweep:
+        found = w8a8_sweep([int(r) for r in args.w8a8_sweep.split(",")])
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "w8a8": found}, f, indent=2)
+        return
+    weights = {}
+    for name, (k, n) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        weights[name] = (w, *quantize_per_channel(w))
+    if not args.table_only:
+        tile_sweeps(weights)
     rows_out = []
-    print(f"{'M':>5s} {'bf16 us':>9s} {'w8a16 us':>9s} {'fp8xfp8 us':>11s}  per GEMM (bf16 / w8a16 / fp8xfp8)")
+    print(
+        f"{'M':>5s} {'bf16':>7s} {'w8a16':>7s} {'w8a8':>7s} {'scaled':>7s}  us; per GEMM bf16 / w8a16 / w8a8 / scaled"
+    )
     for m in [int(r) for r in args.rows.split(",")]:
         per: dict[str, list[float]] = {}
         for name, (w, q, s) in weights.items():
@@ -206,13 +221,15 @@ def main() -> None:
             per[name] = [
                 graph_us(lambda: torch.mm(x, w.t())),  # noqa: B023
                 graph_us(lambda: weight_only(x, q, s)),  # noqa: B023
+                graph_us(lambda: w8a8(*quantize_rows(x), q, s, x.dtype)),  # noqa: B023
                 graph_us(lambda: scaled(x, q, s)),  # noqa: B023
             ]
-        totals = [sum(v[i] for v in per.values()) for i in range(3)]
-        rows_out.append({"rows": m, "bf16_us": totals[0], "w8a16_us": totals[1], "fp8_us": totals[2], "per": per})
-        detail = " ".join(f"{n}={v[0]:.1f}/{v[1]:.1f}/{v[2]:.1f}" for n, v in per.items())
-        print(f"{m:5d} {totals[0]:9.1f} {totals[1]:9.1f} {totals[2]:11.1f}  {detail}", flush=True)
-    faster = [r["rows"] for r in rows_out if r["w8a16_us"] <= r["fp8_us"]]
+        totals = [sum(v[i] for v in per.values()) for i in range(4)]
+        rows_out.append({"rows": m, "bf16_us": totals[0], "w8a16_us": totals[1], "w8a8_us": totals[2],
+                         "scaled_mm_us": totals[3], "per": per})  # fmt: skip
+        detail = " ".join(f"{n}={'/'.join(f'{t:.1f}' for t in v)}" for n, v in per.items())
+        print(f"{m:5d} {' '.join(f'{t:7.1f}' for t in totals)}  {detail}", flush=True)
+    faster = [r["rows"] for r in rows_out if r["w8a16_us"] <= min(r["w8a8_us"], r["scaled_mm_us"])]
     crossover = max(faster) if faster else 0
     layer_bytes = sum(w.numel() for w, _, _ in weights.values())
     print(f"layer weights {layer_bytes * 2 / 1e6:.0f} MB bf16, {layer_bytes / 1e6:.0f} MB fp8")

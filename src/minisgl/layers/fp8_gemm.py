@@ -146,13 +146,24 @@ def weight_only(
 
 # Up to W8A8_MAX_ROWS rows (decode batches) x is quantized per row and multiplied on the FP8 tensor cores by a Triton
 # kernel whose tiles suit few rows (w8a8_config); above it torch._scaled_mm, whose tiles suit prefill.
-W8A8_MAX_ROWS = 256
+W8A8_MAX_ROWS = 128
 
 
-def w8a8_config(m: int, n: int, k: int) -> dict[str, int]:
-    """The FP8 x FP8 kernel's tiles for m rows of an [n, k] weight."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+def w8a8_config(m: int, gate_up: bool) -> dict[str, int]:
+    """The FP8 x FP8 kernel's tiles for m rows, from tools/device/fp8_gemm_bench.py's sweep over a Qwen3-8B layer's
+    weights on an H200 (gate_up: two weight tiles a step, so fewer stages fit). A layer's four GEMMs, us, against
+    bf16's cuBLAS and torch._scaled_mm: 16 rows 65.6 / 109.7 / 114.0, 64 rows 79.9 / 110.0 / 104.6, 128 rows
+    91.1 / 118.1 / 101.1; at 192 rows the two FP8 kernels tie, at 256 torch._scaled_mm is faster (110.5 / 128.5)."""
+    if m <= 16:
+        tiles = (16, 64, 256, 3) if gate_up else (16, 32, 256, 5)
+    elif m <= 32:
+        tiles = (32, 64, 256, 3) if gate_up else (16, 64, 256, 5)
+    elif m <= 64:
+        tiles = (64, 32, 128, 3 if gate_up else 5)
+    else:
+        tiles = (128, 32, 128, 3 if gate_up else 5)
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_stages")
+    return dict(zip(names, tiles)) | {"num_warps": 8 if tiles[0] == 128 else 4}
 
 
 def w8a8(
@@ -172,7 +183,7 @@ def w8a8(
     out = torch.empty(m, n, dtype=out_dtype, device=qx.device) if out is None else out
     if m == 0:
         return out
-    cfg = {**w8a8_config(m, n, k), **(config or {})}
+    cfg = {**w8a8_config(m, gate_up), **(config or {})}
     grid = (-(-m // cfg["BLOCK_M"]), -(-n // cfg["BLOCK_N"]))
     _kernels()["w8a8"][grid](
         qx, sx, qweight, scale, out, m, n, k, qx.stride(0), qweight.stride(0), out.stride(0), GATE_UP=gate_up, **cfg,
