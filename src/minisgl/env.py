@@ -177,10 +177,18 @@ TP_FUSED_MB = _declare(
 FP8_WEIGHT_ONLY_ROWS = _declare(
     "MINISGL_FP8_WEIGHT_ONLY_ROWS",
     "int",
-    16,
+    1,
     int,
     "FP8 weights on a GPU: GEMMs of up to this many rows widen the FP8 weight in the kernel (inputs unquantized); "
     "more rows quantize the inputs per row and run an FP8 x FP8 GEMM (layers/fp8_gemm.py)",
+)
+FP8_W8A8_ROWS = _declare(
+    "MINISGL_FP8_W8A8_ROWS",
+    "int",
+    64,
+    int,
+    "FP8 weights on a GPU: FP8 x FP8 GEMMs of up to this many rows run minisgl's Triton kernel (tiles for decode "
+    "batches), more rows torch._scaled_mm (layers/fp8_gemm.py)",
 )
 MOE_PARALLEL = _declare(
     "MINISGL_MOE_PARALLEL",

@@ -144,9 +144,11 @@ def weight_only(
     return out
 
 
-# Up to W8A8_MAX_ROWS rows (decode batches) x is quantized per row and multiplied on the FP8 tensor cores by a Triton
-# kernel whose tiles suit few rows (w8a8_config); above it torch._scaled_mm, whose tiles suit prefill.
-W8A8_MAX_ROWS = 128
+def w8a8_rows() -> int:
+    """Up to this many rows (decode batches) x is quantized per row and multiplied on the FP8 tensor cores by a
+    Triton kernel whose tiles suit few rows (w8a8_config); above it by torch._scaled_mm, whose tiles suit prefill
+    (MINISGL_FP8_W8A8_ROWS)."""
+    return env.FP8_W8A8_ROWS.get()
 
 
 def w8a8_config(m: int, gate_up: bool) -> dict[str, int]:
@@ -207,7 +209,7 @@ def fp8_linear(
         x2 = x2.contiguous()
     if x2.shape[0] <= weight_only_rows():
         y = weight_only(x2, qweight, scale, out)
-    elif x2.shape[0] <= W8A8_MAX_ROWS:
+    elif x2.shape[0] <= w8a8_rows():
         y = w8a8(*(quantized if quantized is not None else quantize_rows(x2)), qweight, scale, x.dtype, out)
     else:
         qx, sx = quantized if quantized is not None else quantize_rows(x2)
@@ -251,7 +253,7 @@ class Fp8Gemm:
         W8A8 kernel takes x's rows: [..., I]; None above, where the caller runs the GEMM and SiLU-and-mul apart."""
         x2 = x.reshape(-1, x.shape[-1])
         rows = x2.shape[0]
-        if rows > W8A8_MAX_ROWS:
+        if rows > w8a8_rows():
             return None
         x2 = x2 if x2.is_contiguous() else x2.contiguous()
         quantized = self._take(x)
