@@ -1,16 +1,22 @@
 """FP8 GEMMs against bf16 on one CUDA GPU: a Qwen3-8B decoder layer's four GEMMs at each row count.
 
-    python3 tools/device/fp8_gemm_bench.py [--out fp8_gemm.json] [--rows 1,4,16,32,64,128,256]
+    python3 tools/device/fp8_gemm_bench.py [--out fp8_gemm.json] [--rows 1,4,16,32,64,128,256] [--table-only]
+    python3 tools/device/fp8_gemm_bench.py --w8a8-sweep 8,16,32,64,128 [--out w8a8.json]
 
 First the weight-only kernel at 1 row (CUDA cores) and 16 rows (tensor cores) under a few tile configurations
 (BEST_1, BEST_16: the fastest, and the fastest for each GEMM; without a configuration the kernels take
 layers/fp8_gemm.py's gemv_config and W8A16_CONFIG), then the gate_up GEMM with SiLU-and-mul in its epilogue against
-the two kernels.
+the two kernels (--table-only skips these).
 
 For each row count M: microseconds of the layer's GEMMs (qkv, o, gate_up, down) in bf16 (torch.mm), with the FP8
-weight-only kernels (layers/fp8_gemm.py: weight_only) and with the per-row input quantization +
-torch._scaled_mm, each replayed 50 times from a CUDA graph (launch costs as in decode). The last line gives the
-largest M at which the weight-only kernels are still faster: the value for MINISGL_FP8_WEIGHT_ONLY_ROWS.
+weight-only kernels (layers/fp8_gemm.py: weight_only), with the per-row input quantization + the W8A8 kernel
+(w8a8, w8a8_config's tiles) and with the quantization + torch._scaled_mm, each replayed 50 times from a CUDA graph
+(launch costs as in decode). The last line gives the largest M at which the weight-only kernels are still the
+fastest: the value for MINISGL_FP8_WEIGHT_ONLY_ROWS.
+
+--w8a8-sweep: the W8A8 kernel under every tile configuration of W8A8_TILES at each row count, through four distinct
+weights of each shape, the input already quantized, gate_up with SiLU-and-mul in its epilogue; the fastest tiles
+per GEMM (w8a8_config's source) against bf16 and torch._scaled_mm.
 """
 
 from __future__ import annotations

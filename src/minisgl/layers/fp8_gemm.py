@@ -2,17 +2,19 @@
 
 A model served in FP8 on CUDA (quantization="fp8", or an FP8 checkpoint) keeps each linear's weight as
 Q [N, K] float8_e4m3fn and scale [N] float32, W ~= Q * scale[:, None] (layers/quantize.py converts them after the
-load). Two kernels compute the product, chosen by the number of rows M:
+load). Three kernels compute the product, chosen by the number of rows M:
 
-- few rows (decode at small batch, `weight_only_rows()` and below): a Triton kernel that reads the FP8 weight, widens
-  it in registers and applies the scale to the sum (W8A16, `weight_only`): on the CUDA cores for one row, on the
-  tensor cores above. The step is bound by the weight bytes, which FP8 halves; x is not quantized,
-  so these rows lose nothing but the weights' rounding.
-- more rows (prefill, large decode batches): x quantized to e4m3 per row (one Triton kernel: max |x| of the row,
-  then the scaled cast), then torch._scaled_mm with row-wise scales (cuBLASLt/CUTLASS FP8 tensor cores, Hopper
-  and later), the output in x's dtype.
+- one row (decode of one request, `weight_only_rows()`): a Triton GEMV that reads the FP8 weight, widens it in
+  registers and applies the scale to the sum (W8A16, `weight_only`). The step is bound by the weight bytes, which
+  FP8 halves; x is not quantized, so the row loses nothing but the weights' rounding. (Raising
+  MINISGL_FP8_WEIGHT_ONLY_ROWS sends more rows to a tensor-core W8A16 kernel; the FP8 x FP8 kernel is faster there.)
+- decode batches (up to `w8a8_rows()`): x quantized to e4m3 per row (one Triton kernel: max |x| of the row, then
+  the scaled cast; the norm before the QKV and gate_up projections does it as it writes x), then a Triton FP8 x FP8
+  kernel with tiles for few rows (`w8a8`, `w8a8_config`): half the bytes of bf16's GEMM and the FP8 tensor cores.
+- more rows (prefill, the largest decode batches): the same quantized x into torch._scaled_mm with row-wise scales
+  (cuBLASLt/CUTLASS FP8 tensor cores, Hopper and later), the output in x's dtype.
 
-Up to weight_only_rows() the MLP's gate_up GEMM also applies SiLU-and-mul in its epilogue (`Fp8Gemm.gate_up_silu`).
+Up to w8a8_rows() the MLP's gate_up GEMM also applies SiLU-and-mul in its epilogue (`Fp8Gemm.gate_up_silu`).
 On Hopper the Triton kernels launch with programmatic dependent launch, and the GEMV reads its first weight tile
 before it waits for the kernels before it (layers/fp8_gemm_kernels.py).
 
@@ -34,7 +36,7 @@ FP8_MAX = torch.finfo(FP8).max
 
 
 def weight_only_rows() -> int:
-    """Up to this many rows the W8A16 kernel runs (MINISGL_FP8_WEIGHT_ONLY_ROWS), above it the FP8 x FP8 GEMM."""
+    """Up to this many rows the W8A16 kernels run (MINISGL_FP8_WEIGHT_ONLY_ROWS), above it the FP8 x FP8 GEMMs."""
     return env.FP8_WEIGHT_ONLY_ROWS.get()
 
 
@@ -107,8 +109,9 @@ def gemv_config(n: int, k: int) -> dict[str, int]:
     return GEMV_CONFIG
 
 
-# Up to 16 rows a Qwen3-8B layer's four GEMMs took 86 us with these tiles against bf16's 103 on an H200
-# (tools/device/fp8_gemm_bench.py's sweep); taller tiles were slower (160 us at 32 rows with BLOCK_M 32).
+# The tensor-core W8A16 kernel's tiles (rows 2 to MINISGL_FP8_WEIGHT_ONLY_ROWS when it is raised): a Qwen3-8B layer's
+# four GEMMs at 2-16 rows in 86-93 us against bf16's 103-108 and the W8A8 kernel's 77-85, quantization included, on
+# an H200 (tools/device/fp8_gemm_bench.py's table); taller tiles were slower (160 us at 32 rows with BLOCK_M 32).
 W8A16_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
 
 
@@ -147,7 +150,8 @@ def weight_only(
 def w8a8_rows() -> int:
     """Up to this many rows (decode batches) x is quantized per row and multiplied on the FP8 tensor cores by a
     Triton kernel whose tiles suit few rows (w8a8_config); above it by torch._scaled_mm, whose tiles suit prefill
-    (MINISGL_FP8_W8A8_ROWS)."""
+    (MINISGL_FP8_W8A8_ROWS, default 64: with the quantization kernel included, as the o and down projections run
+    it, torch._scaled_mm was the faster from 96 rows on an H200, 108 against 137 us a Qwen3-8B layer)."""
     return env.FP8_W8A8_ROWS.get()
 
 
