@@ -51,17 +51,22 @@ def sweep(weights: dict[str, tuple[torch.Tensor, ...]], rows: int, configs: list
         print(f"  best for {name}: {t:.1f} us {json.dumps(cfg)}")
 
 
+def distinct_weights(copies: int) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`copies` distinct FP8 weights (per-channel quantized) of each shape, for timings through weights not in L2."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return {
+        name: [quantize_per_channel(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02)
+               for _ in range(copies)]
+        for name, (k, n) in SHAPES.items()
+    }  # fmt: skip
+
+
 def cold_layers(configs: list[dict[str, int]], layers: int = 8) -> None:
     """One row through `layers` distinct layers' weights, as decode reads them (no weight is in L2 when its GEMM
     starts; the sweeps above replay one weight, which L2 partly holds below ~50 MB): us per GEMM for each shape under
     each GEMV tile configuration (gate_up with SiLU-and-mul in its epilogue, as the MLP runs it), then a layer's four
     GEMMs chained with the default tiles against bf16's cuBLAS."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    stack = {
-        name: [quantize_per_channel(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02)
-               for _ in range(layers)]
-        for name, (k, n) in SHAPES.items()
-    }  # fmt: skip
+    stack = distinct_weights(layers)
     x = {name: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for name, (k, _) in SHAPES.items()}
     print(f"one row, {layers} distinct layers' weights, us per GEMM (qkv / o / gate_up+SiLU / down), by tiles:")
     for cfg in configs:
@@ -120,12 +125,7 @@ def w8a8_sweep(rows_list: list[int], copies: int = 4) -> dict[str, object]:
     and the layer's sums; returns them for the JSON."""
     import flashinfer
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    stack = {
-        name: [quantize_per_channel(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02)
-               for _ in range(copies)]
-        for name, (k, n) in SHAPES.items()
-    }  # fmt: skip
+    stack = distinct_weights(copies)
     result: dict[str, object] = {}
     print(f"w8a8 sweep, {copies} weights a shape, us per GEMM: bf16 / _scaled_mm / best w8a8 (its tiles)")
     for m in rows_list:

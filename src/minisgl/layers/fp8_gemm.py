@@ -211,16 +211,18 @@ def fp8_linear(
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    if x2.shape[0] <= weight_only_rows():
+    rows = x2.shape[0]
+    if rows <= weight_only_rows():
         y = weight_only(x2, qweight, scale, out)
-    elif x2.shape[0] <= w8a8_rows():
-        y = w8a8(*(quantized if quantized is not None else quantize_rows(x2)), qweight, scale, x.dtype, out)
     else:
         qx, sx = quantized if quantized is not None else quantize_rows(x2)
-        y = torch._scaled_mm(qx, qweight.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
-        if out is not None:
-            out.copy_(y)
-            y = out
+        if rows <= w8a8_rows():
+            y = w8a8(qx, sx, qweight, scale, x.dtype, out)
+        else:
+            y = torch._scaled_mm(qx, qweight.t(), scale_a=sx, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+            if out is not None:
+                out.copy_(y)
+                y = out
     if bias is not None:
         y.add_(bias)
     return y.view(*x.shape[:-1], y.shape[-1])
