@@ -99,7 +99,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(result), flush=True)
     if args.latency:
         print("LATENCY " + json.dumps(decode_latency(llm)), flush=True)
-    if args.profile_dir and hasattr(llm.scheduler, "profile"):
+    if args.profile_dir:
         print("PROFILE " + json.dumps(profile_steps(llm, args.profile_dir)), flush=True)
     t0 = time.perf_counter()
     llm.shutdown()
@@ -124,7 +124,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dist-init-addr")
     p.add_argument("--shape", default="qwen3-14b", help="tput: the dummy model's shape (bench throughput's shapes)")
     p.add_argument("--tp2-env", default="", help='tput and kill: more TP=2 runs, ";"-separated, each "VAR=value ..."')
-    p.add_argument("--profile", action="store_true", help="all/tput: profile TP=2's ranks over one batch after the run")
+    p.add_argument("--profile", action="store_true", help="all/tput: profile each run's ranks over one batch after it")
     p.add_argument("--profile-dir", help="bench: profile the ranks over one batch after the run, into this directory")
     p.add_argument("--teacher-force", help="gen: also score these outputs (json) teacher-forced")
     p.add_argument("--num-prompts", type=int, default=32)

@@ -259,7 +259,7 @@ def stage_tput(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log
             "--num-requests",
             str(args.num_requests),
         ] + (["--latency"] if args.latency else [])
-        if tp == 2 and args.profile:
+        if args.profile:
             cmd += ["--profile-dir", str(out_dir / (key.replace(" ", "_").replace("=", "-") + "_profile"))]
         code, out = run_child(cmd, args.bench_timeout, env=env, log=log)
         r = parse(out, "RESULT") or {"error": f"exit {code}"}

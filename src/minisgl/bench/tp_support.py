@@ -66,7 +66,7 @@ def parity_prompts(n: int, seed: int = 0) -> list[list[int]]:
 def profile_steps(llm: Any, out_dir: str, batch: int = 256, prompt_len: int = 128, steps: int = 32) -> dict:
     """torch.profiler on every rank over `steps` decode steps at full batch (after the batch's prefill).
 
-    Each rank writes rank{R}.json / rank{R}.txt under out_dir (distributed/profile.py); returns the ranks'
+    Each rank writes rank{R}.json / .txt / .trace.json.gz under out_dir (distributed/profile.py); returns the ranks'
     per-step figures without the per-step list.
     """
     from minisgl import SamplingParams
@@ -75,18 +75,30 @@ def profile_steps(llm: Any, out_dir: str, batch: int = 256, prompt_len: int = 12
     rng = random.Random(2)
     params = SamplingParams(temperature=0.6, max_tokens=steps + 16, ignore_eos=True)
     for i in range(batch):
-        sched.add_request(f"profile-{i}", [rng.randrange(10, 10000) for _ in range(prompt_len)], params)
+        n = rng.randrange(prompt_len // 2, prompt_len * 2)  # mixed lengths: requests open new pages at different steps
+        sched.add_request(f"profile-{i}", [rng.randrange(10, 10000) for _ in range(n)], params)
     for _ in range(8):  # the prefill (batch * prompt_len tokens in max_prefill_tokens chunks), then a few decodes
         sched.step()
-    sched.profile("start", out_dir)
-    for _ in range(steps):
-        sched.step()
-    sched.profile("stop")
+    if hasattr(sched, "profile"):  # tensor parallel: every rank profiles the same steps
+        sched.profile("start", out_dir)
+        for _ in range(steps):
+            sched.step()
+        sched.profile("stop")
+    else:  # one rank: the same figures, for the comparison
+        from minisgl.distributed.profile import RankProfiler
+
+        prof = RankProfiler(out_dir, 0)
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            sched.step()
+            prof.record_step(0.0, time.perf_counter() - t0)
+        prof.stop()
     while sched.has_work:
         sched.step()
     sched.step()  # a step carries the stop to the other ranks even when the batch ended with the last one
     deadline = time.monotonic() + 30
-    paths = [Path(out_dir) / f"rank{r}.json" for r in range(sched.config.tp // sched.config.nnodes)]
+    config = getattr(sched, "config", llm.config)
+    paths = [Path(out_dir) / f"rank{r}.json" for r in range(config.tp // config.nnodes)]
     while not all(path.exists() for path in paths) and time.monotonic() < deadline:
         time.sleep(0.2)
     summaries = {}

@@ -2,13 +2,16 @@
 
 Every rank starts and stops at the same step boundary (the "profile" op travels with the step's other
 ops, see launch.py), so the figures of the ranks cover the same steps. Each rank writes
-rank{R}.json (per-step wall, host and wait times, GPU time by kernel category) and rank{R}.txt
-(torch's key_averages table) under the directory given at start.
+rank{R}.json (per-step wall, host and wait times, GPU time by kernel category), rank{R}.txt
+(torch's key_averages table) and rank{R}.trace.json.gz (the timeline, for chrome://tracing or Perfetto) under the
+directory given at start.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -79,7 +82,7 @@ class RankProfiler:
             "rank": self.rank,
             "steps": len(self.step_s),
             "wall_ms_per_step": round(wall * 1000 / steps, 3),
-            "step_ms": sorted(round(s * 1000, 3) for s in self.step_s),
+            "step_ms": [round(s * 1000, 3) for s in self.step_s],  # in step order
             "ops_wait_ms_per_step": round(self.wait_s * 1000 / steps, 3),
             "device_wait_ms_per_step": ms(host_wait_us),
             "host_ms_per_step": round(max(0.0, busy * 1e6 - host_wait_us) / 1000 / steps, 3),
@@ -91,6 +94,11 @@ class RankProfiler:
         (self.out_dir / f"rank{self.rank}.json").write_text(json.dumps(summary, indent=2))
         sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         (self.out_dir / f"rank{self.rank}.txt").write_text(averages.table(sort_by=sort_by, row_limit=60))
+        trace = self.out_dir / f"rank{self.rank}.trace.json"
+        self.prof.export_chrome_trace(str(trace))
+        with trace.open("rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
         return summary
 
 
