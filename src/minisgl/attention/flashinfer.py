@@ -80,6 +80,7 @@ class FlashInferBackend(AttentionBackend):
         self._pinned = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self._flip = 0
         self._iota = torch.arange(1 << 16, dtype=torch.int64, device=self.device)
+        self._qo_indptr = torch.arange(1, dtype=torch.int32)  # host 0..bs for the graph replans, grown on demand
         # CUDA graphs (init_cuda_graph)
         self._graph_wrappers: dict[int, Any] = {}
         self._graph_indptr: torch.Tensor | None = None
@@ -240,8 +241,56 @@ class FlashInferBackend(AttentionBackend):
         pad_row = 0
         if padding is not None:  # its padded blocks redo one row: a dummy row (one token), else the shortest request
             pad_row = padded_bs - 1 if pad else min(range(batch.size), key=batch.seq_lens.__getitem__)
-        self._plan_decode(wrapper, indptr, indices, last, split_kv=padding is None, padding=padding, pad_row=pad_row)
+        self._next_pinned(wrapper)
+        if padding is not None:
+            padding.fill(wrapper._pin_memory_int_workspace_buffer, pad_row)
+        seq_lens = list(batch.seq_lens) + [1] * pad
+        self._replan_graph(wrapper, indptr, indices, last, seq_lens, split_kv=padding is None)
         batch.attn_metadata = FlashInferMetadata(wrapper)
+
+    def _replan_graph(
+        self,
+        wrapper: Any,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last: torch.Tensor,
+        seq_lens: list[int],
+        split_kv: bool,
+    ) -> None:
+        """wrapper.plan() for a graph-mode tensor-core wrapper already planned at capture (flashinfer 0.5.3).
+
+        The same buffer copies and the same scheduler call as plan(), with the KV lengths and their maximum taken from
+        the host list: plan() derives them from indptr and takes the maximum with Python's max() over a tensor, one
+        tensor op per row (about 2 ms of host time at 256 rows, most of a decode step's scheduling).
+        """
+        bs = len(seq_lens)
+        wrapper._paged_kv_indptr_buf.copy_(indptr, non_blocking=True)
+        wrapper._paged_kv_last_page_len_buf.copy_(last, non_blocking=True)
+        wrapper._paged_kv_indices_buf[: len(indices)].copy_(indices, non_blocking=True)
+        if len(self._qo_indptr) < bs + 1:
+            self._qo_indptr = torch.arange(bs + 1, dtype=torch.int32)
+        wrapper._max_kv_len = max(seq_lens)
+        wrapper._plan_info = wrapper._cached_module.plan(
+            wrapper._float_workspace_buffer,
+            wrapper._int_workspace_buffer,
+            wrapper._pin_memory_int_workspace_buffer,
+            self._qo_indptr[: bs + 1],  # one query row per request
+            indptr,
+            torch.tensor(seq_lens, dtype=torch.int32),
+            bs,  # total query rows
+            bs,
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.page_size,
+            True,  # CUDA graph mode
+            self.head_dim,
+            self.head_dim,
+            False,  # causal
+            -1,  # window_left
+            -1,  # fixed_split_size
+            not split_kv,  # disable_split_kv
+            0,  # num_colocated_ctas
+        )
 
 
 class _GraphPadding:

@@ -111,7 +111,8 @@ class CacheManager:
                 return None
             self.free(self.prefix_cache.evict(short))
         pages, self._free_pages = self._free_pages[:n], self._free_pages[n:]
-        self._is_free[pages] = False
+        # index_fill_, not `[pages] = False`: that copies the scalar from the host and waits for the device.
+        self._is_free.index_fill_(0, pages, False)
         return pages
 
     def free(self, page_ids: torch.Tensor) -> None:
@@ -126,7 +127,7 @@ class CacheManager:
                 raise DoubleFreeError(f"KV page(s) freed twice: {sorted(set(page_ids.tolist()))[:16]}")
         else:
             self._freed_twice |= again
-        self._is_free[page_ids] = True
+        self._is_free.index_fill_(0, page_ids, True)
         self._free_pages = torch.cat([self._free_pages, page_ids])
 
     def slots_for_extend(
