@@ -204,10 +204,10 @@ MOE_PARALLEL = _declare(
 TP_VOCAB_SAMPLING = _declare(
     "MINISGL_TP_VOCAB_SAMPLING",
     "bool",
-    True,
+    False,
     _bool,
-    "TP on CUDA: the decode graphs sample each rank's vocabulary shard and gather only the winners, not the logits "
-    "(`EngineConfig.tp_vocab_sampling`); 0 gathers the logits and samples them whole on every rank",
+    "TP (opt-in, not yet measured on two GPUs): the decode graphs sample each rank's vocabulary shard and gather "
+    "only the winners (`EngineConfig.tp_vocab_sampling`)",
 )
 ONEDNN = _declare(
     "MINISGL_ONEDNN",
