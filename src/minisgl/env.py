@@ -206,8 +206,8 @@ TP_VOCAB_SAMPLING = _declare(
     "bool",
     False,
     _bool,
-    "TP (opt-in, not yet measured on two GPUs): the decode graphs sample each rank's vocabulary shard and gather "
-    "only the winners (`EngineConfig.tp_vocab_sampling`)",
+    "TP (opt-in): the decode graphs sample each rank's vocabulary shard and gather only the winners, not the logits "
+    "(`EngineConfig.tp_vocab_sampling`); on 2x H200 within the run-to-run spread of the default",
 )
 ONEDNN = _declare(
     "MINISGL_ONEDNN",
