@@ -97,15 +97,15 @@ def test_engine_settings_default_from_the_environment_and_keywords_override(monk
     for name in ("TP_ALLREDUCE", "TP_FUSED_MB", "TP_VOCAB_SAMPLING", "XQA", "PIECEWISE_GRAPH"):
         monkeypatch.delenv(f"MINISGL_{name}", raising=False)
     plain = EngineConfig()
-    assert (plain.tp_allreduce, plain.tp_fused_mb, plain.tp_vocab_sampling) == ("fused", 8, False)
+    assert (plain.tp_allreduce, plain.tp_fused_mb, plain.tp_vocab_sampling) == ("fused", 8, True)
     assert (plain.disable_xqa, plain.piecewise_cuda_graph_max_tokens) == (False, 4096)
     monkeypatch.setenv("MINISGL_TP_ALLREDUCE", "nccl")
     monkeypatch.setenv("MINISGL_TP_FUSED_MB", "192")
-    monkeypatch.setenv("MINISGL_TP_VOCAB_SAMPLING", "1")
+    monkeypatch.setenv("MINISGL_TP_VOCAB_SAMPLING", "0")
     monkeypatch.setenv("MINISGL_XQA", "0")
     monkeypatch.setenv("MINISGL_PIECEWISE_GRAPH", "0")
     got = EngineConfig()
-    assert (got.tp_allreduce, got.tp_fused_mb, got.tp_vocab_sampling) == ("nccl", 192, True)
+    assert (got.tp_allreduce, got.tp_fused_mb, got.tp_vocab_sampling) == ("nccl", 192, False)
     assert (got.disable_xqa, got.piecewise_cuda_graph_max_tokens) == (True, 0)
     assert EngineConfig.from_kwargs("m", tp_allreduce="symm_mem", disable_xqa=False).tp_allreduce == "symm_mem"
     with pytest.raises(ConfigError, match="tp_allreduce must be one of"):

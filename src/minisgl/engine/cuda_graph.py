@@ -9,7 +9,7 @@ the logits in the model's dtype, Triton) when the GPU has Triton: a batch whose 
 (no top-k/top-p/min-p, penalties, masks, logprobs or seeded generator) gets its next ids from the replay
 itself; any other batch leaves the rows' temperatures at -1 (the kernels skip them) and samples the logits.
 
-Under tensor parallelism with tp_vocab_sampling (opt-in) each rank samples its own shard of the vocabulary
+Under tensor parallelism with tp_vocab_sampling (the default) each rank samples its own shard of the vocabulary
 inside the graph and the ranks all-gather only each program's winner (a few KB) instead of the logits (a batch of
 256 on a 152k vocabulary: 78 MB in bf16, gathered, then copied twice); a batch sampled outside the graph gathers its
 logits after the replay.
