@@ -130,10 +130,11 @@ class TPScheduler(RankGroup):
         self.step_started = time.monotonic()  # the failure watch ends a process whose step never comes back
         try:
             self._send(ops)
+            sent = time.perf_counter()
             for op in ops:
                 if op[0] == "profile":
                     apply_profile_op(op, 0)
-            t1 = time.perf_counter()
+            t1 = time.perf_counter()  # a profiler's start is neither the ops' sending nor the step
             outputs = self.sched.step()
         except Exception as e:
             raise self._as_rank_failure(e) from e
@@ -143,7 +144,7 @@ class TPScheduler(RankGroup):
         self._raise_if_failed()
         prof = active_profiler()
         if prof is not None:
-            prof.record_step(t1 - t0, time.perf_counter() - t1)
+            prof.record_step(sent - t0, time.perf_counter() - t1)
         return outputs
 
     def stats(self) -> dict[str, int]:
@@ -248,10 +249,11 @@ def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
                 close_groups(clean=True, timeout=EXIT_WAIT_S)  # with rank 0's, at the same time
                 return 0
             _apply(sched, ops, rank)
+            t2 = time.perf_counter()  # as on rank 0: a profiler's start is not the step
             sched.step()
             prof = active_profiler()
             if prof is not None:
-                prof.record_step(t1 - t0, time.perf_counter() - t1)
+                prof.record_step(t1 - t0, time.perf_counter() - t2)
     except Exception as e:  # noqa: BLE001 - any failure ends this rank, and so the engine
         reason = f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}"
         try:
