@@ -312,3 +312,21 @@ def test_random_traffic_never_leaks_or_shares_a_page(page_size: int, kind: str, 
     mgr.free(freed)
     assert mgr.free_pages == mgr.num_pages
     mgr.check_integrity(req_pages=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pages_are_allocated_and_freed_on_the_gpu_without_waiting_for_it() -> None:
+    """The scheduler allocates and frees pages while a forward is in flight: neither may synchronize the stream (a
+    tensor-indexed write of a Python scalar copies it from the host and waits for the GPU: every decode step that
+    opened a page idled the GPU for the host's whole scheduling)."""
+    mgr = CacheManager(64, 16, make_prefix_cache("radix", 16), "cuda")
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
+    try:
+        pages = mgr.allocate_pages(8)
+        mgr.free(pages[:4])
+        more = mgr.allocate_pages(6)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert more is not None and len(more) == 6
+    mgr.check_integrity(req_pages=10)
