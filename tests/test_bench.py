@@ -286,3 +286,21 @@ def test_bench_cpu_prints_medians_ratios_to_fp32_and_int8_agreement(tiny_model_d
     assert int8["vs_fp32"] == pytest.approx(int8["single"] / rows["fp32"]["single"])
     assert 0.0 <= int8["agreement"] <= 1.0 and int8["batched"] > 0
     assert "load average" in capsys.readouterr().out
+
+
+def test_tp_profile_of_one_rank_writes_its_summary_table_and_timeline(tiny_model_dir, tmp_path):
+    """`bench tp --profile` profiles TP=1 too (the comparison for TP=2's ranks): a per-step summary, torch's table and
+    a gzipped Chrome-trace timeline of the same steps."""
+    import gzip
+
+    from minisgl import LLM
+    from minisgl.bench.tp_support import profile_steps
+
+    with LLM(str(tiny_model_dir("qwen3")), device="cpu", dtype="float32") as llm:
+        summary = profile_steps(llm, str(tmp_path), batch=4, prompt_len=16, steps=4)["rank0"]
+    assert summary["steps"] == 4 and summary["wall_ms_per_step"] > 0 and summary["ops_wait_ms_per_step"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.json", "rank0.trace.json.gz", "rank0.txt"]
+    assert len(json.loads((tmp_path / "rank0.json").read_text())["step_ms"]) == 4
+    with gzip.open(tmp_path / "rank0.trace.json.gz") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)  # the steps' torch ops, timed
