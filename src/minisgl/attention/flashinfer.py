@@ -132,10 +132,15 @@ class FlashInferBackend(AttentionBackend):
         split_kv: bool = True,
         padding: "_GraphPadding | None" = None,
         pad_row: int = 0,
+        seq_lens: list[int] | None = None,
     ) -> None:
+        """Plan a decode wrapper; with seq_lens (every row's KV length), a graph's wrapper planned at capture."""
         self._next_pinned(wrapper)
         if padding is not None:
             padding.fill(wrapper._pin_memory_int_workspace_buffer, pad_row)
+        if seq_lens is not None:
+            self._replan_graph(wrapper, indptr, indices, last, seq_lens, split_kv)
+            return
         wrapper.plan(
             indptr,
             indices,
@@ -232,7 +237,8 @@ class FlashInferBackend(AttentionBackend):
     def prepare_replay(self, batch: "Batch", padded_bs: int) -> None:
         """Plan the graph wrapper of padded_bs for batch; rows past batch.size read the dummy page."""
         pad = padded_bs - batch.size
-        num_pages, indptr, last = self._paging(list(batch.seq_lens) + [1] * pad)
+        seq_lens = list(batch.seq_lens) + [1] * pad
+        num_pages, indptr, last = self._paging(seq_lens)
         indices = self._page_ids([r.table_idx for r in batch.reqs], num_pages[: batch.size])
         if pad:
             indices = torch.cat([indices, indices.new_full((pad,), self._dummy_page)])
@@ -241,11 +247,8 @@ class FlashInferBackend(AttentionBackend):
         pad_row = 0
         if padding is not None:  # its padded blocks redo one row: a dummy row (one token), else the shortest request
             pad_row = padded_bs - 1 if pad else min(range(batch.size), key=batch.seq_lens.__getitem__)
-        self._next_pinned(wrapper)
-        if padding is not None:
-            padding.fill(wrapper._pin_memory_int_workspace_buffer, pad_row)
-        seq_lens = list(batch.seq_lens) + [1] * pad
-        self._replan_graph(wrapper, indptr, indices, last, seq_lens, split_kv=padding is None)
+        split_kv = padding is None
+        self._plan_decode(wrapper, indptr, indices, last, split_kv, padding, pad_row, seq_lens=seq_lens)
         batch.attn_metadata = FlashInferMetadata(wrapper)
 
     def _replan_graph(

@@ -97,8 +97,7 @@ def profile_steps(llm: Any, out_dir: str, batch: int = 256, prompt_len: int = 12
         sched.step()
     sched.step()  # a step carries the stop to the other ranks even when the batch ended with the last one
     deadline = time.monotonic() + 30
-    config = getattr(sched, "config", llm.config)
-    paths = [Path(out_dir) / f"rank{r}.json" for r in range(config.tp // config.nnodes)]
+    paths = [Path(out_dir) / f"rank{r}.json" for r in range(sched.config.tp // sched.config.nnodes)]
     while not all(path.exists() for path in paths) and time.monotonic() < deadline:
         time.sleep(0.2)
     summaries = {}

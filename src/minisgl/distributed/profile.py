@@ -9,9 +9,7 @@ directory given at start.
 
 from __future__ import annotations
 
-import gzip
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -94,11 +92,7 @@ class RankProfiler:
         (self.out_dir / f"rank{self.rank}.json").write_text(json.dumps(summary, indent=2))
         sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         (self.out_dir / f"rank{self.rank}.txt").write_text(averages.table(sort_by=sort_by, row_limit=60))
-        trace = self.out_dir / f"rank{self.rank}.trace.json"
-        self.prof.export_chrome_trace(str(trace))
-        with trace.open("rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        trace.unlink()
+        self.prof.export_chrome_trace(str(self.out_dir / f"rank{self.rank}.trace.json.gz"))  # gzipped by torch
         return summary
 
 
