@@ -83,6 +83,11 @@ class EngineConfig:
     max_tools: int = 128  # tool definitions per request (OpenAI's limit)
     max_schema_depth: int = 64  # nesting of a JSON schema (response_format, a tool's parameters)
     max_grammar_bytes: int = 65536  # a JSON schema (compact), regex or EBNF grammar
+    # characters a request carries (prompt, messages, tools, template variables); a token-id list counts its ids
+    max_request_chars: int = 32 * 2**20
+    # A text is refused before tokenizing when even this many characters per token overflow the context;
+    # None: the vocabulary's longest token (a byte-level token never covers more characters than its own)
+    max_chars_per_token: int | None = None
     grammar_compile_timeout: float = 30.0  # seconds a grammar may compile (off the scheduler loop) before it fails
     threads: int | None = None  # CPU threads of each computing process (torch.set_num_threads); None: torch's default
     # CPU: "fp16" or "int8" weights (faster decode); "fp8": weights rounded to FP8 at load (see QUANTIZATIONS)
@@ -138,6 +143,8 @@ class EngineConfig:
         for name in ("max_n", "max_stop_strings", "max_stop_string_len", "max_tools", "max_schema_depth"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.max_request_chars < 1 or (self.max_chars_per_token is not None and self.max_chars_per_token < 1):
+            raise ConfigError("max_request_chars and max_chars_per_token must be >= 1 (max_chars_per_token None: auto)")
         if self.max_grammar_bytes < 1 or not self.grammar_compile_timeout > 0:
             raise ConfigError("max_grammar_bytes must be >= 1 and grammar_compile_timeout > 0")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
