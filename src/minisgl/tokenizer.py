@@ -95,7 +95,20 @@ def apply_chat_template(
     tool_choice: Any = "auto",
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Render a conversation with the model's chat template and tokenize it.
+    """Render a conversation with the model's chat template and tokenize it (render_chat_template's arguments)."""
+    text = render_chat_template(tokenizer, messages, tools, add_generation_prompt, tool_choice, chat_template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat_template(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    tool_choice: Any = "auto",
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """A conversation rendered with the model's chat template: the text apply_chat_template tokenizes.
 
     chat_template_kwargs: extra template variables (check_chat_template_kwargs).
     """
@@ -131,7 +144,7 @@ def apply_chat_template(
             )
     except TemplateError as e:  # the template's own check of the conversation (raise_exception), as vLLM a 400
         raise InvalidRequestError(f"the model's chat template refused these messages: {e}") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text
 
 
 def encode_prompt(tokenizer: Any, prompt: str | Sequence[int]) -> list[int]:
