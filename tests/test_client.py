@@ -75,7 +75,6 @@ def test_every_message_survives_the_codec() -> None:
         P.TokenOutputs([out]),
         P.WorkerInit({"context_length": 8}, "/models/m"),
         P.SchedulerReady({"x": 1}, {"total_pages": 4}),
-        P.TPOps(3, [["add", "r", [1, 2], {"n": 1}, False], ["abort", "r"], ["exit"]]),
         P.WorkerReady("tokenizer"),
         P.WorkerFailed("scheduler", "ModelLoadError", "no"),
     ]

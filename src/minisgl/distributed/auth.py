@@ -1,8 +1,8 @@
-"""The ranks of one tensor-parallel engine prove a shared secret to each other through the rendezvous store.
+"""The secret the ranks of one tensor-parallel engine share, and the signatures made with it.
 
-The store (torch's TCPStore) has no access control of its own: anyone who reaches its port can read and write
-keys. So every control message rank 0 puts there is HMAC-signed and numbered, a rank > 0 proves the secret
-before rank 0 lets the process group form, and the messages themselves are typed msgpack (never pickle).
+Every control message (distributed/channel.py) is HMAC-signed with it and typed msgpack (never pickle); across
+hosts the channel's CURVE keys derive from it too, and a rank > 0 says a signed hello before rank 0 lets the
+process group form.
 
 The secret never travels on argv (where `ps` shows it): rank 0 of a one-node engine makes a fresh one and hands
 it to its ranks in their environment; a multi-node run gives every node the same one in MINISGL_TP_SECRET or in
@@ -17,20 +17,17 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import Any
 
 from minisgl import env
 from minisgl.config import EngineConfig
 from minisgl.errors import ConfigError
 
 SECRET_ENV = env.TP_SECRET.name
-NONCE_KEY = "minisgl/auth/nonce"  # rank 0's fresh challenge for this engine
-PROOF_KEY = "minisgl/auth/proof/{rank}"  # rank's HMAC of the challenge
 _SIG_BYTES = hashlib.sha256().digest_size
 
 
 class AuthError(ConfigError):
-    """A rank or a message in the rendezvous store does not carry the engine's shared secret."""
+    """The engine's shared secret is missing, unreadable or not private."""
 
 
 def load_secret(config: EngineConfig) -> bytes:
@@ -77,29 +74,3 @@ def verify(secret: bytes, blob: bytes) -> bytes | None:
     sig, payload = blob[:_SIG_BYTES], blob[_SIG_BYTES:]
     good = hmac.new(secret, payload, hashlib.sha256).digest()
     return payload if len(sig) == _SIG_BYTES and hmac.compare_digest(sig, good) else None
-
-
-def post_challenge(store: Any) -> None:
-    """Rank 0, before it starts any rank: a fresh challenge for this engine."""
-    store.set(NONCE_KEY, secrets.token_bytes(32))
-
-
-def prove(store: Any, secret: bytes, rank: int) -> None:
-    """A rank > 0: answer rank 0's challenge (waits for it)."""
-    store.set(PROOF_KEY.format(rank=rank), _proof(secret, store.get(NONCE_KEY), rank))
-
-
-def check_proofs(store: Any, secret: bytes, world_size: int) -> None:
-    """Rank 0: every other rank answered the challenge with the secret (waits for each, up to the store's
-    timeout); AuthError otherwise, before any collective runs with an impostor."""
-    nonce = store.get(NONCE_KEY)
-    for rank in range(1, world_size):
-        if not hmac.compare_digest(store.get(PROOF_KEY.format(rank=rank)), _proof(secret, nonce, rank)):
-            raise AuthError(
-                f"tensor-parallel rank {rank} did not prove the shared secret: give every node the same "
-                f"{SECRET_ENV} or --tp-secret-file"
-            )
-
-
-def _proof(secret: bytes, nonce: bytes, rank: int) -> bytes:
-    return hmac.new(secret, nonce + f"/rank {rank}".encode(), hashlib.sha256).digest()

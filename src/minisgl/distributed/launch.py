@@ -1,13 +1,18 @@
-"""Tensor parallelism's processes: spawning the ranks, the TCPStore and NCCL/gloo setup, failure watching.
+"""Tensor parallelism's processes: spawning the ranks, the rendezvous and NCCL/gloo setup, failure watching.
 
-The schedulers the ranks run, and the ops rank 0 sends them each step, are in scheduler/tp.py. The ops
-reach ranks > 0 through the rendezvous TCPStore that rank 0 hosts: one queue per rank, one small
-message per step. Rank 0 only appends to the queues and never waits for the others on the host.
+The schedulers the ranks run, and the ops rank 0 sends them each step, are in scheduler/tp.py. Ops and failure
+notices travel over the control channel (distributed/channel.py): ipc sockets in a private directory on one host,
+CURVE-encrypted tcp across hosts. Rank 0 only sends and never waits for the others on the host.
 
-Failures are loud and bounded. Rank 0 watches its local ranks and a "failed" key (set by a failing rank
-or by a node's launcher); on a failure it aborts the communicators (a collective with a dead peer waits
-forever on the GPU) and raises RankFailedError. Ranks > 0 watch the store from a thread: when rank 0 is
-gone (its store closes) or the key is set, they exit.
+The process group's rendezvous is a FileStore in that private directory on one host (no port at all), and node
+0's TCPStore on dist_init_addr across hosts, bound to that address only. Neither carries anything after start-up.
+Gloo's and NCCL's own sockets are pinned to the loopback interface on one host.
+
+Failures are loud and bounded. Rank 0 watches its local ranks and the events channel (a failing rank, or a
+node's launcher, reports there); on a failure it aborts the communicators (a collective with a dead peer waits
+forever on the GPU), tells every rank on the control channel, and raises RankFailedError. Ranks > 0 watch the
+control channel from a thread: when rank 0 is gone (its socket disconnects, or its heartbeat stops) or a failure
+is announced, they exit.
 """
 
 from __future__ import annotations
@@ -25,24 +30,24 @@ import time
 from typing import Any
 
 import torch
+import zmq
 
 from minisgl.config import EngineConfig
 from minisgl.distributed import reset_symm_mem, set_tp_info, setup_symm_mem
-from minisgl.distributed.auth import PROOF_KEY, check_proofs, child_env, load_secret, post_challenge, sign, verify
+from minisgl.distributed.auth import child_env, load_secret
+from minisgl.distributed.channel import ChannelPlace, Hub, Spoke, TPEvent, TPOps
 from minisgl.errors import MiniSGLError
 
 logger = logging.getLogger("minisgl")
 
-OPS_KEY = "minisgl/ops/{rank}"  # rank 0 -> rank: one signed TPOps message (msgpack) per step
-FAILED_KEY = "minisgl/failed"  # why the engine stops; set once by whoever sees a rank fail
-EXITED_KEY = "minisgl/exited"  # ranks that left cleanly after rank 0's "exit"
-WATCH_INTERVAL_S = 0.5  # how often rank 0 checks its ranks and ranks > 0 check on rank 0
+WATCH_INTERVAL_S = 0.25  # how often rank 0 checks its ranks (and sends a heartbeat)
+HEARTBEAT_TIMEOUT_S = 30.0  # a rank > 0 that hears nothing from rank 0 this long leaves (a frozen or cut-off host)
 FAILURE_GRACE_S = 2.0  # after a collective errors out, how long rank 0 looks for the rank that failed
 EXIT_WAIT_S = 10.0  # how long a clean shutdown waits for the other ranks to leave
 STUCK_EXIT_S = 15.0  # after a failure, how long rank 0's step in flight may take to return before the process ends
 # The same with a symmetric-memory all-reduce (tp_allreduce "symm_mem" / "fused" on CUDA): its kernels wait for the
 # dead peer forever, so a step in flight never returns; only a step still before its first collective could.
-SYMM_STUCK_EXIT_S = 3.0
+SYMM_STUCK_EXIT_S = 0.5
 
 
 class RankFailedError(MiniSGLError, RuntimeError):
@@ -91,20 +96,31 @@ def _listen(host: str, port: int) -> socket.socket:
     return listener
 
 
-def set_failed(store: Any, secret: bytes, reason: str) -> None:
-    """Flag the engine as failed (every rank leaves); signed, so that nobody else can stop it."""
-    store.set(FAILED_KEY, sign(secret, reason.encode()))
+def rendezvous_store(config: EngineConfig, place: ChannelPlace, is_master: bool) -> Any:
+    """The process group's rendezvous: a FileStore in the private directory on one host, node 0's TCPStore else."""
+    import torch.distributed as dist
+
+    if place.directory is not None:
+        return dist.FileStore(place.store_path(), config.tp)
+    assert config.dist_init_addr, "EngineConfig validation guarantees it"
+    return connect_store(config.dist_init_addr, is_master, datetime.timedelta(seconds=config.dist_timeout))
 
 
-def read_failed(store: Any, secret: bytes) -> str | None:
-    """Why the engine stops, if a rank flagged a failure; a value not signed with the secret is ignored."""
-    if not store.check([FAILED_KEY]):
-        return None
-    reason = verify(secret, store.get(FAILED_KEY))
-    if reason is None:
-        logger.warning("ignored a failure flag in the tensor-parallel store that is not signed with the secret")
-        return None
-    return reason.decode(errors="replace")
+def channel_place(config: EngineConfig) -> ChannelPlace:
+    """Rank 0's choice: a fresh private directory on one host, node 0's address across hosts."""
+    if config.nnodes > 1:
+        assert config.dist_init_addr, "EngineConfig validation guarantees it"
+        return ChannelPlace.of_nodes(config.dist_init_addr)
+    return ChannelPlace.private()
+
+
+def loopback_interface() -> str:
+    """The loopback interface's name ("lo" on Linux, "lo0" on macOS)."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        names = []
+    return next((n for n in names if n.startswith("lo")), "lo")
 
 
 def init_distributed(config: EngineConfig, rank: int, store: Any) -> None:
@@ -112,6 +128,9 @@ def init_distributed(config: EngineConfig, rank: int, store: Any) -> None:
     import torch.distributed as dist
 
     use_cuda = config.device != "cpu" and torch.cuda.is_available()
+    if config.nnodes == 1:  # gloo's and NCCL's own sockets: loopback only, unless the user chose an interface
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
     if use_cuda:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -183,12 +202,12 @@ def close_groups(clean: bool, timeout: float = 10.0) -> None:
     _bounded(abort, timeout, "abort")
 
 
-def spawn_worker(config: EngineConfig, rank: int, init_addr: str, secret: bytes) -> subprocess.Popen:
+def spawn_worker(config: EngineConfig, rank: int, place: ChannelPlace, secret: bytes) -> subprocess.Popen:
     """Start rank `rank` as `python -m minisgl.scheduler.tp` (no re-import of the caller's __main__); the
     secret goes in its environment, never on its command line."""
     payload = json.dumps(dataclasses.asdict(config))
     return subprocess.Popen(
-        [sys.executable, "-m", "minisgl.scheduler.tp", payload, str(rank), init_addr], env=child_env(secret)
+        [sys.executable, "-m", "minisgl.scheduler.tp", payload, str(rank), str(place)], env=child_env(secret)
     )
 
 
@@ -196,25 +215,43 @@ def spawn_worker(config: EngineConfig, rank: int, init_addr: str, secret: bytes)
 
 
 class RankZeroWatch:
-    """A thread of a rank > 0: exits the process when rank 0 is gone or a failure is flagged.
+    """A thread of a rank > 0: exits the process when rank 0 is gone or announces a failure.
 
-    The main thread may be stuck in a collective whose peer died (on the GPU it never returns), so
-    the exit is os._exit from here. Its own store connection: the main thread's blocks in a queue pop.
+    The main thread may be stuck in a collective whose peer died (on the GPU it never returns), so the exit is
+    os._exit from here. Rank 0 is gone when its control socket disconnects after having connected, or when its
+    heartbeat stops for HEARTBEAT_TIMEOUT_S (a frozen host, a cut cable).
     """
 
-    def __init__(self, init_addr: str, timeout: datetime.timedelta, rank: int, secret: bytes) -> None:
-        self.rank = rank
-        self.secret = secret
-        self.leaving = threading.Event()  # set on a clean exit: the store may close under us then
-        self.client = connect_store(init_addr, False, timeout)
+    def __init__(self, spoke: Spoke, rank: int) -> None:
+        self.spoke, self.rank = spoke, rank
+        self.leaving = threading.Event()  # set on a clean exit: rank 0 may close its sockets under us then
         threading.Thread(target=self._run, name="minisgl-tp-watch", daemon=True).start()
 
     def _run(self) -> None:
-        while not self.leaving.wait(WATCH_INTERVAL_S):
-            try:
-                reason = read_failed(self.client, self.secret)
-            except Exception as e:  # noqa: BLE001 - rank 0 hosts the store: it is gone or frozen
-                reason = f"lost rank 0 ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        from zmq.utils.monitor import recv_monitor_message
+
+        ctx = zmq.Context()
+        sub = self.spoke.control_socket(ctx)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        heard, connected = time.monotonic(), False
+        while not self.leaving.is_set():
+            ready = dict(poller.poll(WATCH_INTERVAL_S * 1000))
+            reason = None
+            if monitor in ready:
+                event = recv_monitor_message(monitor)["event"]
+                connected = connected or event == zmq.EVENT_CONNECTED
+                if event == zmq.EVENT_DISCONNECTED and connected:
+                    reason = "lost rank 0 (its control channel closed)"
+            if sub in ready:
+                notice = TPEvent.unpack(self.spoke.secret, sub.recv())
+                heard = time.monotonic() if notice is not None else heard
+                if notice is not None and notice.kind == "failed":
+                    reason = notice.text
+            if reason is None and time.monotonic() - heard > HEARTBEAT_TIMEOUT_S:
+                reason = f"lost rank 0 (no word from it in {HEARTBEAT_TIMEOUT_S:.0f}s)"
             if reason is not None and not self.leaving.is_set():
                 leave(1, f"tensor-parallel rank {self.rank} stops: {reason}")
 
@@ -230,22 +267,28 @@ def leave(code: int, message: str) -> None:
 
 
 class RankGroup:
-    """Rank 0's side of the group: hosts the store, spawns this node's other ranks, watches them.
+    """Rank 0's side of the group: binds the channel, spawns this node's other ranks, watches them.
 
-    On a failure (a local rank exited, or the store's failed key is set) it aborts the communicators
-    and every later step raises RankFailedError.
+    On a failure (a local rank exited, or a rank reported one on the events channel) it aborts the communicators,
+    announces it on the control channel, and every later step raises RankFailedError.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        init_addr = config.dist_init_addr or f"127.0.0.1:{free_port()}"
         self.secret = load_secret(config)
-        self.store = connect_store(init_addr, True, datetime.timedelta(seconds=config.dist_timeout))
-        post_challenge(self.store)
+        self.place = channel_place(config)
+        try:
+            self.hub = Hub(self.place, self.secret, config.tp)
+            self.store = rendezvous_store(config, self.place, is_master=True)
+        except BaseException:
+            self.place.remove()
+            raise
         self.seq = 0  # the next TPOps message's number
         local = range(1, config.tp // config.nnodes)
-        self.workers = [spawn_worker(config, rank, init_addr, self.secret) for rank in local]
+        self.workers = [spawn_worker(config, rank, self.place, self.secret) for rank in local]
         self._failure: str | None = None
+        self._failed_at = 0.0  # monotonic time of the failure
+        self._exited: set[int] = set()  # ranks that confirmed a clean exit (the monitor thread adds them)
         self.step_started: float | None = None  # monotonic start of rank 0's step in flight (TPScheduler.step)
         self._fail_lock = threading.Lock()
         self._stop = threading.Event()
@@ -256,73 +299,80 @@ class RankGroup:
         """Rank 0 could not start: stop the ranks; returns the error to raise."""
         error = self._as_rank_failure(error)
         self._stop.set()
+        self._monitor.join(timeout=5)
         close_groups(clean=False, timeout=5)
         for w in self.workers:
             w.kill()
             w.wait()
+        self._close_channel()
         return error
 
     def _monitor_loop(self) -> None:
-        while not self._stop.wait(WATCH_INTERVAL_S):
-            reason = self._find_failure()
-            if reason is not None:
-                self._fail(reason)
-                self._watch_stuck_step()
+        """The monitor thread: reads the events channel, polls the local ranks, sends the heartbeat (or the
+        failure) on the control channel, and ends a process whose step is stuck after a failure."""
+        while not self._stop.is_set():
+            for event in self.hub.events_ready(int(WATCH_INTERVAL_S * 1000)):
+                if event.kind == "exited":
+                    self._exited.add(event.rank)
+                elif event.kind == "failed":
+                    self._fail(event.text)
+            dead = self._dead_workers()
+            if dead is not None:
+                self._fail(dead)
+            if self._stop.is_set():
                 return
+            failure = self._failure
+            self.hub.publish(TPEvent("failed", 0, failure) if failure is not None else TPEvent("heartbeat", 0))
+            if failure is not None:
+                self._end_if_stuck(self._failed_at + self._stuck_wait())
 
-    def _watch_stuck_step(self) -> None:
+    def _stuck_wait(self) -> float:
+        c = self.config
+        symm = c.tp_allreduce != "nccl" and c.device != "cpu" and torch.cuda.is_available() and c.nnodes == 1
+        return min(STUCK_EXIT_S, SYMM_STUCK_EXIT_S) if symm else STUCK_EXIT_S
+
+    def _end_if_stuck(self, deadline: float) -> None:
         """A step in flight when a rank failed must come back: NCCL's aborted kernels return, and the step raises
         RankFailedError. One that does not is stuck in a kernel waiting for the dead peer forever (a
         symmetric-memory all-reduce cannot be aborted), and so would every later CUDA call of this process:
         the process ends, loudly, so that its parent (the daemon) reports the failure instead of hanging."""
-        c = self.config
-        symm = c.tp_allreduce != "nccl" and c.device != "cpu" and torch.cuda.is_available() and c.nnodes == 1
-        wait = min(STUCK_EXIT_S, SYMM_STUCK_EXIT_S) if symm else STUCK_EXIT_S
-        deadline = time.monotonic() + wait
-        while not self._stop.wait(WATCH_INTERVAL_S):
-            if self.step_started is None:
-                return  # no step in flight, or it came back: the caller sees RankFailedError
-            if time.monotonic() > deadline:
-                leave(
-                    1,
-                    f"{self._failure}; a step on this rank has not come back within {wait:.0f}s "
-                    "(stuck in a kernel waiting for the dead rank): this process exits",
-                )
-
-    def _find_failure(self) -> str | None:
-        dead = [(rank, w.returncode) for rank, w in enumerate(self.workers, 1) if w.poll() is not None]
-        if dead:
-            return (
-                f"tensor-parallel rank(s) {[r for r, _ in dead]} exited (codes {[c for _, c in dead]}): "
-                "see the ranks' log lines above"
+        if self.step_started is not None and time.monotonic() > deadline:
+            self.place.remove()  # os._exit skips every cleanup
+            leave(
+                1,
+                f"{self._failure}; a step on this rank has not come back within {self._stuck_wait():g}s "
+                "(stuck in a kernel waiting for the dead rank): this process exits",
             )
-        try:
-            return read_failed(self.store, self.secret)
-        except Exception:  # noqa: BLE001 - this process hosts the store: only a shutdown gets here
+
+    def _dead_workers(self) -> str | None:
+        dead = [
+            (rank, w.returncode)
+            for rank, w in enumerate(self.workers, 1)
+            if w.poll() is not None and rank not in self._exited  # a rank that confirmed its exit may leave
+        ]
+        if not dead:
             return None
+        return (
+            f"tensor-parallel rank(s) {[r for r, _ in dead]} exited (codes {[c for _, c in dead]}): "
+            "see the ranks' log lines above"
+        )
 
     def _fail(self, reason: str) -> None:
+        """Record the first failure and abort the communicators (in the background: an abort can block for as
+        long as a kernel waits on the dead peer). The monitor thread announces it to every rank."""
         with self._fail_lock:
             if self._failure is not None:
                 return
-            self._failure = reason
+            self._failure, self._failed_at = reason, time.monotonic()
         logger.error("%s; the engine stops", reason)
-        try:
-            set_failed(self.store, self.secret, reason)  # the other ranks (other nodes too) leave
-        except Exception:  # noqa: BLE001 - the store is closing
-            pass
-        abort_communicators()
+        threading.Thread(target=abort_communicators, name="minisgl-tp-abort", daemon=True).start()
 
     def _as_rank_failure(self, error: Exception) -> Exception:
         """The RankFailedError behind a failed step, if a rank failed (waiting a little to find it); else error."""
         if self._failure is None and isinstance(error, RuntimeError):
             deadline = time.monotonic() + FAILURE_GRACE_S
             while self._failure is None and time.monotonic() < deadline:
-                reason = self._find_failure()
-                if reason is not None:
-                    self._fail(reason)
-                    break
-                time.sleep(0.05)
+                time.sleep(0.05)  # the monitor thread finds it
         if self._failure is None:
             return error
         return RankFailedError(f"{self._failure}; the engine stops")
@@ -332,29 +382,27 @@ class RankGroup:
             raise RankFailedError(f"{self._failure}; the engine stops")
 
     def check_ranks(self) -> None:
-        """Before the process group forms: every other rank proved the secret (AuthError otherwise)."""
+        """Before the process group forms: every other rank said hello with the secret (no collective runs with a
+        process that does not hold it); RankFailedError when one does not within dist_timeout."""
         deadline = time.monotonic() + self.config.dist_timeout
-        proofs = [PROOF_KEY.format(rank=rank) for rank in range(1, self.config.tp)]
-        while not self.store.check(proofs):
+        waiting = set(range(1, self.config.tp))
+        while waiting:
             self._raise_if_failed()  # a local rank that died before it answered
             if time.monotonic() > deadline:
                 raise RankFailedError(
-                    f"not every tensor-parallel rank joined within dist_timeout ({self.config.dist_timeout:.0f}s)"
+                    f"tensor-parallel rank(s) {sorted(waiting)} did not join within dist_timeout "
+                    f"({self.config.dist_timeout:.0f}s): every node needs the same secret (MINISGL_TP_SECRET or "
+                    "--tp-secret-file) and must reach node 0's dist_init_addr port P and ports P+1..P+3"
                 )
-            time.sleep(0.02)
-        check_proofs(self.store, self.secret, self.config.tp)
+            waiting.discard(self.hub.hello_from(100))
 
     def _send(self, ops: list[Any]) -> None:
-        from minisgl.runtime.protocol import TPOps, encode
-
-        payload = sign(self.secret, encode(TPOps(self.seq, [list(op) for op in ops])))
+        self.hub.send_ops(TPOps(self.seq, ops).pack(self.secret))
         self.seq += 1
-        for rank in range(1, self.config.tp):
-            self.store.queue_push(OPS_KEY.format(rank=rank), payload)
 
     def _wait_exited(self) -> bool:
         deadline = time.monotonic() + EXIT_WAIT_S
-        while self.store.add(EXITED_KEY, 0) < self.config.tp - 1:
+        while len(self._exited) < self.config.tp - 1:
             if self._failure is not None or time.monotonic() > deadline:
                 return False
             time.sleep(0.01)
@@ -373,6 +421,7 @@ class RankGroup:
                 logger.debug("tensor-parallel shutdown: %s", e)
         if not clean:
             self._fail(self._failure or "a tensor-parallel rank did not confirm the shutdown")
+            time.sleep(WATCH_INTERVAL_S * 2)  # the monitor announces it: ranks on other nodes leave
         self._stop.set()
         self._monitor.join(timeout=5)
         close_groups(clean)
@@ -382,8 +431,14 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 w.kill()
                 w.wait()
-        self.store = None  # closes the store: ranks still waiting on it (other nodes) leave
+        self._close_channel()
         set_tp_info(0, 1)
+
+    def _close_channel(self) -> None:
+        self.store = None
+        if not self._monitor.is_alive():
+            self.hub.close()  # ranks still connected (other nodes) see it disconnect and leave
+        self.place.remove()
 
     def __del__(self) -> None:
         stop = getattr(self, "_stop", None)
@@ -392,19 +447,22 @@ class RankGroup:
         for w in getattr(self, "workers", []):
             if w.poll() is None:
                 w.kill()
+        place = getattr(self, "place", None)
+        if place is not None:
+            place.remove()
 
 
 def run_node(config: EngineConfig) -> int:
     """A node other than 0 (multi-node TP): run this node's ranks until they exit; returns an exit code.
 
-    A rank that exits with an error is reported to rank 0 through the store's failed key, so that the
-    engine stops at once instead of waiting on that rank's collectives.
+    A rank that exits with an error is reported to rank 0 on the events channel, so that the engine stops at
+    once instead of waiting on that rank's collectives.
     """
     local = config.tp // config.nnodes
     first = config.node_rank * local
-    assert config.dist_init_addr, "EngineConfig validation guarantees it"
     secret = load_secret(config)
-    workers = {rank: spawn_worker(config, rank, config.dist_init_addr, secret) for rank in range(first, first + local)}
+    place = channel_place(config)
+    workers = {rank: spawn_worker(config, rank, place, secret) for rank in range(first, first + local)}
     logger.info(
         "node %d: ranks %d..%d started, following node 0 at %s",
         config.node_rank,
@@ -419,7 +477,7 @@ def run_node(config: EngineConfig) -> int:
                 codes[rank] = w.returncode
                 if w.returncode != 0:
                     _report_failure(
-                        config,
+                        place,
                         secret,
                         f"tensor-parallel rank {rank} on node {config.node_rank} exited (code {w.returncode})",
                     )
@@ -427,11 +485,9 @@ def run_node(config: EngineConfig) -> int:
     return max(codes.values(), key=abs)
 
 
-def _report_failure(config: EngineConfig, secret: bytes, reason: str) -> None:
-    assert config.dist_init_addr
+def _report_failure(place: ChannelPlace, secret: bytes, reason: str) -> None:
+    spoke = Spoke(place, secret, -1)
     try:
-        store = connect_store(config.dist_init_addr, False, datetime.timedelta(seconds=5))
-        if not store.check([FAILED_KEY]):
-            set_failed(store, secret, reason)
-    except Exception:  # noqa: BLE001 - rank 0 is gone: nobody to tell
-        pass
+        spoke.report("failed", reason)
+    finally:
+        spoke.close()  # lingers until the report is out, or rank 0 is gone

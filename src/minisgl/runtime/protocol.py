@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple, TypeVar, Union
 import msgpack
 
 from minisgl import errors
-from minisgl.core import TokenOutput
+from minisgl.core import TokenOutput, describe_int, int64_overflow
 from minisgl.errors import DaemonError
 
 PROTOCOL_VERSION = 3  # 2: embed, tokenize, detokenize, flush_cache; 3: Chunk.finish_detail
@@ -240,29 +240,6 @@ class TokenOutputs(NamedTuple):
         return cls([TokenOutput(*item) for item in fields[0]])
 
 
-# One op: [kind, *fields]; the kinds a rank > 0 applies and how many fields each has (scheduler/tp.py).
-TP_OP_FIELDS = {"add": 4, "compile": 1, "abort": 1, "reset_prefix_cache": 0, "profile": 2, "exit": 0}
-
-
-@_message("tp_ops")
-class TPOps(NamedTuple):
-    """Rank 0 -> a tensor-parallel rank > 0, through the rendezvous store: one step's ops, in order; seq counts
-    the steps from 0, so that a replayed message is refused."""
-
-    seq: int
-    ops: list[list[Any]]
-
-    @classmethod
-    def from_wire(cls, fields: list[Any]) -> "TPOps":
-        seq, ops = fields
-        if not isinstance(seq, int) or not isinstance(ops, list):
-            raise ValueError("expected [seq, ops]")
-        for op in ops:
-            if not isinstance(op, list) or not op or TP_OP_FIELDS.get(op[0]) != len(op) - 1:
-                raise ValueError(f"not a tensor-parallel op: {str(op)[:80]}")
-        return cls(seq, ops)
-
-
 @_message("worker_init")
 class WorkerInit(NamedTuple):
     """What the tokenizer and detokenizer workers need from the loaded model."""
@@ -311,7 +288,6 @@ Message = Union[
     AddRequest,
     RequestMeta,
     TokenOutputs,
-    TPOps,
     WorkerInit,
     SchedulerReady,
     WorkerReady,
@@ -330,6 +306,12 @@ def encode(msg: Message) -> bytes:
         raise errors.InvalidRequestError(
             f"the request holds text that is not valid Unicode ({bad!r}: half of a UTF-16 surrogate pair): "
             "send whole characters"
+        ) from None
+    except OverflowError:
+        found = int64_overflow(msg._asdict())  # type: ignore[union-attr]
+        what = f"{found[0]} is {describe_int(found[1])}" if found else "an integer of the request is too large"
+        raise errors.InvalidRequestError(
+            f"{what}: token ids and every other integer must fit in 64 bits ([-2**63, 2**63 - 1])"
         ) from None
 
 

@@ -2,14 +2,13 @@
 
 Every rank runs the same Scheduler on the same inputs in the same order, so every rank builds the same
 batches; the model's layers all-reduce / all-gather through torch.distributed (NCCL on CUDA, gloo on
-CPU). The ops (requests added or aborted, profiler start/stop) reach ranks > 0 through the store's
-queues (distributed/launch.py); a rank > 0 waits on its queue, and the collectives of the forward keep
-the devices in step. Spawning, the store, NCCL setup and failure watching: distributed/launch.py.
+CPU). The ops (requests added or aborted, profiler start/stop) reach ranks > 0 over the private control channel
+(distributed/channel.py); a rank > 0 waits for the next step's ops, and the collectives of the forward keep
+the devices in step. Spawning, the rendezvous, NCCL setup and failure watching: distributed/launch.py.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -21,18 +20,16 @@ import torch
 
 from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams, TokenOutput
-from minisgl.distributed.auth import load_secret, prove, verify
+from minisgl.distributed.auth import load_secret
+from minisgl.distributed.channel import ChannelPlace, Spoke
 from minisgl.distributed.launch import (
     EXIT_WAIT_S,
-    EXITED_KEY,
-    OPS_KEY,
     RankGroup,
     RankZeroWatch,
     close_groups,
-    connect_store,
     init_distributed,
     leave,
-    set_failed,
+    rendezvous_store,
 )
 from minisgl.distributed.profile import active_profiler, apply_profile_op
 
@@ -57,7 +54,7 @@ class TPScheduler(RankGroup):
     def __init__(self, config: EngineConfig) -> None:
         from minisgl.scheduler.scheduler import Scheduler
 
-        super().__init__(config)  # the store, the other ranks, the failure monitor
+        super().__init__(config)  # the channel, the rendezvous, the other ranks, the failure monitor
         self._ops: list[Any] = []
         self._deferred: dict[str, tuple] = {}  # the "add" op of a request whose grammar rank 0 is still compiling
         self._closed = False
@@ -190,63 +187,32 @@ def _apply(sched: Any, ops: list[Any], rank: int) -> None:
             apply_profile_op(op, rank)
 
 
-class _OpsInbox:
-    """A rank's queue of rank 0's TPOps: only signed messages, in sequence, are applied."""
-
-    def __init__(self, store: Any, key: str, secret: bytes) -> None:
-        self.store, self.key, self.secret = store, key, secret
-        self.seq = 0
-
-    def next(self) -> list[Any]:
-        """Block until rank 0 sends the next step's ops; an idle rank 0 is not a failure (the watch decides)."""
-        import torch.distributed as dist
-
-        from minisgl.runtime.protocol import ProtocolError, TPOps, decode
-
-        while True:
-            try:
-                blob = self.store.queue_pop(self.key)
-            except dist.DistStoreError:  # the store's timeout: rank 0 is idle
-                continue
-            payload = verify(self.secret, blob)
-            try:
-                msg = decode(payload) if payload is not None else None
-            except ProtocolError:
-                msg = None
-            if not isinstance(msg, TPOps) or msg.seq != self.seq:
-                logger.warning("ignored a message in the tensor-parallel store that rank 0 did not send")
-                continue
-            self.seq += 1
-            return msg.ops
-
-
-def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
+def worker_main(config: EngineConfig, rank: int, place: ChannelPlace) -> int:
     """Ranks > 0: mirror rank 0's scheduler step by step until told to exit; returns an exit code."""
     from minisgl.scheduler import collector
     from minisgl.scheduler.scheduler import Scheduler
 
     logging.basicConfig(level=logging.WARNING, format=f"[minisgl tp{rank}] %(levelname)s %(message)s")
-    timeout = datetime.timedelta(seconds=config.dist_timeout)
     secret = load_secret(config)
-    store = connect_store(init_addr, False, timeout)
-    watch = RankZeroWatch(init_addr, timeout, rank, secret)
-    inbox = _OpsInbox(store, OPS_KEY.format(rank=rank), secret)
+    spoke = Spoke(place, secret, rank)
+    watch = RankZeroWatch(spoke, rank)
     try:
-        prove(store, secret, rank)
-        init_distributed(config, rank, store)
+        spoke.join()  # rank 0 lets the process group form only once every rank has said hello with the secret
+        init_distributed(config, rank, rendezvous_store(config, place, is_master=False))
         sched = Scheduler(config)
         collector.take_over()
         while True:
             t0 = time.perf_counter()
-            ops = inbox.next()
+            ops = spoke.next_ops()
             t1 = time.perf_counter()
             if ops and ops[0][0] == "exit":
                 watch.leaving.set()
                 if sched.device.type == "cuda":
                     torch.cuda.synchronize()  # this rank's last collectives: rank 0 waits on them
                 sched.engine.release_graphs()  # before the group goes: graphs with collectives block its teardown
-                store.add(EXITED_KEY, 1)
+                spoke.report("exited")
                 close_groups(clean=True, timeout=EXIT_WAIT_S)  # with rank 0's, at the same time
+                spoke.close()
                 return 0
             _apply(sched, ops, rank)
             t2 = time.perf_counter()  # as on rank 0: a profiler's start is not the step
@@ -256,10 +222,8 @@ def worker_main(config: EngineConfig, rank: int, init_addr: str) -> int:
                 prof.record_step(t1 - t0, time.perf_counter() - t2)
     except Exception as e:  # noqa: BLE001 - any failure ends this rank, and so the engine
         reason = f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}"
-        try:
-            set_failed(store, secret, reason)  # rank 0 stops at once instead of on its next collective
-        except Exception:  # noqa: BLE001 - rank 0 hosts the store: rank 0 is what failed
-            reason = f"tensor-parallel rank {rank} stops: lost rank 0 (its store at {init_addr} is gone)"
+        spoke.report("failed", reason)  # rank 0 stops at once instead of on its next collective
+        spoke.close()  # lingers until the report is out (or rank 0 is gone)
         leave(1, reason)
     return 1
 
@@ -269,7 +233,7 @@ def _worker_entry(argv: list[str]) -> None:
 
     die_with_parent()  # a rank never outlives the process that started it (rank 0, or a node's launcher)
     fields = json.loads(argv[0])
-    code = worker_main(EngineConfig(**fields), int(argv[1]), argv[2])
+    code = worker_main(EngineConfig(**fields), int(argv[1]), ChannelPlace.parse(argv[2]))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # not through interpreter teardown: NCCL's exit handlers wait for the peers

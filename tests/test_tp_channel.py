@@ -1,0 +1,270 @@
+"""The tensor-parallel control channel: private on one host, CURVE across hosts, signed typed messages, and no
+port a foreign local user can use to read an op or delay a step."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import stat
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import zmq
+
+from minisgl.config import EngineConfig
+from minisgl.distributed import auth
+from minisgl.distributed.auth import AuthError, load_secret, sign
+from minisgl.distributed.channel import ChannelPlace, Hub, Spoke, TPEvent, TPOps
+from minisgl.distributed.launch import free_port
+
+SECRET = b"0123456789abcdef-the-engine-secret"
+
+
+class _Payload:
+    """What an attacker would send: unpickling it creates a file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+@pytest.fixture
+def private_channel():
+    place = ChannelPlace.private()
+    hub = Hub(place, SECRET, world_size=2)
+    spoke = Spoke(place, SECRET, rank=1)
+    spoke.join()
+    assert hub.hello_from(5000) == 1
+    yield place, hub, spoke
+    spoke.close()
+    hub.close()
+    place.remove()
+
+
+def tcp_place() -> ChannelPlace:
+    while True:  # P+1..P+3 free too
+        port = free_port()
+        try:
+            for offset in (1, 2, 3):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + offset))
+            return ChannelPlace(host="127.0.0.1", port=port)
+        except OSError:
+            continue
+
+
+def test_one_hosts_channel_lives_in_a_directory_only_its_user_can_enter(private_channel):
+    place, _, _ = private_channel
+    assert stat.S_IMODE(os.stat(place.directory).st_mode) == 0o700
+    assert sorted(p.name for p in Path(place.directory).iterdir()) == ["control.ipc", "events.ipc", "ops.ipc"]
+    assert all(place.endpoint(name).startswith(f"ipc://{place.directory}/") for name in ("ops", "events", "control"))
+
+
+def test_a_rank_applies_only_signed_ops_in_sequence(private_channel, tmp_path):
+    import pickle
+
+    _, hub, spoke = private_channel
+    marker = tmp_path / "pwned"
+    good = [["add", "r", [1, 2], {"max_tokens": 3}, False], ["abort", "r"]]
+    for forged in (
+        pickle.dumps(_Payload(marker)),  # a pickle: never decoded
+        sign(SECRET, pickle.dumps(_Payload(marker))),  # signed but not msgpack
+        TPOps(0, [["exit"]]).pack(SECRET)[32:],  # unsigned
+        TPOps(0, [["exit"]]).pack(b"another secret of the same size"),
+        TPOps(1, [["exit"]]).pack(SECRET),  # out of sequence
+    ):
+        hub.send_ops(forged)
+    hub.send_ops(TPOps(0, good).pack(SECRET))
+    assert spoke.next_ops() == good
+    hub.send_ops(TPOps(0, good).pack(SECRET))  # a replay
+    hub.send_ops(TPOps(1, [["exit"]]).pack(SECRET))
+    assert spoke.next_ops() == [["exit"]]
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("ops", [[["shell", "rm -rf /"]], [["add", "r"]], ["exit"], [[]]])
+def test_an_op_of_unknown_kind_or_shape_does_not_decode(ops):
+    assert TPOps.unpack(SECRET, TPOps(0, ops).pack(SECRET)) is None
+
+
+def test_an_event_counts_only_when_signed_and_well_formed(private_channel):
+    _, hub, spoke = private_channel
+    import msgpack
+
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw.connect(spoke.place.endpoint("events"))
+    raw.send(msgpack.packb(["failed", 1, "stop everything"]))  # unsigned
+    raw.send(sign(b"another secret", msgpack.packb(["failed", 1, "stop everything"])))
+    raw.send(sign(SECRET, msgpack.packb(["format the disk", 1, ""])))  # signed, of no known kind
+    spoke.report("failed", "rank 1 failed")
+    events: list[TPEvent] = []
+    deadline = time.monotonic() + 5
+    while not events and time.monotonic() < deadline:
+        events = hub.events_ready(100)
+    assert events == [TPEvent("failed", 1, "rank 1 failed")]
+    raw.close(linger=0)
+
+
+def test_rank_zero_ignores_a_hello_without_the_secret():
+    place = ChannelPlace.private()
+    hub = Hub(place, SECRET, world_size=3)
+    impostor, rank2 = Spoke(place, b"a guess at the secret", 1), Spoke(place, SECRET, 2)
+    try:
+        impostor.join()
+        assert hub.hello_from(2000) is None
+        rank2.join()
+        assert hub.hello_from(2000) == 2
+    finally:
+        for end in (impostor, rank2, hub):
+            end.close()
+        place.remove()
+
+
+def test_across_hosts_only_a_holder_of_the_secret_connects_and_reads():
+    """tcp: CURVE with keys derived from the secret; a client with other keys, or none, reads nothing and cannot
+    take a rank's place; the one with the secret does."""
+    place = tcp_place()
+    hub = Hub(place, SECRET, world_size=2)
+    ctx = zmq.Context()
+    try:
+        outsiders = []
+        for keys in (None, zmq.curve_keypair()):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.identity = b"rank-1"
+            for sock in (sub, dealer):
+                if keys is not None:
+                    sock.curve_publickey, sock.curve_secretkey = keys
+                    sock.curve_serverkey = zmq.curve_keypair()[0]  # a guess at the server's key
+                sock.connect(place.endpoint("control" if sock is sub else "ops"))
+            outsiders.append((sub, dealer))
+        spoke = Spoke(place, SECRET, rank=1)
+        spoke.join()
+        assert hub.hello_from(5000) == 1
+        listener = spoke.control_socket(ctx)
+        deadline = time.monotonic() + 10
+        got = None
+        while got is None and time.monotonic() < deadline:
+            hub.publish(TPEvent("heartbeat", 0))
+            if listener.poll(100):
+                got = TPEvent.unpack(SECRET, listener.recv())
+        assert got == TPEvent("heartbeat", 0)
+        hub.send_ops(TPOps(0, [["abort", "r"]]).pack(SECRET))
+        assert spoke.next_ops() == [["abort", "r"]]
+        for sub, dealer in outsiders:
+            assert not sub.poll(500) and not dealer.poll(100)
+            sub.close(linger=0)
+            dealer.close(linger=0)
+        listener.close(linger=0)
+        spoke.close()
+    finally:
+        hub.close()
+        ctx.term()
+
+
+def test_multi_node_needs_a_secret_from_the_environment_or_a_private_file(monkeypatch, tmp_path):
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    two_nodes = EngineConfig(tp=2, nnodes=2, dist_init_addr="127.0.0.1:1")
+    with pytest.raises(AuthError, match="MINISGL_TP_SECRET"):
+        load_secret(two_nodes)
+    assert load_secret(EngineConfig()) != load_secret(EngineConfig())  # one node: a fresh secret per engine
+    path = tmp_path / "secret"
+    path.write_text("a secret of two nodes\n")
+    path.chmod(0o644)
+    with pytest.raises(AuthError, match="chmod 600"):
+        load_secret(two_nodes.replace(tp_secret_file=str(path)))
+    path.chmod(0o600)
+    assert load_secret(two_nodes.replace(tp_secret_file=str(path))) == b"a secret of two nodes"
+    monkeypatch.setenv(auth.SECRET_ENV, "from the environment")
+    assert load_secret(two_nodes) == b"from the environment"
+
+
+def test_the_secret_is_handed_to_a_rank_in_its_environment_not_its_argv():
+    env = auth.child_env(SECRET)
+    assert env[auth.SECRET_ENV] == SECRET.decode() and env["PATH"] == os.environ["PATH"]
+
+
+def test_no_code_executing_decoder_in_the_tree():
+    src = Path(__file__).resolve().parents[1]
+    pattern = re.compile(
+        r"\b(pickle|marshal|dill|cloudpickle)\.loads?\(|(?<!\.)\beval\(|torch\.load\((?![^)]*weights_only=True)"
+    )
+    hits = [
+        f"{path.relative_to(src)}:{n}"
+        for folder in ("src", "integrations")
+        for path in (src / folder).rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert hits == []
+
+
+def _listening_ports(pids: list[int]) -> list[tuple[str, int]]:
+    out = []
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.pid in pids:
+            out.append((conn.laddr.ip, conn.laddr.port))
+    return sorted(out)
+
+
+class _Foreigner:
+    """A local user without the secret: connects to every port again and again, sends junk, reads what comes."""
+
+    def __init__(self, ports: list[tuple[str, int]]) -> None:
+        self.ports, self.received, self.stop = ports, b"", threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        held = []
+        while not self.stop.is_set():
+            for host, port in self.ports:
+                try:
+                    s = socket.create_connection((host, port), timeout=0.2)
+                    s.sendall(b"\x00\x00\x00\x00\x00\x00\x00\x01" + os.urandom(64))
+                    s.settimeout(0.05)
+                    try:
+                        self.received += s.recv(4096)
+                    except OSError:
+                        pass
+                    held.append(s)  # some stay open, silent, as a stalled peer would
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        for s in held:
+            s.close()
+
+
+def test_a_foreign_client_on_every_tcp_port_of_a_tp2_engine_neither_reads_an_op_nor_delays_a_step(tiny_model_dir):
+    from minisgl import LLM, SamplingParams
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM(str(tiny_model_dir("llama")), device="cpu", num_pages=512) as llm:
+        ref = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    with LLM(str(tiny_model_dir("llama")), device="cpu", num_pages=512, tp=2, dist_timeout=30) as llm:
+        pids = [os.getpid(), *(w.pid for w in llm.scheduler.workers)]
+        llm.generate(prompts, greedy, use_tqdm=False)  # warm
+        t0 = time.perf_counter()
+        alone = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        alone_s = time.perf_counter() - t0
+        ports = _listening_ports(pids)
+        assert all(ip in ("127.0.0.1", "::1") for ip, _ in ports), ports  # gloo pinned to loopback
+        foreigner = _Foreigner(ports)
+        time.sleep(1)
+        t0 = time.perf_counter()
+        beside = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        beside_s = time.perf_counter() - t0
+        foreigner.stop.set()
+        foreigner.thread.join()
+        assert alone == beside == ref
+        assert beside_s < 3 * alone_s + 2, (alone_s, beside_s)
+        assert b"add" not in foreigner.received and b"tp_ops" not in foreigner.received
+        assert all(w.poll() is None for w in llm.scheduler.workers)
