@@ -13,11 +13,12 @@ registry uses the local keypair of the key directory the daemon registered (0600
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import zmq
 import zmq.auth
@@ -39,10 +40,26 @@ def curve_dir() -> Path:
     return base / "minisgl" / "curve"
 
 
+@contextlib.contextmanager
+def _private_files() -> Iterator[None]:
+    """Files and directories made inside are private from their first byte (umask 077), not chmodded after."""
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _private_dir(directory: Path) -> None:
+    with _private_files():
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(directory, 0o700)  # one made earlier, by hand or by an older minisgl
+
+
 def _create_keypair(directory: Path, name: str) -> tuple[Path, Path]:
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    public, secret = zmq.auth.create_certificates(str(directory), name)
-    os.chmod(secret, 0o600)
+    _private_dir(directory)
+    with _private_files():
+        public, secret = zmq.auth.create_certificates(str(directory), name)
     return Path(public), Path(secret)
 
 
@@ -61,8 +78,9 @@ def create_client_keys(directory: Path, name: str) -> tuple[Path, Path]:
         raise ConfigError(f"a client name is a plain file name (letters, digits, '-', '_', '.'), got {name!r}")
     public, secret = _create_keypair(directory / "clients", name)
     authorized = directory / "authorized_clients"
-    authorized.mkdir(parents=True, exist_ok=True, mode=0o700)
-    shutil.copy(public, authorized / public.name)
+    _private_dir(authorized)
+    with _private_files():
+        shutil.copy(public, authorized / public.name)
     return public, secret
 
 
