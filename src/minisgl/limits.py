@@ -1,7 +1,8 @@
 """The limits of one request (EngineConfig's max_n, max_stop_strings, ...): past one, a typed error (HTTP 400).
 
 They keep one request from stalling the others: every sequence of `n` decodes, every stop string is searched on
-every token, every tool is rendered into the prompt, and a schema is walked by recursive code.
+every token, every tool is rendered into the prompt, a schema is walked by recursive code, and every character is
+tokenized (max_request_chars; max_chars_per_token bounds a text against the context window before it is).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any, Mapping, NamedTuple
 
 from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams
-from minisgl.errors import InvalidRequestError
+from minisgl.errors import InvalidRequestError, PromptTooLongError
 
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 
@@ -22,6 +23,8 @@ class RequestLimits(NamedTuple):
     max_stop_string_len: int = _DEFAULTS["max_stop_string_len"]
     max_tools: int = _DEFAULTS["max_tools"]
     max_schema_depth: int = _DEFAULTS["max_schema_depth"]
+    max_request_chars: int = _DEFAULTS["max_request_chars"]
+    max_chars_per_token: int | None = _DEFAULTS["max_chars_per_token"]
 
     @classmethod
     def from_config(cls, config: EngineConfig | Mapping[str, Any]) -> "RequestLimits":
@@ -61,3 +64,32 @@ class RequestLimits(NamedTuple):
         from minisgl.structured.grammar import check_schema_shape
 
         check_schema_shape(schema, what, self.max_schema_depth)
+
+    def check_request_chars(self, *parts: Any) -> None:
+        """Before anything is rendered or tokenized: the characters the request carries (text_chars of its parts)."""
+        if text_chars(parts, self.max_request_chars) > self.max_request_chars:
+            raise PromptTooLongError(
+                f"the request carries more than {self.max_request_chars} characters (its prompt or token ids, "
+                "messages and tools): shorten it, or raise the server's max_request_chars"
+            )
+
+
+def text_chars(value: Any, limit: int) -> int:
+    """The characters of the strings in value (lists and dicts walked, keys included), counted until past `limit`.
+
+    Every item counts at least one (a token id, an empty string, a list itself), so the walk takes at most `limit`
+    steps and stops there.
+    """
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, (str, bytes)):
+            total += max(len(item), 1)
+        elif isinstance(item, (list, tuple, dict)):
+            total += 1
+            if len(item) > limit - total:  # each element counts at least one: past the limit without a look
+                return limit + 1
+            stack.extend(item.items() if isinstance(item, dict) else item)
+        else:
+            total += 1
+    return total

@@ -2,18 +2,25 @@
 
 A request that cannot be served is answered with a typed error and never reaches the scheduler;
 the rest go on as AddRequest, whose params the scheduler takes as they are (already validated).
+A text is measured before it is tokenized: a request past max_request_chars, or a prompt whose characters make more
+tokens than the context holds even at the most characters one token can stand for (CharBound), is refused unread.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import json
+import logging
+import re
+from typing import Any, NamedTuple
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError, PromptTooLongError
-from minisgl.limits import RequestLimits
+from minisgl.limits import RequestLimits, text_chars
 from minisgl.runtime.protocol import AddRequest, Detokenize, DetokenizeReply, Generate, Tokenize, TokenizeReply
-from minisgl.tokenizer import apply_chat_template, encode_prompt
+from minisgl.tokenizer import apply_chat_template, encode_prompt, render_chat_template
+
+logger = logging.getLogger("minisgl")
 
 
 def apply_response_format(params: SamplingParams, response_format: Any) -> SamplingParams:
@@ -41,6 +48,78 @@ def apply_response_format(params: SamplingParams, response_format: Any) -> Sampl
     return params.with_grammar(json_schema=schema)
 
 
+# Parts of a HF fast tokenizer that never drop a character of the text. NFC/NFKC compose at most 4 characters into
+# one (omega and three marks into U+1FA4); anything else (Strip, BertNormalizer, Whitespace splits...) may delete.
+_KEEPING_NORMALIZERS = frozenset({"Prepend", "Replace", "NFD", "NFKD", "ByteLevel"})
+_COMPOSING_NORMALIZERS = frozenset({"NFC", "NFKC"})
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "UnicodeScripts"})
+MAX_COMPOSED = 4
+_WHITESPACE = re.compile(r"\s+")
+
+
+class CharBound(NamedTuple):
+    """The most characters one token can stand for, so that a text of n characters makes at least
+    ceil(n / chars_per_token) tokens; None where this tokenizer may drop characters (no bound holds)."""
+
+    chars_per_token: int | None
+    count_whitespace: bool = True  # False: an added token absorbs the whitespace beside it (lstrip/rstrip)
+
+    def fewest_tokens(self, text: str) -> int:
+        if self.chars_per_token is None:
+            return 0
+        chars = len(text) if self.count_whitespace else len(text) - sum(map(len, _WHITESPACE.findall(text)))
+        return -(-chars // self.chars_per_token)
+
+    @classmethod
+    def of(cls, tokenizer: Any, configured: int | None = None) -> "CharBound":
+        """configured (max_chars_per_token) when given, else the vocabulary's longest entry: a byte-level entry has a
+        character per byte, a SentencePiece one its text, an added token its content, so none covers more of the
+        text than its length (times MAX_COMPOSED after NFC/NFKC); None for a tokenizer that may drop characters."""
+        absorbs = any(getattr(t, "lstrip", False) or getattr(t, "rstrip", False) for t in _added_tokens(tokenizer))
+        if configured is not None:
+            return cls(configured, not absorbs)
+        ratio = _composition_ratio(tokenizer)
+        if ratio is None:
+            return cls(None)
+        return cls(max(map(len, tokenizer.get_vocab()), default=1) * ratio, not absorbs)
+
+
+def _added_tokens(tokenizer: Any) -> list[Any]:
+    return list((getattr(tokenizer, "added_tokens_decoder", None) or {}).values())
+
+
+def _parts(state: Any, key: str) -> list[dict[str, Any]]:
+    """A tokenizers component's JSON state, its Sequence flattened."""
+    return [] if state is None else _parts_of(json.loads(state.__getstate__()), key)
+
+
+def _parts_of(spec: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    if spec.get("type") == "Sequence":
+        return [p for inner in spec[key] for p in _parts_of(inner, key)]
+    return [spec]
+
+
+def _composition_ratio(tokenizer: Any) -> int | None:
+    """1 or MAX_COMPOSED for a fast tokenizer every character of whose text ends up in a token; None otherwise."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    normalizers = _parts(backend.normalizer, "normalizers")
+    pre_tokenizers = _parts(backend.pre_tokenizer, "pretokenizers")
+    for part in normalizers:
+        kind = part.get("type")
+        if kind not in _KEEPING_NORMALIZERS | _COMPOSING_NORMALIZERS or (kind == "Replace" and not part.get("content")):
+            return None
+    for part in pre_tokenizers:
+        if part.get("type") not in _KEEPING_PRE_TOKENIZERS or part.get("behavior") == "Removed":
+            return None
+    byte_level = any(p.get("type") == "ByteLevel" for p in normalizers + pre_tokenizers)
+    model = backend.model
+    if type(model).__name__ not in ("BPE", "Unigram") or not (byte_level or getattr(model, "byte_fallback", False)):
+        return None  # an unknown character could become nothing, or one unknown token for a whole run
+    return MAX_COMPOSED if any(p.get("type") in _COMPOSING_NORMALIZERS for p in normalizers) else 1
+
+
 class RequestPreparer:
     """Turns a Generate message into a tokenized, validated AddRequest."""
 
@@ -50,6 +129,12 @@ class RequestPreparer:
         self.model_type = str(model_info.get("model_type") or "")
         self.reasoning_parser = (model_info.get("config") or {}).get("reasoning_parser")
         self.limits = RequestLimits.from_config(model_info.get("config") or {})
+        self.char_bound = CharBound.of(tokenizer, self.limits.max_chars_per_token)
+        if self.char_bound.chars_per_token is None:
+            logger.info(
+                "this tokenizer may drop characters: prompts are bounded by max_request_chars only (set "
+                "max_chars_per_token to bound them against the context window before tokenizing)"
+            )
         self._tool_format: str | None = None
 
     def prepare(self, msg: Generate) -> AddRequest:
@@ -58,6 +143,9 @@ class RequestPreparer:
         given = [name for name in ("prompt", "input_ids", "messages") if getattr(msg, name) is not None]
         if len(given) != 1:
             raise InvalidRequestError(f"give exactly one of prompt, input_ids and messages (got {given or 'none'})")
+        if isinstance(msg.input_ids, list):
+            self._check_fits(len(msg.input_ids))  # before a look at each id
+        self.limits.check_request_chars(msg.prompt, msg.input_ids, msg.messages, msg.tools, msg.chat_template_kwargs)
         if msg.embed is not False:
             self._check_embed(msg)
             params = SamplingParams.for_embedding()
@@ -75,27 +163,8 @@ class RequestPreparer:
             if params.has_grammar:
                 raise InvalidRequestError("a forced tool call cannot be combined with response_format or a grammar")
             params = params.with_grammar(**forced)
-        if msg.messages is not None:
-            input_ids = apply_chat_template(
-                self.tokenizer,
-                msg.messages,
-                tools=tools or None,
-                tool_choice=msg.tool_choice or "auto",
-                chat_template_kwargs=msg.chat_template_kwargs,
-            )
-        elif msg.prompt is not None:
-            if not isinstance(msg.prompt, str):
-                raise InvalidRequestError(f"prompt must be a string, got {type(msg.prompt).__name__}")
-            input_ids = encode_prompt(self.tokenizer, msg.prompt)
-        else:
-            if not isinstance(msg.input_ids, list):
-                raise InvalidRequestError("input_ids must be a list of token ids")
-            input_ids = encode_prompt(self.tokenizer, msg.input_ids)
-        if len(input_ids) >= self.context_length:
-            raise PromptTooLongError(
-                f"the prompt has {len(input_ids)} tokens but the context window is {self.context_length}: "
-                "shorten the prompt"
-            )
+        input_ids = self._input_ids(msg, tools)
+        self._check_fits(len(input_ids))
         params = params.for_prompt(len(input_ids), self.context_length)  # max_tokens unset: to the context's end
         # Chat answers of a thinking model: does the prompt leave the output inside <think>?
         reasoning = self._opens_in_reasoning(input_ids) if self.reasoning_parser and msg.messages else None
@@ -116,6 +185,58 @@ class RequestPreparer:
         }
         return AddRequest(msg.rid, input_ids, params.to_dict(), detok, msg.embed)
 
+    def _input_ids(self, msg: Generate, tools: list[dict[str, Any]]) -> list[int]:
+        """The prompt's token ids; a text is measured against the context (CharBound) before it is tokenized."""
+        if msg.messages is not None:
+            self._check_messages_fit(msg.messages)
+            text = render_chat_template(
+                self.tokenizer,
+                msg.messages,
+                tools=tools or None,
+                tool_choice=msg.tool_choice or "auto",
+                chat_template_kwargs=msg.chat_template_kwargs,
+            )
+            self._check_text_fits(text)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if msg.prompt is not None:
+            if not isinstance(msg.prompt, str):
+                raise InvalidRequestError(f"prompt must be a string, got {type(msg.prompt).__name__}")
+            self._check_text_fits(msg.prompt)
+            return encode_prompt(self.tokenizer, msg.prompt)
+        if not isinstance(msg.input_ids, list):
+            raise InvalidRequestError("input_ids must be a list of token ids")
+        return encode_prompt(self.tokenizer, msg.input_ids)
+
+    def _check_text_fits(self, text: str) -> None:
+        fewest = self.char_bound.fewest_tokens(text)
+        if fewest >= self.context_length:
+            raise PromptTooLongError(
+                f"the prompt has {len(text)} characters, at least {fewest} tokens at up to "
+                f"{self.char_bound.chars_per_token} characters per token (max_chars_per_token), but the context "
+                f"window is {self.context_length} tokens: shorten the prompt"
+            )
+
+    def _check_messages_fit(self, messages: Any) -> None:
+        """Before rendering (30 MB take seconds): every character a conversation carries counts, even one its
+        template leaves out (an earlier turn's reasoning); the rendered text is measured again."""
+        per_token = self.char_bound.chars_per_token
+        if per_token is None or not self.char_bound.count_whitespace:
+            return  # whitespace may vanish beside an added token: measured once rendered
+        limit = (self.context_length - 1) * per_token
+        if text_chars(messages, limit) > limit:
+            raise PromptTooLongError(
+                f"the messages carry more than {limit} characters, more tokens than the context window of "
+                f"{self.context_length} holds at up to {per_token} characters per token (max_chars_per_token): "
+                "shorten them"
+            )
+
+    def _check_fits(self, num_tokens: int) -> None:
+        if num_tokens >= self.context_length:
+            raise PromptTooLongError(
+                f"the prompt has {num_tokens} tokens but the context window is {self.context_length}: "
+                "shorten the prompt"
+            )
+
     @staticmethod
     def _check_embed(msg: Generate) -> None:
         if msg.embed is not True:
@@ -134,6 +255,7 @@ class RequestPreparer:
                 raise InvalidRequestError(f"{name} must be true or false")
         if (msg.prompt is None) == (msg.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages")
+        self.limits.check_request_chars(msg.prompt, msg.messages, msg.tools, msg.chat_template_kwargs)
         if msg.messages is not None:
             self.limits.check_tools(msg.tools)
             input_ids = apply_chat_template(
@@ -153,6 +275,7 @@ class RequestPreparer:
 
     def detokenize(self, msg: Detokenize) -> DetokenizeReply:
         ids, size = msg.input_ids, len(self.tokenizer)
+        self.limits.check_request_chars(ids if isinstance(ids, list) else None)
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidRequestError("tokens must be a list of token ids (ints)")
         bad = next((t for t in ids if not 0 <= t < size), None)
