@@ -268,3 +268,19 @@ def test_a_foreign_client_on_every_tcp_port_of_a_tp2_engine_neither_reads_an_op_
         assert beside_s < 3 * alone_s + 2, (alone_s, beside_s)
         assert b"add" not in foreigner.received and b"tp_ops" not in foreigner.received
         assert all(w.poll() is None for w in llm.scheduler.workers)
+
+
+def test_a_channel_directory_whose_rank_zero_died_is_removed_by_the_next_engine():
+    import subprocess
+    import tempfile
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = Path(tempfile.mkdtemp(prefix=f"minisgl-tp-{gone.pid}-"))
+    live = Path(tempfile.mkdtemp(prefix=f"minisgl-tp-{os.getppid()}-"))
+    place = ChannelPlace.private()
+    try:
+        assert not stale.exists() and live.exists() and Path(place.directory).exists()
+    finally:
+        place.remove()
+        live.rmdir()

@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -128,7 +129,8 @@ def _stage_nodes(
     must equal the single-node TP=2 ones (work/tp2.json)."""
     py = sys.executable
     bench_tp = [py, "-m", "minisgl", "bench", "tp"]
-    one_gpu = {"CUDA_VISIBLE_DEVICES": "0"} if args.device == "cuda" else {}
+    shared = {"MINISGL_TP_SECRET": secrets.token_hex(32)}  # what every node of an engine must share
+    one_gpu = {**shared, **({"CUDA_VISIBLE_DEVICES": "0"} if args.device == "cuda" else {})}
     addr = f"127.0.0.1:{free_port()}"
     engine = [
         "--tp",
@@ -150,7 +152,7 @@ def _stage_nodes(
     ]
     if args.device == "cuda":
         engine += ["--cuda-graph-max-bs", str(PARITY_ENGINE["cuda_graph_max_bs"])]
-    node1_env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": "1"} if args.device == "cuda" else {})}
+    node1_env = {**os.environ, **shared, **({"CUDA_VISIBLE_DEVICES": "1"} if args.device == "cuda" else {})}
     node1_log = open(work / "node1.log", "w")
     cmd1 = [py, "-m", "minisgl", "serve", "--model", str(ckpt), "--node-rank", "1", *engine]
     print("$ [node 1]", " ".join(cmd1), flush=True)

@@ -39,6 +39,7 @@ ZAP_DOMAIN = "minisgl-tp"
 HELLO = b"minisgl tp hello rank %d"
 EVENT_KINDS = ("failed", "exited", "heartbeat")
 SOCKETS = ("ops", "events", "control")
+PLACE_PREFIX = "minisgl-tp-"  # + rank 0's pid: a channel directory in the temporary directory
 LINGER_MS = 2000  # a failure report or exit notice still goes out as its process closes the socket
 
 
@@ -51,8 +52,10 @@ class ChannelPlace(NamedTuple):
 
     @classmethod
     def private(cls) -> "ChannelPlace":
-        """A fresh 0700 directory (mkdtemp's mode) for one host's engine; removed by `remove`."""
-        path = tempfile.mkdtemp(prefix=f"minisgl-tp-{os.getpid()}-")
+        """A fresh 0700 directory (mkdtemp's mode) for one host's engine; removed by `remove`. Those of engines
+        whose rank 0 died without removing its own (a SIGKILL) are removed first."""
+        remove_stale_places()
+        path = tempfile.mkdtemp(prefix=f"{PLACE_PREFIX}{os.getpid()}-")
         return cls(directory=path)
 
     @classmethod
@@ -87,6 +90,28 @@ class ChannelPlace(NamedTuple):
     def remove(self) -> None:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def remove_stale_places() -> None:
+    """Remove this user's channel directories whose rank 0 process is gone."""
+    for path in Path(tempfile.gettempdir()).glob(f"{PLACE_PREFIX}*-*"):
+        pid = path.name[len(PLACE_PREFIX) :].partition("-")[0]
+        try:
+            if not pid.isdigit() or path.stat().st_uid != os.getuid() or _alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class TPEvent(NamedTuple):
@@ -226,7 +251,10 @@ class Hub:
     def send_ops(self, payload: bytes) -> None:
         """One signed message (TPOps.pack) to every rank > 0 (never waits for them)."""
         for rank in range(1, self.world_size):
-            self.ops.send_multipart([_identity(rank), payload])
+            try:
+                self.ops.send_multipart([_identity(rank), payload])
+            except zmq.ZMQError as e:  # router_mandatory: the rank's connection is gone (so is the rank)
+                raise RuntimeError(f"tensor-parallel rank {rank} is not connected to the control channel") from e
 
     def events_ready(self, timeout_ms: int) -> list[TPEvent]:
         """The genuine events waiting, after waiting up to timeout_ms for the first one (monitor thread)."""
