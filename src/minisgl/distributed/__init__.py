@@ -12,8 +12,8 @@ tp_allreduce="fused" (the default; one CUDA host) goes further for the all-reduc
 kernel per rank sums the ranks' rows, adds the residual and normalizes (distributed/reduce_norm.py). The layers ask
 for it with `RowParallelLinear(x, reduce=False)` and `RMSNorm.reduce_forward` (and a MoE layer's experts write
 their sum there too); other all-reduces take NCCL's. On 2x H200 it gave 1.07x NCCL's throughput (Qwen3-14B shape)
-and passed the parity and killed-rank checks; a dead rank is reported after SYMM_STUCK_EXIT_S (distributed/launch.py)
-rather than NCCL's ~1 s.
+and passed the parity and killed-rank checks; a dead rank is reported within about a second either way (rank 0's step
+stuck in such a kernel ends its process after SYMM_STUCK_EXIT_S, distributed/launch.py).
 """
 
 from __future__ import annotations
