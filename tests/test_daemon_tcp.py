@@ -70,35 +70,3 @@ def test_keys_it_cannot_read_are_a_config_error_that_says_how_to_get_them(tcp_da
             Client("tiny", tcp_daemon.address, auto_start=False, timeout=5)
     finally:
         shutil.move(secret.with_suffix(".away"), secret)
-
-
-def test_key_files_and_their_directories_are_private_from_the_start(tmp_path: Path, monkeypatch) -> None:
-    """No moment exists at which another user could read a secret key: every file and directory is created with
-    owner-only permissions (not chmodded after), whatever the umask of the caller."""
-    import os
-    import stat
-
-    import zmq.auth
-
-    from minisgl.runtime import auth
-
-    made: list[tuple[str, int]] = []
-    real = zmq.auth.create_certificates
-
-    def watched(directory: str, name: str) -> tuple[str, str]:
-        public, secret = real(directory, name)
-        made.extend((p, stat.S_IMODE(os.stat(p).st_mode)) for p in (directory, public, secret))
-        return public, secret
-
-    monkeypatch.setattr(zmq.auth, "create_certificates", watched)
-    old = os.umask(0o022)
-    try:
-        root = tmp_path / "config" / "minisgl" / "curve"
-        auth.ensure_server_keys(root)
-        auth.create_client_keys(root, "laptop")
-    finally:
-        os.umask(old)
-    assert made and all(mode & 0o077 == 0 for _, mode in made), made
-    for path in (root.parent, root, root / "clients", root / "authorized_clients"):
-        assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
-    assert stat.S_IMODE((root / "authorized_clients" / "laptop.key").stat().st_mode) & 0o077 == 0
