@@ -320,8 +320,9 @@ def test_256_concurrent_streams_all_equal_offline_greedy_and_leak_nothing(served
     assert_no_page_leaked(served.client)
 
 
-# ---------------------------------------------------------------------------- kill -9 of a worker (last: each one
-# stops its daemon; the scheduler's kill is in test_daemon.py, a tensor-parallel rank's in test_tp.py)
+# ---------------------------------------------------------------------------- kill -9 of a worker (last: the text
+# worker's stops its daemon; the scheduler's kill is in test_daemon.py, a tensor-parallel rank's in test_tp.py, the
+# daemon's own and an HTTP server that keeps failing in test_faults_process.py)
 
 
 def http_stream_end(base: str) -> str:
@@ -360,9 +361,32 @@ def kill_mid_stream(served: SimpleNamespace, worker: str) -> None:
     assert wait_gone([p.pid for p in procs], 15) == []
 
 
-def test_a_killed_http_server_fails_waiting_clients_and_stops_the_daemon(served):
-    """The HTTP front end is a worker like the others: its death stops the daemon loudly (exit 1), not silently."""
-    kill_mid_stream(served, "http")
+def test_a_killed_http_server_is_restarted_on_its_port_while_zeromq_clients_are_served(served, expected):
+    """kill -9 of the HTTP front end loses only its own requests, which the daemon aborts (no page leaks): a Client
+    stream beside it runs to its end with the offline engine's greedy tokens, and the daemon starts the server again
+    on the same port."""
+    settled(served.client)
+    pid = served.client.stats()["workers"]["http"]
+    stream = served.client.stream(NORMAL_IDS, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+    ids = list(next(stream).token_ids)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        cut = pool.submit(http_stream_end, served.base)
+        time.sleep(0.5)  # the HTTP stream is under way
+        os.kill(pid, signal.SIGKILL)
+        end = cut.result(timeout=90)
+    assert "Error" in end, end  # the killed process's own stream is cut
+    chunks = list(stream)
+    ids += [t for chunk in chunks for t in chunk.token_ids]
+    assert chunks[-1].finish_reason == "length" and len(ids) == 400
+    assert ids[: len(expected["normal"])] == expected["normal"]  # greedy: the 8-token reference is its beginning
+    assert wait_http(served.port, served.proc, served.log, timeout=120) == served.base
+    assert served.client.stats()["workers"]["http"] != pid
+    with NormalStream(over_http(served.base)) as again:
+        pass
+    assert again.result() == expected["normal"]
+    assert_no_page_leaked(served.client)
+    log = served.log.read_text()
+    assert f"HTTP server process (pid {pid}) exited with code -9" in log and f"again on {served.base}" in log, log
 
 
 def test_a_killed_text_worker_fails_waiting_clients_and_stops_the_daemon(launched):

@@ -7,7 +7,8 @@
 
 The frontend remembers which client (ZMQ identity) owns each request id and routes every
 reply back to it. A reply that cannot be routed (the client's connection is gone) aborts all of
-that client's requests, so the scheduler frees their pages.
+that client's requests, so the scheduler frees their pages. The HTTP server, a child process, connects
+through a ROUTER of its own: when it dies, its requests are aborted and it is started again (supervisor.py).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ from minisgl.runtime.protocol import (
     error_reply,
 )
 from minisgl.runtime.registry import DaemonRecord, FileLock, Registry
-from minisgl.runtime.transport import Endpoints, PrivateDir, pull, push
+from minisgl.runtime.supervisor import HttpChild
+from minisgl.runtime.transport import Endpoints, PrivateDir, pull, push, remove_stale_private_dirs, router_socket
 
 if TYPE_CHECKING:
     from minisgl.server import HttpOptions
@@ -71,6 +73,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
 STOP_GRACE_S = 5.0  # after Shutdown is sent, how long workers get to exit before they are terminated
 FAILED_STOP_GRACE_S = 1.0  # the same after a worker failed (the Shutdown pipeline may be broken)
 WORKERS = ("text",)  # besides the scheduler
+Peer = tuple[zmq.Socket, bytes]  # a client: the ROUTER it came through, its identity there
 
 
 class Daemon:
@@ -110,11 +113,14 @@ class Daemon:
         self.state = "starting"  # -> "ready" -> "stopping"
         self.exit_code = 0
         self.startup_error: tuple[str, str] | None = None  # (error type, message) of a failed start-up
-        self.inflight: dict[str, bytes] = {}  # rid -> client identity
-        self.pending: list[tuple[bytes, Message, bytes]] = []  # requests that arrived during start-up
+        self.inflight: dict[str, Peer] = {}  # rid -> the client that sent it
+        self.pending: list[tuple[Peer, Message, bytes]] = []  # requests that arrived during start-up
         self.ready_workers: set[str] = set()
         self.model_info: dict[str, Any] = {}
         self.children: dict[str, multiprocessing.process.BaseProcess] = {}
+        self.watched: dict[int, multiprocessing.process.BaseProcess] = {}  # sentinel fd -> running child
+        self.poller = zmq.Poller()
+        self.http_child: HttpChild | None = None
         self.started = time.monotonic()
         self.idle_timeout = idle_timeout  # seconds without a request in flight or arriving, then stop
         self.last_active = self.started
@@ -128,7 +134,9 @@ class Daemon:
 
     def run(self) -> int:
         """Serve until stopped; returns the process exit code (0: asked to stop, 1: a failure)."""
-        self._claim_address()
+        self.registry.records()  # removes what dead daemons left (entries, sockets, locks)
+        remove_stale_private_dirs()
+        self._lock = self.registry.claim(self.address)
         wake_r, wake_w = socket.socketpair()  # a signal wakes the event loop through this pair
         for sock in (wake_r, wake_w):
             sock.setblocking(False)
@@ -153,34 +161,15 @@ class Daemon:
         logger.info("stopped")
         return self.exit_code
 
-    def _claim_address(self) -> None:
-        if self.address.scheme != "ipc":
-            return  # a tcp port is claimed by the bind itself
-        path = Path(self.address.path or "")
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._lock = FileLock(path.with_name(path.name + ".lock"))
-        if not self._lock.try_acquire():
-            self._lock = None
-            other = self.registry.get(self.address.url)
-            who = f" (pid {other.pid}, model {other.model})" if other else ""
-            raise DaemonError(
-                f"another minisgl daemon already serves {self.address.url}{who}: use it, stop it with "
-                f"`minisgl stop --address {self.address.url}`, or pick another --address"
-            )
-        path.unlink(missing_ok=True)  # a socket left behind by a daemon that was killed
-
     def _bind(self) -> None:
         self._private = PrivateDir()
         self.endpoints = Endpoints.in_dir(self._private.path)
         self._ctx = ctx = zmq.Context()
         self.inbox = pull(ctx, self.endpoints.frontend)
         self.tokenizer = push(ctx, self.endpoints.tokenizer)
-        router = self.router = ctx.socket(zmq.ROUTER)
-        router.router_mandatory = 1  # an unroutable reply raises EHOSTUNREACH: that client is gone
-        router.sndhwm = 0
-        router.maxmsgsize = self.max_message_bytes  # a bigger message drops that connection only
-        router.linger = 1000  # flush the error replies of a shutdown
-        router.bind(self.endpoints.router)  # in-daemon clients (HTTP server): private dir, no CURVE
+        self.local = router_socket(ctx, self.max_message_bytes)  # in-daemon clients (HTTP server): no CURVE
+        self.local.bind(self.endpoints.router)
+        router = self.router = router_socket(ctx, self.max_message_bytes)
         if self.address.scheme == "tcp":
             router.heartbeat_ivl, router.heartbeat_timeout = 5000, 15000  # notice vanished remote peers
         if self.curve is not None:
@@ -214,21 +203,20 @@ class Daemon:
         self._start(mp.Process(target=run_text_worker, args=(self.endpoints, self.log_level), name="text"))
 
     def _start(self, proc: multiprocessing.process.BaseProcess) -> None:
+        old = self.children.get(proc.name)
+        if old is not None and old.exitcode is not None:
+            old.close()  # a restarted child's predecessor: its sentinel is no longer watched
         proc.start()
         self.children[proc.name] = proc
+        self.watched[proc.sentinel] = proc
+        self.poller.register(proc.sentinel, zmq.POLLIN)
 
     def _loop(self, wake_r: socket.socket) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self.inbox, zmq.POLLIN)
+        poller = self.poller
+        for sock in (self.router, self.local, self.inbox):
+            poller.register(sock, zmq.POLLIN)
         poller.register(wake_r.fileno(), zmq.POLLIN)
-        watched: dict[int, multiprocessing.process.BaseProcess] = {}  # sentinel fd -> child process
-        exited: set[int] = set()
         while True:
-            for proc in self.children.values():  # the HTTP server joins once the daemon is ready
-                if proc.sentinel not in watched and proc.sentinel not in exited:
-                    watched[proc.sentinel] = proc
-                    poller.register(proc.sentinel, zmq.POLLIN)
             events = dict(poller.poll(200))
             if wake_r.fileno() in events:
                 while True:
@@ -242,12 +230,14 @@ class Daemon:
                 self.stop(f"received {name}", "RequestAbortedError", f"the daemon is shutting down ({name})")
             if self.inbox in events:
                 self._drain(self.inbox, self._on_internal)
-            if self.router in events:
-                self._drain(self.router, self._on_client)
-            for fd in [fd for fd in watched if fd in events]:
+            for sock in (self.router, self.local):
+                if sock in events:
+                    self._drain(sock, lambda ident, *frames, sock=sock: self._on_client((sock, ident), *frames))
+            for fd in [fd for fd in self.watched if fd in events]:
                 poller.unregister(fd)
-                self._on_child_exit(watched.pop(fd))
-                exited.add(fd)
+                self._on_child_exit(self.watched.pop(fd))
+            if self.http_child is not None and self.state == "ready":
+                self.http_child.poll()
             self._check_idle()
             if self.state == "stopping" and self._stopped():
                 return
@@ -277,15 +267,17 @@ class Daemon:
         logger.info("stopping: %s", reason)
         self.state = "stopping"
         self.exit_code = exit_code
-        for rid, ident in list(self.inflight.items()):
-            self._reply(ident, Error(rid, error_type, message))
-        for ident, msg, _ in self.pending:
-            self._reply(ident, Error(msg.rid, error_type, message))  # type: ignore[union-attr]
+        for rid, peer in list(self.inflight.items()):
+            self._reply(peer, Error(rid, error_type, message))
+        for peer, msg, _ in self.pending:
+            self._reply(peer, Error(msg.rid, error_type, message))  # type: ignore[union-attr]
         self.inflight.clear()
         self.pending.clear()
         self.tokenizer.send(encode(Shutdown("", reason)))
-        if "http" in self.children:
-            self.children["http"].terminate()
+        if self.http_child is not None:
+            self.http_child.cancel()
+        if "http" in self.children and self.children["http"].exitcode is None:
+            self.children["http"].terminate()  # after the error replies: its open streams end with them
         self.stop_deadline = time.monotonic() + (STOP_GRACE_S if exit_code == 0 else FAILED_STOP_GRACE_S)
 
     def _stopped(self) -> bool:
@@ -307,40 +299,39 @@ class Daemon:
         if self.curve is not None:
             self.curve.stop()
         if self._ctx is not None:
-            for sock in (self.router, self.inbox, self.tokenizer):
+            for sock in (self.router, self.local, self.inbox, self.tokenizer):
                 sock.close()
             self._ctx.term()
         for proc in self.children.values():
             if proc.is_alive():
                 proc.kill()
             proc.join(1)
-        self.registry.remove(self.address.url, os.getpid())
-        if self.address.scheme == "ipc" and self._lock is not None:
-            Path(self.address.path or "").unlink(missing_ok=True)
-            self._lock.path.unlink(missing_ok=True)
-            self._lock.release()
+        self.registry.release(self.address, self._lock)
         if self._private is not None:
             self._private.remove()
 
     # ------------------------------------------------------------------ messages
 
-    def _reply(self, ident: bytes, msg: Message) -> None:
+    def _reply(self, peer: Peer, msg: Message) -> None:
+        sock, ident = peer
         try:
-            self.router.send_multipart([ident, encode(msg)], zmq.NOBLOCK)
+            sock.send_multipart([ident, encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
-            self._client_gone(ident)
+            self._client_gone(lambda owner: owner == peer)
 
-    def _client_gone(self, ident: bytes) -> None:
-        rids = [rid for rid, owner in self.inflight.items() if owner == ident]
+    def _client_gone(self, owns: Any) -> int:
+        """Abort the requests of the clients that are gone (owns(peer) says which); how many there were."""
+        rids = [rid for rid, owner in self.inflight.items() if owns(owner)]
         for rid in rids:
             del self.inflight[rid]
             self.tokenizer.send(encode(Abort(rid)))
         if rids:
             logger.info("a client disconnected; aborted its %d request(s)", len(rids))
+        return len(rids)
 
-    def _on_client(self, ident: bytes, *frames: bytes) -> None:
+    def _on_client(self, peer: Peer, *frames: bytes) -> None:
         self.last_active = time.monotonic()
         try:
             if len(frames) != 1:
@@ -351,35 +342,33 @@ class Daemon:
             if not isinstance(msg.rid, str) or not msg.rid:
                 raise ProtocolError("every request needs a non-empty string rid")
         except ProtocolError as e:
-            self._reply(ident, error_reply("", e))
+            self._reply(peer, error_reply("", e))
             return
         if isinstance(msg, Ping):
-            self._reply(ident, self._pong(msg.rid))
+            self._reply(peer, self._pong(msg.rid))
         elif isinstance(msg, Shutdown):
-            self._reply(ident, self._pong(msg.rid)._replace(state="stopping"))
+            self._reply(peer, self._pong(msg.rid)._replace(state="stopping"))
             self.stop(
                 f"a client asked ({msg.reason})", "RequestAbortedError", "the daemon is shutting down (minisgl stop)"
             )
         elif self.state == "stopping":
-            self._reply(ident, Error(msg.rid, "DaemonNotRunningError", "the daemon is shutting down"))
+            self._reply(peer, Error(msg.rid, "DaemonNotRunningError", "the daemon is shutting down"))
         elif self.state == "starting":
-            self.pending.append((ident, msg, frames[0]))
+            self.pending.append((peer, msg, frames[0]))
         else:
-            self._dispatch(ident, msg, frames[0])
+            self._dispatch(peer, msg, frames[0])
 
-    def _dispatch(self, ident: bytes, msg: Message, raw: bytes) -> None:
+    def _dispatch(self, peer: Peer, msg: Message, raw: bytes) -> None:
         if isinstance(msg, GetModelInfo):
-            self._reply(ident, ModelInfoReply(msg.rid, self.model_info))
+            self._reply(peer, ModelInfoReply(msg.rid, self.model_info))
         elif isinstance(msg, Abort):
-            if self.inflight.get(msg.rid) == ident:  # a client aborts its own requests only
+            if self.inflight.get(msg.rid) == peer:  # a client aborts its own requests only
                 self.tokenizer.send(raw)
         elif isinstance(msg, (Generate, GetStats, FlushCache, Tokenize, Detokenize)):
             if msg.rid in self.inflight:
-                self._reply(
-                    ident, Error(msg.rid, "InvalidRequestError", f"request id {msg.rid!r} is already in flight")
-                )
+                self._reply(peer, Error(msg.rid, "InvalidRequestError", f"request id {msg.rid!r} is already in flight"))
                 return
-            self.inflight[msg.rid] = ident
+            self.inflight[msg.rid] = peer
             self.tokenizer.send(raw)
 
     def _pong(self, rid: str) -> Pong:
@@ -394,24 +383,24 @@ class Daemon:
         if isinstance(msg, Chunks):
             self._route_chunks(msg.items)
         elif isinstance(msg, Error):
-            ident = self.inflight.pop(msg.rid, None)
-            if ident is not None:
-                self._reply(ident, msg)
+            peer = self.inflight.pop(msg.rid, None)
+            if peer is not None:
+                self._reply(peer, msg)
                 self.tokenizer.send(encode(Abort(msg.rid)))  # the request's other samples, if any
         elif isinstance(msg, (TokenizeReply, DetokenizeReply)):
-            ident = self.inflight.pop(msg.rid, None)
-            if ident is not None:
-                self._reply(ident, msg)
+            peer = self.inflight.pop(msg.rid, None)
+            if peer is not None:
+                self._reply(peer, msg)
         elif isinstance(msg, StatsReply):
-            ident = self.inflight.pop(msg.rid, None)
-            if ident is not None:
+            peer = self.inflight.pop(msg.rid, None)
+            if peer is not None:
                 stats = {
                     **msg.stats,
                     "inflight": len(self.inflight),
                     "uptime_s": time.monotonic() - self.started,
                     "workers": {name: proc.pid for name, proc in self.children.items()},
                 }
-                self._reply(ident, msg._replace(stats=stats))
+                self._reply(peer, msg._replace(stats=stats))
         elif isinstance(msg, SchedulerReady):
             self.model_info = msg.model_info
             stats = msg.stats
@@ -434,16 +423,16 @@ class Daemon:
             self.stop(text, "DaemonError", f"the daemon stopped because its {text}", exit_code=1)
 
     def _route_chunks(self, chunks: list[Chunk]) -> None:
-        by_client: dict[bytes, list[Chunk]] = defaultdict(list)
+        by_client: dict[Peer, list[Chunk]] = defaultdict(list)
         for chunk in chunks:
-            ident = self.inflight.get(chunk.rid)
-            if ident is None:
+            peer = self.inflight.get(chunk.rid)
+            if peer is None:
                 continue  # aborted, or its client is gone
             if chunk.done:
                 del self.inflight[chunk.rid]
-            by_client[ident].append(chunk)
-        for ident, items in by_client.items():
-            self._reply(ident, Chunks(items))
+            by_client[peer].append(chunk)
+        for peer, items in by_client.items():
+            self._reply(peer, Chunks(items))
 
     def _on_ready(self, worker: str) -> None:
         self.ready_workers.add(worker)
@@ -451,11 +440,10 @@ class Daemon:
             return
         self.state = "ready"
         if self.http is not None:
-            mp = multiprocessing.get_context("spawn")
-            # The front end brings its own process entry: the runtime never imports the server.
             args = (self.endpoints.router, self.config.model, self.log_level)
-            self._start(mp.Process(target=self.http.run, args=args, name="http"))
-            logger.info("HTTP server starting on http://%s:%d", self.http.host, self.http.port)
+            self.http_child = HttpChild(self.http, args, self._start)
+            self.http_child.start()
+            logger.info("HTTP server starting on %s", self.http_child.url)
         logger.info(
             "ready: serving %s at %s (start-up %.1fs)",
             self.config.model,
@@ -463,13 +451,20 @@ class Daemon:
             time.monotonic() - self.started,
         )
         pending, self.pending = self.pending, []
-        for ident, msg, raw in pending:
-            self._dispatch(ident, msg, raw)
+        for peer, msg, raw in pending:
+            self._dispatch(peer, msg, raw)
 
     def _on_child_exit(self, proc: multiprocessing.process.BaseProcess) -> None:
         proc.join(1)  # its sentinel fires as it exits; the exit code follows a moment later
         if self.state == "stopping":
             logger.debug("%s (pid %s) exited with code %s", proc.name, proc.pid, proc.exitcode)
+            return
+        if proc.name == "http" and self.http_child is not None:
+            aborted = self._client_gone(lambda owner: owner[0] is self.local)  # only that process used self.local
+            reason = self.http_child.exited(proc, aborted)
+            if reason is not None:
+                logger.error("%s; stopping the daemon", reason)
+                self.stop(reason, "DaemonError", f"the daemon stopped because {reason}", exit_code=1)
             return
         text = f"{proc.name} process (pid {proc.pid}) exited unexpectedly with code {proc.exitcode}"
         logger.error(text)

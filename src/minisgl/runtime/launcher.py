@@ -28,6 +28,7 @@ from minisgl.runtime.auth import ClientCurve, registered_curve
 from minisgl.runtime.connection import SyncConnection, as_exception
 from minisgl.runtime.protocol import Error, GetStats, Ping, Pong, Shutdown, StatsReply, error_class, startup_failure
 from minisgl.runtime.registry import FileLock, Registry, pid_alive
+from minisgl.runtime.transport import remove_stale_private_dirs
 
 PING_TIMEOUT_S = 3.0
 LOG_TAIL_LINES = 30
@@ -264,7 +265,11 @@ def stop_daemon(address: str, timeout: float = 30.0, curve: ClientCurve | None =
 
 
 def running_daemons() -> list[Any]:
-    return Registry().records()
+    """The registered daemons that are alive; what dead ones left (entries, sockets, locks, private directories) is
+    removed on the way."""
+    records = Registry().records()
+    remove_stale_private_dirs()
+    return records
 
 
 def daemon_status(record: Any, curve: ClientCurve | None = None, timeout: float = PING_TIMEOUT_S) -> dict[str, Any]:

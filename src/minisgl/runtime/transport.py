@@ -6,8 +6,8 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -15,10 +15,14 @@ from typing import NamedTuple
 import zmq
 
 from minisgl.runtime.protocol import Message, decode
+from minisgl.runtime.registry import FileLock, pid_alive
 
 LOG_FORMAT = "%(asctime)s [minisgl %(processName)s] %(levelname)s %(message)s"
 # Internal pushes keep unsent messages this long at close, so a forwarded Shutdown is delivered.
 LINGER_MS = 2000
+PRIVATE_PREFIX = "minisgl-"  # a private directory is PRIVATE_PREFIX + "<daemon pid>-<random>"
+OWNER_LOCK = "owner.lock"  # held by the daemon for the life of its private directory
+UNLOCKED_GRACE_S = 60.0  # a private directory without its lock yet is only removed after this long (and a dead pid)
 
 
 def configure_logging(level: int | str = logging.INFO) -> None:
@@ -45,12 +49,50 @@ class Endpoints(NamedTuple):
 
 
 class PrivateDir:
+    """A daemon's 0700 directory of internal sockets: minisgl-<pid>-XXXX in the temporary directory, holding a lock
+    for as long as its daemon lives, so that the one a killed daemon left can be told from a live one's and removed
+    (remove_stale_private_dirs)."""
+
     def __init__(self) -> None:
-        self.path = Path(tempfile.mkdtemp(prefix="minisgl-"))
+        self.path = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-"))
         os.chmod(self.path, 0o700)
+        self._lock = FileLock(self.path / OWNER_LOCK)
+        self._lock.try_acquire()  # nobody else knows the directory yet
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        self._lock.release()
+
+
+def remove_stale_private_dirs(root: Path | None = None) -> list[Path]:
+    """Remove the private directories (in root, default: the temporary directory) that this user's daemons left when
+    they died: those whose lock is free, or (made before the lock existed) whose pid is gone. Others' are kept."""
+    removed = []
+    for path in Path(root or tempfile.gettempdir()).glob(f"{PRIVATE_PREFIX}*-*"):
+        pid = path.name[len(PRIVATE_PREFIX) :].partition("-")[0]
+        try:
+            st = path.lstat()
+            if not pid.isdigit() or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            if not _private_dir_is_stale(path, int(pid), st.st_mtime):
+                continue
+            shutil.rmtree(path)
+        except OSError:
+            continue  # removed meanwhile, or not ours to remove
+        removed.append(path)
+    if removed:
+        logging.getLogger("minisgl").info("removed %d private director(ies) of dead daemons", len(removed))
+    return removed
+
+
+def _private_dir_is_stale(path: Path, pid: int, mtime: float) -> bool:
+    lock = FileLock(path / OWNER_LOCK)
+    if lock.try_acquire(create=False):
+        lock.release()  # its daemon is dead: nobody else takes a private directory's lock
+        return True
+    if (path / OWNER_LOCK).exists():
+        return False  # its daemon holds it
+    return not pid_alive(pid) and time.time() - mtime > UNLOCKED_GRACE_S
 
 
 def pull(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
@@ -65,6 +107,16 @@ def push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     sock.sndhwm = 0  # never drop or block on internal traffic
     sock.connect(endpoint)
     return sock
+
+
+def router_socket(ctx: zmq.Context, max_message_bytes: int) -> zmq.Socket:
+    """A daemon's ROUTER for clients: a reply it cannot route raises EHOSTUNREACH (that client is gone)."""
+    router = ctx.socket(zmq.ROUTER)
+    router.router_mandatory = 1
+    router.sndhwm = 0
+    router.maxmsgsize = max_message_bytes  # a bigger message drops that connection only
+    router.linger = 1000  # flush the error replies of a shutdown
+    return router
 
 
 def recv_ready(sock: zmq.Socket, timeout_ms: int) -> list[Message]:
@@ -89,17 +141,13 @@ class ParentWatch:
     def gone(self) -> bool:
         return os.getppid() != self.ppid
 
-    def terminate_when_gone(self, poll_s: float = 1.0) -> None:
-        """For a worker whose main loop is not its own (uvicorn's): from a watcher thread, SIGTERM this process
-        once the daemon is gone (a killed daemon cannot stop its children)."""
+    def terminate_when_gone(self) -> None:
+        """For a worker whose main loop is not its own (uvicorn's): SIGTERM, not worker_setup's SIGKILL, once the
+        daemon is gone (a killed daemon cannot stop its children), so that the worker ends its clients' streams with
+        an error before it exits (uvicorn's graceful shutdown)."""
+        from minisgl.lifetime import die_with_parent
 
-        def watch() -> None:
-            while not self.gone:
-                time.sleep(poll_s)
-            logging.getLogger("minisgl").error("the daemon process is gone; exiting")
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+        die_with_parent(self.ppid, signal.SIGTERM)
 
 
 def worker_setup(log_level: int) -> None:

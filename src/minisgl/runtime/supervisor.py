@@ -1,0 +1,95 @@
+"""The daemon's watch over its HTTP server process: one that exits is started again on the same port, after a delay
+that grows while it keeps failing; one that keeps failing soon after its start stops the daemon (loudly) rather
+than looping forever. ZeroMQ clients are served all along: only the HTTP process's own requests are lost."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+    from minisgl.server import HttpOptions
+
+logger = logging.getLogger("minisgl")
+
+RESTART_DELAYS_S = (0.5, 1.0, 2.0)  # before the first, second, ... restart in a row; one more failure gives up
+STABLE_S = 30.0  # a run this long was a healthy one: its exit starts the count of failures again
+
+
+class Restarts:
+    """When to start an exited process again: after delays[k] once it failed k+1 times in a row (a run shorter than
+    stable_s is a failure; a longer one ends the row), and never once a failure has no delay left."""
+
+    def __init__(self, delays: tuple[float, ...] = RESTART_DELAYS_S, stable_s: float = STABLE_S) -> None:
+        self.delays = delays
+        self.stable_s = stable_s
+        self.failures = 0  # short runs in a row
+
+    def after_exit(self, ran_s: float) -> float | None:
+        """Seconds to wait before the next start of a process that ran ran_s seconds, or None: give up."""
+        self.failures = 1 if ran_s >= self.stable_s else self.failures + 1
+        return self.delays[self.failures - 1] if self.failures <= len(self.delays) else None
+
+
+class HttpChild:
+    """The daemon's HTTP server process (HttpOptions.run in a spawned process named "http"), restarted by Restarts.
+
+    spawn starts a process and makes it the daemon's child of its name (the daemon watches its exit)."""
+
+    def __init__(
+        self, options: HttpOptions, args: tuple, spawn: Callable[[BaseProcess], None], restarts: Restarts | None = None
+    ) -> None:
+        self.options = options
+        self.args = args  # (daemon address, model, log level), as HttpOptions.run takes them
+        self._spawn = spawn
+        self.restarts = restarts or Restarts()
+        self.started_at = 0.0
+        self.due: float | None = None  # time.monotonic() of the restart waiting, if any
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.options.host}:{self.options.port}"
+
+    def start(self) -> None:
+        mp = multiprocessing.get_context("spawn")
+        # The front end brings its own process entry: the runtime never imports the server.
+        self._spawn(mp.Process(target=self.options.run, args=self.args, name="http"))
+        self.started_at = time.monotonic()
+
+    def exited(self, proc: BaseProcess, aborted: int) -> str | None:
+        """After the process exited (its aborted requests counted): schedule its restart and say so; the reason to
+        stop the daemon when it keeps failing."""
+        ran = time.monotonic() - self.started_at
+        what = f"the HTTP server process (pid {proc.pid}) exited with code {proc.exitcode} after {ran:.1f}s"
+        delay = self.restarts.after_exit(ran)
+        if delay is None:
+            return (
+                f"{what}: it failed {self.restarts.failures} times in a row, each within {self.restarts.stable_s:g}s "
+                f"of its start; its errors are logged above (is {self.url} taken by another process?)"
+            )
+        self.due = time.monotonic() + delay
+        logger.error(
+            "%s; %d of its requests were aborted; starting it again on %s in %gs (failure %d in a row of %d allowed)",
+            what,
+            aborted,
+            self.url,
+            delay,
+            self.restarts.failures,
+            len(self.restarts.delays),
+        )
+        return None
+
+    def poll(self) -> None:
+        """Start the process again if its restart is due."""
+        if self.due is not None and time.monotonic() >= self.due:
+            self.due = None
+            self.start()
+            logger.info("HTTP server starting again on %s", self.url)
+
+    def cancel(self) -> None:
+        """No restart any more (the daemon is stopping)."""
+        self.due = None
