@@ -64,3 +64,26 @@ def minisgl_request_finished(req: "Req") -> None:
 @hookspec
 def minisgl_batch_step(batch: "Batch") -> None:
     """Called after each forward pass with the batch just run (off the hot path unless implemented)."""
+
+
+@hookspec
+def minisgl_step_scheduled(batch: "Batch", schedule_s: float) -> None:
+    """Called by the scheduler once it has chosen a step's batch, right before it queues the batch's forward.
+
+    batch is the batch about to run (batch.is_prefill, batch.reqs, batch.extend_lens: the tokens each request
+    computes); schedule_s is the host's seconds spent choosing it (prefill admission, else decode with any
+    retraction). Device work queued here runs before the forward (e.g. a profiler's CUDA start event). The return
+    value is ignored; an exception is logged and the step runs. Neither this nor minisgl_step_launched is called
+    (no per-step cost) when no plugin implements one of them.
+    """
+
+
+@hookspec
+def minisgl_step_launched(batch: "Batch", launch_s: float) -> None:
+    """Called by the scheduler right after the batch's forward and sampling were queued, before its tokens are read.
+
+    launch_s is the host's seconds spent queuing them (attention plan and kernel launches; on a CPU, the forward
+    itself). On CUDA the device may still be running the step: a CUDA event recorded here completes with it.
+    minisgl_batch_step follows once the step's tokens are on the host. Not called for a launch that raised. The
+    return value is ignored; an exception is logged and the step goes on.
+    """

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import logging
+import time
+from typing import Any, Callable, NamedTuple
 
 import torch
 
+from minisgl import plugins
 from minisgl.config import EngineConfig
 from minisgl.core import Batch, Phase, Req, SamplingParams
 from minisgl.errors import EngineError
@@ -41,6 +44,27 @@ def copy_to_host(
         else:
             tokens = next_ids
     return LaunchedStep(batch, sampled, tokens, logprobs, ready, frozenset(map(id, sampled)))
+
+
+def launch_observed(launch: Callable[[Batch], LaunchedStep], batch: Batch, started: float) -> LaunchedStep:
+    """launch(batch) between the minisgl_step_scheduled and minisgl_step_launched hooks (hooks.py).
+
+    started: time.perf_counter() when the scheduler began choosing the batch. Only called when a plugin implements
+    one of the two hooks; an observer's exception is logged, never fails the step.
+    """
+    hook = plugins.get_plugin_manager().hook
+    _observe(hook.minisgl_step_scheduled, batch=batch, schedule_s=time.perf_counter() - started)
+    t0 = time.perf_counter()
+    launched = launch(batch)
+    _observe(hook.minisgl_step_launched, batch=batch, launch_s=time.perf_counter() - t0)
+    return launched
+
+
+def _observe(hook: Any, **kwargs: Any) -> None:
+    try:
+        hook(**kwargs)
+    except Exception:  # noqa: BLE001 - an observer's bug must not fail the batch it watches
+        logging.getLogger("minisgl").exception("plugin hook %s raised", hook.name)
 
 
 def read_tokens(step: LaunchedStep) -> list[int] | None:
