@@ -105,6 +105,12 @@ def _add_serve_parser(sub: Any) -> None:
         "--max-request-bytes", type=int, default=32 * 2**20, help="HTTP request bodies past this get a 413 (32 MiB)"
     )
     serve.add_argument(
+        "--enable-admin",
+        action="store_true",
+        help="serve the HTTP admin routes (/flush_cache, /reset_prefix_cache) without an API key; with a key they "
+        "are on and need it",
+    )
+    serve.add_argument(
         "--idle-timeout",
         type=float,
         default=env.IDLE_TIMEOUT.get(),
@@ -217,6 +223,7 @@ def _http_options(args: argparse.Namespace) -> Any:
         names(args.allowed_hosts),
         args.max_request_bytes,
         tuple(args.served_model_name or ()),
+        enable_admin=args.enable_admin,
     )
 
 

@@ -210,6 +210,45 @@ class SamplingParams:
 
 _INT64_MAX = 2**63 - 1  # the largest integer the wire protocol (msgpack) carries
 
+
+def int64_overflow(value: Any, clamped: frozenset[str] = frozenset()) -> tuple[str, int] | None:
+    """The first integer of a JSON-like value (dicts, lists, tuples; keys too) outside the 64 bits msgpack carries,
+    and where it is ("prompt[3]", "options.seed"); None when every one fits. Values of the keys in `clamped` may
+    be larger (a max_tokens past any context: SamplingParams clamps it). Iterative: a deep value recurses nowhere."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, dict):
+            for key, v in item.items():
+                if type(key) is int and not -_INT64_MAX - 1 <= key <= _INT64_MAX:
+                    return _path(where), key
+                if type(v) is int:
+                    if not -_INT64_MAX - 1 <= v <= _INT64_MAX and not (key in clamped and v > 0):
+                        return _path((*where, key)), v
+                elif isinstance(v, (dict, list, tuple)):
+                    stack.append((v, (*where, key)))
+        elif isinstance(item, (list, tuple)):
+            for i, v in enumerate(item):
+                if type(v) is int:
+                    if not -_INT64_MAX - 1 <= v <= _INT64_MAX:
+                        return _path((*where, i)), v
+                elif isinstance(v, (dict, list, tuple)):
+                    stack.append((v, (*where, i)))
+        elif type(item) is int and not -_INT64_MAX - 1 <= item <= _INT64_MAX:
+            return _path(where), item
+    return None
+
+
+def _path(where: tuple[Any, ...]) -> str:
+    text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in where).lstrip(".")
+    return text or "the value"
+
+
+def describe_int(value: int) -> str:
+    """An integer as a message shows it: its digits, or its size when it is huge."""
+    return str(value) if abs(value) < 10**30 else f"an integer of {value.bit_length()} bits"
+
+
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
 
 # Each edge's API and the defaults that API defines, the only defaults an edge sets (SamplingParams.for_api); a field
@@ -280,7 +319,7 @@ def _token_biases(bias: Any) -> dict[int, float] | None:
             raise InvalidRequestError(
                 f"invalid SamplingParams: logit_bias values must be in [-100, 100], got {value!r}"
             )
-        if token < 0:
+        if not 0 <= token <= _INT64_MAX:
             raise InvalidRequestError(f"invalid SamplingParams: logit_bias key {key!r} is not a token id")
         out[token] = float(value)
     return out or None

@@ -20,6 +20,7 @@ class HttpOptions(NamedTuple):
     allowed_hosts: tuple[str, ...] = ()  # Host header names besides the bound host and loopback names
     max_request_bytes: int = 32 * 2**20  # larger bodies get a 413 before they reach the daemon
     served_model_names: tuple[str, ...] = ()  # names clients may use; the first is the one responses carry
+    enable_admin: bool = False  # admin routes (/flush_cache, ...) without an API key
 
     def run(self, address: str, model: str, log_level: int) -> None:
         """Process entry of the HTTP server: one more client of the daemon at address."""
@@ -38,6 +39,7 @@ class HttpOptions(NamedTuple):
             model_name=model,
             guard=guard,
             served_model_names=self.served_model_names,
+            enable_admin=self.enable_admin,
         )
 
 

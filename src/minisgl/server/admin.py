@@ -1,5 +1,7 @@
 """Routes about the server itself rather than one API: health, version and metrics (open to probes, no key),
-and, behind the API key, tokenize / detokenize and dropping the prefix cache (SGLang's and vLLM's paths)."""
+behind the API key tokenize / detokenize, and the admin routes (`admin`): dropping the prefix cache (SGLang's and
+vLLM's paths), which change what every client gets. Those need the API key where one is set, and a keyless
+server serves them only with --enable-admin (check_admin): any local user can reach a loopback port."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from minisgl.errors import MiniSGLError
+from minisgl.server.edge import EdgeRoute
 from minisgl.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from minisgl.server.state import APIError, check_key, server_of
+from minisgl.server.state import APIError, check_admin, check_key, server_of
 
-probes = APIRouter()
-router = APIRouter(dependencies=[Depends(check_key)])
+probes = APIRouter(route_class=EdgeRoute)
+router = APIRouter(dependencies=[Depends(check_key)], route_class=EdgeRoute)
+admin = APIRouter(dependencies=[Depends(check_admin)], route_class=EdgeRoute)
 
 
 def version_string() -> str:
@@ -78,8 +82,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
 
 
 # SGLang's and vLLM's names for dropping the prefix cache (what no running request holds).
-@router.post("/flush_cache")
-@router.post("/reset_prefix_cache")
+@admin.post("/flush_cache")
+@admin.post("/reset_prefix_cache")
 async def flush_cache(request: Request) -> JSONResponse:
     stats = await server_of(request).client.flush_cache()
     return JSONResponse({"status": "ok", "cached_pages": stats["cached_pages"]})

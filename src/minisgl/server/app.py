@@ -25,7 +25,7 @@ from minisgl.server.state import APIError, ServerState, api_error, check_bind
 logger = logging.getLogger("minisgl.server")
 
 # Every API's routes; the probes (health, version, metrics) need no API key, the rest check it per router.
-ROUTERS = (admin.probes, admin.router, openai.router, responses.router, ollama.router, native.router)
+ROUTERS = (admin.probes, admin.router, admin.admin, openai.router, responses.router, ollama.router, native.router)
 
 
 def create_app(
@@ -35,15 +35,17 @@ def create_app(
     client_factory: Callable[[], Any] | None = None,
     guard: GuardOptions | None = None,
     served_model_names: Sequence[str] = (),
+    enable_admin: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `model_name` from the daemon at `client_address`.
 
     With api_key set, every route but /health needs `Authorization: Bearer <api_key>`. guard: the browser-safety
     and size checks (server/guard.py; default: loopback only, no other origin, 32 MiB bodies). client_factory
-    (tests, embedding) builds the async client instead of minisgl.AsyncClient. Middleware is added here, after the
-    error handlers, so that it wraps every router.
+    (tests, embedding) builds the async client instead of minisgl.AsyncClient. enable_admin: serve the admin routes
+    (server/admin.py) without an API key. Middleware is added here, after the error handlers, so that it wraps
+    every router.
     """
-    server = ServerState(client_address, model_name, api_key, client_factory, served_model_names)
+    server = ServerState(client_address, model_name, api_key, client_factory, served_model_names, enable_admin)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -106,6 +108,7 @@ def run_http_server(
     log_level: str = "info",
     guard: GuardOptions | None = None,
     served_model_names: Sequence[str] = (),
+    enable_admin: bool = False,
 ) -> None:
     """Serve the HTTP API with uvicorn until interrupted.
 
@@ -116,7 +119,14 @@ def run_http_server(
     import uvicorn
 
     guard = (guard or GuardOptions())._replace(bound_host=host)
-    app = create_app(client_address, model_name, api_key, guard=guard, served_model_names=served_model_names)
+    app = create_app(
+        client_address,
+        model_name,
+        api_key,
+        guard=guard,
+        served_model_names=served_model_names,
+        enable_admin=enable_admin,
+    )
     logger.info(
         "OpenAI-compatible API for %s on http://%s:%d/v1", ", ".join(served_model_names) or model_name, host, port
     )

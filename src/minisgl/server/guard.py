@@ -8,24 +8,34 @@ headers themselves come from Starlette's CORSMiddleware), a body past max_reques
 it reaches the daemon, a JSON body nested deeper than MAX_JSON_DEPTH is refused (400: Python's parser and the
 validators recurse, so a body of 100k nested arrays would otherwise end in a RecursionError, a 500), and with an API
 key every route but /health needs it (401).
+
+A body is scanned in time linear in its size (server/bodyscan.py), a large one in a worker thread, and only in
+UTF-8 (RFC 8259: JSON between systems is UTF-8; 400 otherwise). The scan of a large body travels to the routes in
+the scope (server/edge.py checks its prompts before parsing). After a large request the memory it took is handed
+back to the system (glibc's malloc_trim, where there is one).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hmac
 import json
-import re
+import threading
 from typing import Any, Awaitable, Callable, NamedTuple
 from urllib.parse import urlsplit
 
+from minisgl.server.bodyscan import is_utf8_json, scan
+from minisgl.server.edge import BODY_SHAPE
 from minisgl.server.state import is_loopback
 
 MAX_REQUEST_BYTES = 32 * 2**20
 MAX_JSON_DEPTH = (
     256  # past any API's own nesting (a schema of max_schema_depth 64 included), far below the recursion limit
 )
-_JSON_STRING = re.compile(rb'"(?:[^"\\]+|\\.)*"', re.S)  # brackets inside strings are no nesting
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+SCAN_BYTES = 64 * 2**10  # smaller bodies with few brackets need no scan: their bracket count bounds the depth
+SCAN_IN_THREAD_BYTES = 256 * 2**10
+RELEASE_BYTES = 2**20  # after a body this large, the memory it took is handed back
 OPEN_PATHS = ("/health",)  # probes that answer without the API key
 
 Scope = dict[str, Any]
@@ -56,36 +66,49 @@ class RequestGuard:
         if refusal is not None:
             await _send_error(send, *refusal)
             return
-        if scope.get("method") in ("POST", "PUT", "PATCH"):
-            body, receive = await self._buffered(receive)  # counted and its depth checked before anything parses it
-            if body is None:
-                await _send_error(send, *_too_large(self.options.max_request_bytes))
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        body, receive = await self._buffered(receive)  # counted and scanned before anything parses it
+        if body is None:
+            await _send_error(send, *_too_large(self.options.max_request_bytes))
+            return
+        size = len(body)
+        try:
+            refusal = await _scan(body, scope)
+            body = b""  # the replaying receive holds it until the route reads it
+            if refusal is not None:
+                await _send_error(send, *refusal)
                 return
-            if await _depth(body) > MAX_JSON_DEPTH:
-                message = f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep"
-                await _send_error(send, 400, message, "json_too_deep")
-                return
-        await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
+        finally:
+            if size >= RELEASE_BYTES:
+                del receive
+                await release_memory()
 
     async def _buffered(self, receive: Receive) -> tuple[bytes | None, Receive]:
-        """The whole body (None when it is past the limit) and a receive that replays it."""
-        body, more = b"", True
+        """The whole body (None when it is past the limit) and a receive that replays it (once)."""
+        chunks: list[bytes] = []
+        size, more = 0, True
         while more:
             message = await receive()
             if message["type"] != "http.request":
                 break
-            body += message.get("body", b"")
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
             more = message.get("more_body", False)
-            if len(body) > self.options.max_request_bytes:
+            if size > self.options.max_request_bytes:
                 return None, receive
+        body: bytes | None = b"".join(chunks)  # once: adding up the pieces one by one copies quadratically
+        chunks.clear()
         done = False
 
         async def replay() -> dict[str, Any]:
-            nonlocal done
+            nonlocal done, body
             if done:
                 return await receive()
-            done = True
-            return {"type": "http.request", "body": body, "more_body": False}
+            done, whole, body = True, body, None  # the route keeps it as long as it needs it, no longer
+            return {"type": "http.request", "body": whole, "more_body": False}
 
         return body, replay
 
@@ -132,27 +155,67 @@ class RequestGuard:
         return urlsplit(origin).netloc == host  # the server's own pages (/docs)
 
 
-async def _depth(body: bytes) -> int:
-    if len(body) < 2**20:
-        return json_depth(body)
-    import anyio.to_thread
+async def _scan(body: bytes, scope: Scope) -> tuple[int, str, str] | None:
+    """The refusal of a body that is not UTF-8 or nests too deeply; a large body's scan is left in the scope."""
+    if not body:
+        return None
+    if not is_utf8_json(body):
+        return 400, "the JSON body must be UTF-8 encoded", "invalid_encoding"
+    brackets = body.count(b"[") + body.count(b"{")
+    if len(body) < SCAN_BYTES and brackets <= MAX_JSON_DEPTH:
+        return None  # its depth is at most its bracket count: nearly every body stops here
+    if len(body) < SCAN_IN_THREAD_BYTES:
+        shape = scan(body)
+    else:
+        import anyio.to_thread
 
-    return await anyio.to_thread.run_sync(json_depth, body)  # a large body's scan takes seconds: off the event loop
+        shape = await anyio.to_thread.run_sync(scan, body)
+    if shape.depth > MAX_JSON_DEPTH:
+        return 400, f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep", "json_too_deep"
+    scope[BODY_SHAPE] = shape
+    return None
 
 
 def json_depth(body: bytes) -> int:
-    """How deep the arrays and objects of a JSON text nest (at most, when that is at most MAX_JSON_DEPTH), counted
-    without parsing it: numpy, not recursion."""
-    if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
-        return body.count(b"[") + body.count(b"{")  # a bound, without the scan: nearly every body stops here
-    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
-    if not brackets:
-        return 0
-    import numpy as np
+    """How deeply the arrays and objects of a JSON text nest, counted without parsing it (in linear time)."""
+    return scan(body).depth
 
-    codes = np.frombuffer(brackets, dtype=np.uint8)
-    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1).astype(np.int32)
-    return int(np.cumsum(steps).max())
+
+_releasing = threading.Lock()
+
+
+async def release_memory() -> None:
+    """Hand back to the system what a large request freed (its objects went with their last reference): glibc's
+    malloc_trim returns the free pages its arenas keep, in a worker thread (it leaves the GIL); one at a time.
+    No gc.collect: a full collection holds the GIL, and the event loop with it, for a large heap's whole walk."""
+    if not _releasing.acquire(blocking=False):
+        return
+    try:
+        import anyio.to_thread
+
+        await anyio.to_thread.run_sync(_trim)
+    finally:
+        _releasing.release()
+
+
+def _trim() -> None:
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+_TRIM: list[Any] = []
+
+
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, or None (musl, macOS: their allocators hand memory back themselves)."""
+    if not _TRIM:
+        name = ctypes.util.find_library("c")
+        try:
+            _TRIM.append(getattr(ctypes.CDLL(name), "malloc_trim") if name else None)
+        except (OSError, AttributeError):
+            _TRIM.append(None)
+    return _TRIM[0]
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

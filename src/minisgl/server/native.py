@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
+from minisgl.server.edge import EdgeRoute
 from minisgl.server.state import ServerState, check_key, error_event, fail, server_of, sse_response
 from minisgl.server.streams import (
     close_stream,
@@ -191,7 +192,7 @@ class _Output:
         return {"text": self.text, "output_ids": list(self.ids), "meta_info": meta}
 
 
-router = APIRouter()
+router = APIRouter(route_class=EdgeRoute)
 
 _Request = tuple[Any, SamplingParams, str, "list[_Output]"]  # prompt, params, rid, one _Output per sample
 

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
+from minisgl.server.edge import MAX_CHARS_PER_TOKEN, OllamaEdgeRoute
 from minisgl.server.state import ServerState, api_error, check_key, server_of
 from minisgl.server.streams import ClientDisconnected, close_stream, first_item, json_object, unless_disconnected
 from minisgl.tokenizer import flatten_message
@@ -155,7 +156,7 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-router = APIRouter(prefix="/api", dependencies=[Depends(check_key)])
+router = APIRouter(prefix="/api", dependencies=[Depends(check_key)], route_class=OllamaEdgeRoute)
 
 
 class _NotFound(Exception):
@@ -340,8 +341,10 @@ async def embed(request: Request) -> Response:
     if truncate:  # Ollama's default: an input longer than the context is cut to fit, not refused
         info, stats = await server.info(), await server.client.stats()  # the KV pool may hold less than a context
         limit = min(int(info["context_length"]), stats["total_pages"] * int(info.get("page_size") or 1)) - 1
-        # Tokenized once here (concurrently); the daemon then embeds the ids as they are.
-        inputs = [ids[:limit] for ids in await asyncio.gather(*(server.client.tokenize(t) for t in inputs))]
+        # Tokenized once here (concurrently), past what `limit` tokens can spell unread; the daemon then embeds the
+        # ids as they are.
+        cut = (limit + 1) * MAX_CHARS_PER_TOKEN
+        inputs = [ids[:limit] for ids in await asyncio.gather(*(server.client.tokenize(t[:cut]) for t in inputs))]
     out = await unless_disconnected(request, server.client.embed(inputs))
     return JSONResponse(
         {

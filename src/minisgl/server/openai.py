@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from minisgl.server.edge import EdgeRoute
 from minisgl.server.metrics import RequestTimer
 from minisgl.server.protocol import (
     ChatChoice,
@@ -42,7 +43,7 @@ from minisgl.server.protocol import (
 from minisgl.server.state import ServerState, api_error, check_key, error_event, fail, server_of, sse, sse_response
 from minisgl.server.streams import close_stream, first_item, gather_all, merge_streams, unless_disconnected
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+router = APIRouter(prefix="/v1", dependencies=[Depends(check_key)], route_class=EdgeRoute)
 
 
 def _usage(u: Any) -> Usage:

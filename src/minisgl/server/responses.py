@@ -20,6 +20,7 @@ from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
 from minisgl.server.protocol import _Request, now
 from minisgl.server.state import api_error, check_key, fail, server_of, sse_response
+from minisgl.server.edge import EdgeRoute
 from minisgl.server.streams import close_stream, first_item, unless_disconnected
 
 
@@ -161,7 +162,7 @@ class _Shape:
         }
 
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+router = APIRouter(prefix="/v1", dependencies=[Depends(check_key)], route_class=EdgeRoute)
 
 
 @router.post("/responses")

@@ -7,11 +7,12 @@ route module needs only its router and the app that includes it.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
 import logging
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, NamedTuple, Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -20,6 +21,7 @@ from minisgl.errors import (
     ConfigError,
     DaemonError,
     InvalidRequestError,
+    MiniSGLError,
     OutOfMemoryError,
     PromptTooLongError,
     RequestAbortedError,
@@ -109,6 +111,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class ModelFacts(NamedTuple):
+    context_length: int
+    vocab_size: int
+
+
 class ServerState:
     """What the routes share: the daemon client, the served model's name and facts, metrics, the API key."""
 
@@ -119,6 +126,7 @@ class ServerState:
         api_key: str | None,
         client_factory: Callable[[], Any] | None,
         served_model_names: Sequence[str] = (),
+        enable_admin: bool = False,
     ) -> None:
         self.client_address = client_address
         self.model = model_name  # what the daemon loaded (its path, alias or hub id)
@@ -126,6 +134,7 @@ class ServerState:
         self.served_names = tuple(served_model_names) or (model_name,)
         self.model_name = self.served_names[0]
         self.api_key = api_key
+        self.enable_admin = enable_admin  # admin routes on a keyless server (with a key they need the key)
         self.metrics = ServerMetrics(model_name)
         self._client_factory = client_factory
         self.client: Any = None
@@ -152,6 +161,15 @@ class ServerState:
 
     async def context_len(self) -> int:
         return int((await self.info())["context_length"])
+
+    async def model_facts(self) -> ModelFacts | None:
+        """The context window and vocabulary the edge checks bodies against (server/edge.py); None while the
+        daemon does not answer (the request then fails on its own)."""
+        try:
+            info = self._info or await asyncio.wait_for(self.info(), timeout=5.0)
+            return ModelFacts(int(info["context_length"]), int(info["vocab_size"]))
+        except (MiniSGLError, asyncio.TimeoutError, KeyError):
+            return None
 
     async def serves(self, names: set[str]) -> bool:
         """Whether any of names is this server's model: a served name, the model as loaded, its name or path."""
@@ -188,4 +206,20 @@ async def check_key(request: Request) -> None:
             "invalid or missing API key: send 'Authorization: Bearer <key>'",
             "invalid_request_error",
             "invalid_api_key",
+        )
+
+
+async def check_admin(request: Request) -> None:
+    """A dependency of the admin routes: with an API key they need it; a keyless server serves them only when
+    started with --enable-admin (any local user could call them otherwise)."""
+    server = server_of(request)
+    if server.api_key is not None:
+        await check_key(request)
+    elif not server.enable_admin:
+        raise APIError(
+            403,
+            f"{request.url.path} is an admin route, off on a server without an API key: start the server with "
+            "--enable-admin (or with --api-key, and send the key)",
+            "invalid_request_error",
+            "admin_disabled",
         )
