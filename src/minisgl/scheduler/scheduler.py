@@ -35,7 +35,7 @@ from minisgl.scheduler.requests import (
     new_reqs,
     stop_reason,
 )
-from minisgl.scheduler.step import LaunchedStep, copy_to_host, read_tokens, warmup
+from minisgl.scheduler.step import LaunchedStep, copy_to_host, launch_observed, read_tokens, warmup
 
 logger = logging.getLogger("minisgl")
 
@@ -74,6 +74,7 @@ class Scheduler:
         self._hook_received = plugins.has_impl("minisgl_request_received")
         self._hook_finished = plugins.has_impl("minisgl_request_finished")
         self._hook_step = plugins.has_impl("minisgl_batch_step")
+        self._hook_launch = plugins.has_impl("minisgl_step_scheduled") or plugins.has_impl("minisgl_step_launched")
         # Overlap scheduling: the host schedules step k+1 and post-processes step k while the GPU
         # runs; "overlap_on_cpu" in config.extra runs the same (then pointless) pipeline on CPU for tests.
         self.overlap = not config.disable_overlap and (
@@ -214,12 +215,13 @@ class Scheduler:
             # only needs the count, which num_sampled projects).
             previous, self._inflight = self._inflight, None
             self._process(previous)
+        started = time.perf_counter() if self._hook_launch else 0.0  # for minisgl_step_scheduled
         in_flight = self._inflight.sampled_ids if self._inflight is not None else frozenset()
         batch = self.prefill.schedule(self.running) or self.decode.schedule(in_flight, self._finish_pool_full)
         launched = None
         if batch is not None:
             try:
-                launched = self._launch(batch)
+                launched = launch_observed(self._launch, batch, started) if self._hook_launch else self._launch(batch)
             except Exception as e:  # noqa: BLE001 - the batch fails, the engine keeps serving
                 self._fail(batch.reqs, e, batch.extend_lens)
         # The GPU has a forward to compute: the host's time is free until its tokens are needed, unless more prefill
