@@ -24,6 +24,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
         "--model", default="smollm2", help="model name, directory, hub id or GGUF file (default: smollm2)"
     )
     notes = {
+        "max_decode_gap": "seconds a decoding request may wait between tokens while prompts prefill (unset: 1 on "
+        "the CPU, 0.1 on a GPU; 0: unbounded); ",
         "quantization": "fp8 (any device), fp16 or int8 (CPU float32 only); ",
         "moe_parallel": "MoE under --tp: ep (whole experts per rank), tp (each expert split across the ranks) or "
         "auto (ep where the ranks divide the experts); ",

@@ -49,6 +49,9 @@ class EngineConfig:
     kv_cache_gb: float = 1.0  # CPU: memory given to the KV pool
     mem_fraction: float = 0.85  # CUDA: fraction of free memory after weights for the KV pool
     max_prefill_tokens: int = 4096  # token budget of one prefill batch (chunked prefill beyond it)
+    # Seconds a decoding request may wait between tokens while prompts prefill (None: 1 on the CPU, 0.1 on a GPU;
+    # 0: prefill first, unbounded); the chunk beside decodes adapts to the measured step time (scheduler/budget.py)
+    max_decode_gap: float | None = None
     max_running_requests: int = 256
     max_seq_len: int | None = None  # None: the model's max_position_embeddings
     tp: int = 1
@@ -101,6 +104,8 @@ class EngineConfig:
             raise ConfigError(f"page_size must be an integer >= 1, got {self.page_size!r}")
         if self.max_prefill_tokens < 1:
             raise ConfigError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens!r}")
+        if self.max_decode_gap is not None and not self.max_decode_gap >= 0:
+            raise ConfigError(f"max_decode_gap must be >= 0 seconds (0: unbounded), got {self.max_decode_gap!r}")
         if self.piecewise_cuda_graph_max_tokens < 0:
             raise ConfigError(
                 f"piecewise_cuda_graph_max_tokens must be >= 0 (0: eager prefill), got "

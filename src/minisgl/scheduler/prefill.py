@@ -2,7 +2,8 @@
 
 The waiting queue is ranked by cached prefix (longest first, "lpm") without starving anyone; the
 cached prefixes the next waiting requests will reuse are locked while a batch is admitted; a prompt
-longer than the token budget is prefilled in chunks across steps; a request that shares a long
+longer than the step's allowance (budget.py: max_prefill_tokens, and beside decoding requests what is left of their
+gap between tokens) is prefilled in chunks across steps, one prompt at a time; a request that shares a long
 uncached prefix with one admitted in the same batch waits one step to read it from the cache.
 That check is a dict look-up per request (BatchPrefixes), not a comparison with every admitted prompt:
 a burst of agent turns puts tens of long prompts in each batch.
@@ -18,6 +19,7 @@ from typing import Any
 
 from minisgl.config import EngineConfig
 from minisgl.core import Batch, Phase, Req
+from minisgl.scheduler.budget import Allowance
 from minisgl.scheduler.kv import ReqKV
 
 # A waiting request skipped this many times by prefix-aware ordering goes first (no starvation).
@@ -84,22 +86,22 @@ class PrefillManager:
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # prefill in progress across steps
 
-    def schedule(self, running: list[Req]) -> Batch | None:
-        """The next prefill batch next to `running` (the decoding requests), or None."""
+    def schedule(self, running: list[Req], allowance: Allowance) -> Batch | None:
+        """The next prefill batch next to `running` (the decoding requests) within `allowance`, or None."""
         # Only while something runs: its pages come back, so protection cannot stall the queue. Only when this
         # admission may evict: each admitted request allocates at most its extend's pages plus one partial page.
         may_evict = self.cache.free_pages < self.config.max_prefill_tokens // self.page_size + len(self.waiting) + 2
         protected = self._lock_waiting_prefixes() if running and may_evict and self.config.cache == "radix" else []
         try:
-            batch = self._admit_batch(len(running))
+            batch = self._admit_batch(len(running), allowance)
         finally:
             for handle in protected:
                 self.cache.unlock(handle)
         if batch is None and not running:
-            batch = self._resume_stalled()
+            batch = self._resume_stalled(allowance)
         return batch
 
-    def _resume_stalled(self) -> Batch | None:
+    def _resume_stalled(self, allowance: Allowance) -> Batch | None:
         """Nothing runs and nothing could be admitted: partly prefilled prompts hold the pages the others need (two
         of them, or a request ranked first that cannot fit beside one), and no decode will roll them back. Keep the
         one furthest along, roll the others back and continue it first: alone it fits the pool (check_request)."""
@@ -112,7 +114,7 @@ class PrefillManager:
                 self.kv.roll_back(req)
         self.waiting.remove(keep)
         self.chunked = keep
-        return self._admit_batch(0)
+        return self._admit_batch(0, allowance)
 
     def _ordered_waiting(self) -> list[tuple[Req, int | None]]:
         """The waiting requests in admission order, each with its cached prefix length when ranking computed it."""
@@ -137,15 +139,17 @@ class PrefillManager:
                     handles.append(handle)
         return handles
 
-    def _admit_batch(self, num_running: int) -> Batch | None:
-        budget = self.config.max_prefill_tokens
+    def _admit_batch(self, num_running: int, allowance: Allowance) -> Batch | None:
         chosen: list[tuple[Req, int]] = []  # (req, extend_len)
         if self.chunked is not None:
-            req, self.chunked = self.chunked, None
-            extend = min(req.seq_len - req.cached_len, budget)
+            req = self.chunked
+            extend = allowance.fit(req.cached_len, req.seq_len - req.cached_len)
+            if extend <= 0:
+                return None  # the decodes' gap is spent: their step first, the chunk after it
+            self.chunked = None
             if self.kv.reserve(req, extend):
                 chosen.append((req, extend))
-                budget -= extend
+                allowance.take(req.cached_len, extend, req.seq_len - req.cached_len)
             else:
                 self.waiting.appendleft(req)  # keeps its row and pages; resumes when memory frees up
         admitted: list[Req] = []
@@ -154,7 +158,7 @@ class PrefillManager:
         for r, _ in chosen if share else ():
             batch_prompts.add(r.input_ids, r.cached_len)
         for req, cached in self._ordered_waiting():
-            if budget <= 0 or num_running + len(chosen) >= self.config.max_running_requests:
+            if allowance.exhausted or num_running + len(chosen) >= self.config.max_running_requests:
                 break
             if req.wait_for is not None and not self._prefilled(req.wait_for):
                 continue
@@ -166,15 +170,15 @@ class PrefillManager:
                     continue
             if fresh and not self.kv.admit(req):
                 break  # no free table row
-            extend = min(req.seq_len - req.cached_len, budget)
+            extend = allowance.fit(req.cached_len, req.seq_len - req.cached_len)
             # Leave room for the running requests' next decode pages.
-            if not self.kv.reserve(req, extend, keep=num_running):
+            if extend <= 0 or not self.kv.reserve(req, extend, keep=num_running):
                 if fresh:
                     self.kv.unadmit(req)
                 break
             admitted.append(req)
             chosen.append((req, extend))
-            budget -= extend
+            allowance.take(req.cached_len, extend, req.seq_len - req.cached_len)
             if share:
                 batch_prompts.add(req.input_ids, req.cached_len)
         for req in self.waiting:

@@ -1,9 +1,11 @@
 """The scheduling loop: schedule a prefill or a decode batch, launch it, process its tokens.
 
-One step = one forward. Prefill has priority: if anything is waiting and fits the token budget
+One step = one forward. Prefill has priority: if anything is waiting and fits the step's allowance
 it runs (prefill.py); otherwise the running requests decode one token each (decode.py), the
-newest retracted when the KV pool cannot hold the step. A request's row and pages: kv.py; the
-prefix cache is reached only through CacheManager (kvcache/manager.py).
+newest retracted when the KV pool cannot hold the step. The allowance (budget.py) is
+max_prefill_tokens, and while requests decode, the prefill that fits in what is left of their gap
+between tokens (max_decode_gap): a long prompt then alternates chunks with decode steps. A request's
+row and pages: kv.py; the prefix cache is reached only through CacheManager (kvcache/manager.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from minisgl.core import Batch, Req, SamplingParams, TokenOutput
 from minisgl.distributed import get_tp_info
 from minisgl.errors import EngineError, InvalidRequestError
 from minisgl.limits import RequestLimits
+from minisgl.scheduler.budget import Allowance, PrefillBudget, default_gap, flop_ratio
 from minisgl.scheduler.collector import collect_due
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.kv import ReqKV
@@ -60,6 +63,11 @@ class Scheduler:
         self.kv = ReqKV(self.table, self.cache, self.device)
         self.prefill = PrefillManager(config, self.kv)
         self.decode = DecodeManager(self.kv, self.prefill.waiting, self.max_seq_len)
+        # Under tensor parallelism rank 0 alone may measure: off until its state reaches the ranks (budget.py).
+        gap = default_gap(config.max_decode_gap, self.device.type) if get_tp_info().size == 1 else 0.0
+        self.prefill_budget = PrefillBudget(
+            config.max_prefill_tokens, gap, self.page_size, flop_ratio(self.model_config)
+        )
         self.reqs: dict[tuple[str, int], Req] = {}
         self._live: dict[str, int] = {}  # rid -> its sequences in self.reqs (with n > 1 some may have ended already)
         self.pending_outputs: list[TokenOutput] = []
@@ -210,14 +218,15 @@ class Scheduler:
         """
         if self.grammar_waiting and self.admit_in_step:
             self.admit_compiled()
+        self.prefill_budget.step_started()
+        completed: LaunchedStep | None = None  # the step whose forward this one waits for
         if self._inflight is not None and self._needs_host_state(self._inflight):
             # Grammar masks and penalties need the previous token on the host first (min_tokens
             # only needs the count, which num_sampled projects).
-            previous, self._inflight = self._inflight, None
-            self._process(previous)
+            completed, self._inflight = self._inflight, None
+            self._process(completed)
         started = time.perf_counter() if self._hook_launch else 0.0  # for minisgl_step_scheduled
-        in_flight = self._inflight.sampled_ids if self._inflight is not None else frozenset()
-        batch = self.prefill.schedule(self.running) or self.decode.schedule(in_flight, self._finish_pool_full)
+        batch = self._schedule()
         launched = None
         if batch is not None:
             try:
@@ -231,10 +240,28 @@ class Scheduler:
             previous, self._inflight = self._inflight, launched
             if previous is not None:
                 self._process(previous)
+                completed = previous
         elif launched is not None:
             self._process(launched)
+            completed = launched
+        busy = self._inflight is not None or bool(self.running or self.waiting) or self.prefill.chunked is not None
+        self.prefill_budget.step_done(completed.batch if completed is not None else None, busy)
         outputs, self.pending_outputs = self.pending_outputs, []
         return outputs
+
+    def _schedule(self) -> Batch | None:
+        """The next batch: prefill within the step's allowance, else decode (budget.py says which runs first)."""
+        in_flight = self._inflight.sampled_ids if self._inflight is not None else frozenset()
+        decoding = bool(self.running)
+        allowance: Allowance | None = self.prefill_budget.allowance(decoding)
+        batch = self.prefill.schedule(self.running, allowance) if allowance is not None else None
+        if batch is None:
+            batch = self.decode.schedule(in_flight, self._finish_pool_full)
+            if batch is None and allowance is None:  # every decode's last token is in flight: nothing to wait for
+                allowance = self.prefill_budget.allowance(decoding, after_decode=True)
+                batch = self.prefill.schedule(self.running, allowance)
+        self.prefill_budget.scheduled(batch, allowance)
+        return batch
 
     def _needs_host_state(self, step: LaunchedStep) -> bool:
         return any(not r.finished and (r.grammar is not None or r.sampling_params.has_penalties) for r in step.sampled)
