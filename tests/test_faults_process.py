@@ -1,8 +1,9 @@
 """Process faults of `minisgl serve --http-port P` (a tiny model on the CPU), kill -9 included: a daemon's death ends
 its HTTP streams with each API's error event (OpenAI's SSE `data: {"error": ...}`, the Responses API's `error` event,
 Ollama's NDJSON error line), and `minisgl ps` then removes the socket, lock, registry entry and private directory it
-left; an HTTP server process that keeps failing stops its daemon loudly instead of restarting forever. (A killed HTTP
-server restarted on its port while a ZeroMQ stream beside it goes on is in test_faults_hostile.py.)"""
+left (and nothing of a live daemon's); an HTTP server process that keeps failing stops its daemon loudly instead of
+restarting forever. (A killed HTTP server restarted on its port while a ZeroMQ stream beside it goes on is in
+test_faults_hostile.py.)"""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ import httpx
 import pytest
 from tests.daemon_fixtures import daemon_runtime_dir, free_port, start_serve, wait_gone, wait_http  # noqa: F401 - fixtures
 
+from minisgl.runtime.registry import DaemonRecord, FileLock, Registry
 from minisgl.runtime.supervisor import Restarts
+from minisgl.runtime.transport import OWNER_LOCK, PRIVATE_PREFIX, remove_stale_private_dirs
 
 LONG = 400  # tokens: far more than a stream yields before the kill
 CHAT = [{"role": "user", "content": "hi"}]
@@ -37,6 +40,54 @@ def test_restarts_back_off_and_give_up_after_failures_in_a_row() -> None:
     assert [healthy.after_exit(1.0), healthy.after_exit(1.0)] == [0.5, 1.0]
     assert healthy.after_exit(3600.0) == 0.5  # a long run ends the row: a fresh start of the count
     assert healthy.after_exit(0.1) == 1.0
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_only_dead_daemons_private_directories_are_removed(tmp_path: Path) -> None:
+    dead = dead_pid()
+
+    def private(pid: int, lock: str | None = None) -> Path:
+        path = tmp_path / f"{PRIVATE_PREFIX}{pid}-{lock or 'nolock'}"
+        path.mkdir()
+        (path / "frontend.ipc").touch()
+        if lock is not None:
+            (path / OWNER_LOCK).touch()
+        return path
+
+    left = private(dead, "free")  # what a killed daemon leaves: its pid gone, its lock free
+    live = private(os.getpid(), "held")
+    held = private(dead, "held-elsewhere")  # a daemon of another pid namespace sharing the directory holds it
+    new = private(dead)  # made a moment ago: its daemon has not taken the lock yet
+    other = tmp_path / f"{PRIVATE_PREFIX}tp-{dead}-x"  # not a daemon's private directory
+    other.mkdir()
+    locks = [FileLock(path / OWNER_LOCK) for path in (live, held)]
+    assert all(lock.try_acquire() for lock in locks)
+    try:
+        assert remove_stale_private_dirs(tmp_path) == [left]
+    finally:
+        for lock in locks:
+            lock.release()
+    assert all(p.exists() for p in (live, held, new, other))
+
+
+def test_a_scan_leaves_a_dead_daemons_socket_to_the_daemon_starting_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    with tempfile.TemporaryDirectory(prefix="msgl-") as short:  # an ipc path must fit in 100 characters
+        monkeypatch.setenv("MINISGL_RUNTIME_DIR", short)
+        registry, sock = Registry(), Path(short) / "d.sock"
+        record = DaemonRecord(f"ipc://{sock}", "m", dead_pid(), {}, 1.0)
+        registry.add(record)
+        sock.touch()
+        starting = FileLock(Path(f"{sock}.lock"))
+        assert starting.try_acquire()  # a new daemon claimed the address and is about to bind it
+        assert registry.records() == [] and sock.exists() and starting.path.exists()
+        starting.release()
+        assert registry.records() == [] and not sock.exists() and not starting.path.exists()
+        assert registry.get(record.address) is None
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,7 @@ class PrivateDir:
 
 def remove_stale_private_dirs(root: Path | None = None) -> list[Path]:
     """Remove the private directories (in root, default: the temporary directory) that this user's daemons left when
-    they died: those whose lock is free, or (made before the lock existed) whose pid is gone. Others' are kept."""
+    they died: those whose pid is gone and whose lock is free (or missing, for a while). Other users' are kept."""
     removed = []
     for path in Path(root or tempfile.gettempdir()).glob(f"{PRIVATE_PREFIX}*-*"):
         pid = path.name[len(PRIVATE_PREFIX) :].partition("-")[0]
@@ -80,19 +80,18 @@ def remove_stale_private_dirs(root: Path | None = None) -> list[Path]:
         except OSError:
             continue  # removed meanwhile, or not ours to remove
         removed.append(path)
-    if removed:
-        logging.getLogger("minisgl").info("removed %d private director(ies) of dead daemons", len(removed))
+        logging.getLogger("minisgl").info("removed the private directory of a dead daemon: %s", path)
     return removed
 
 
 def _private_dir_is_stale(path: Path, pid: int, mtime: float) -> bool:
+    if pid_alive(pid):
+        return False  # its daemon, or a process that took its pid since: kept either way
     lock = FileLock(path / OWNER_LOCK)
     if lock.try_acquire(create=False):
-        lock.release()  # its daemon is dead: nobody else takes a private directory's lock
+        lock.release()  # no daemon holds it, in this pid namespace or another one sharing the directory
         return True
-    if (path / OWNER_LOCK).exists():
-        return False  # its daemon holds it
-    return not pid_alive(pid) and time.time() - mtime > UNLOCKED_GRACE_S
+    return not lock.path.exists() and time.time() - mtime > UNLOCKED_GRACE_S
 
 
 def pull(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
