@@ -73,7 +73,7 @@ class HttpChild:
             )
         self.due = time.monotonic() + delay
         logger.error(
-            "%s; %d of its requests were aborted; starting it again on %s in %gs (failure %d in a row of %d allowed)",
+            "%s; %d of its requests were aborted; starting it again on %s in %gs (restart %d of at most %d in a row)",
             what,
             aborted,
             self.url,
