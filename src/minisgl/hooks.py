@@ -1,10 +1,9 @@
 """The pluggy hook specification (project name "minisgl").
 
-Built-in architectures and attention backends register through these same hooks
-(minisgl.builtin_plugin), so the core has one path for everything: the plugin manager
-(minisgl.plugins) calls the registration hooks and fills minisgl.models.registry and
-minisgl.attention.registry. Third-party plugins are
-modules exposed in the "minisgl" entry-point group; each process that needs them loads them.
+The architecture and attention backend registries (minisgl.models.registry, minisgl.attention.registry)
+hold the built-ins; the plugin loader (minisgl.plugins), which sits above them, adds what the registration
+hooks return. Plugins are modules exposed in the "minisgl" entry-point group; each process that needs them
+loads them (the engine does, before it looks a model or backend up).
 """
 
 from __future__ import annotations
@@ -23,19 +22,19 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec
 def minisgl_register_architectures() -> dict[str, type]:
-    """Called once per process when the model registry is first used.
+    """Called once per process when the plugins load (the engine loads them before it builds the model).
 
     Return a mapping from a HF ``architectures`` name (e.g. "LlamaForCausalLM") to a model
     class constructed as ``cls(model_config)`` (or a "module:Class" reference to one, loaded on
     first use); see minisgl.models.llama for the protocol
     (forward(input_ids, positions) -> hidden, compute_logits(hidden), load_weights(iterable)).
-    Later registrations of the same name win (plugins load after the built-ins).
+    Later registrations of the same name win (a plugin's replaces a built-in).
     """
 
 
 @hookspec
 def minisgl_register_attention_backends() -> dict[str, Callable[..., Any]]:
-    """Called once per process when the attention backend registry is first used.
+    """Called once per process when the plugins load (with minisgl_register_architectures).
 
     Return a mapping from a backend name (as given to ``--attention-backend``) to a factory
     ``factory(model_config, kv_pool, page_table, device) -> AttentionBackend``.

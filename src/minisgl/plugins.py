@@ -1,8 +1,8 @@
-"""The process-wide plugin manager: built-ins first, then the "minisgl" entry-point group.
+"""The process-wide plugin manager: the "minisgl" entry-point group's plugins, added to the registries.
 
-When it starts it calls the registration hooks and fills the architecture and attention backend
-registries (minisgl.models.registry, minisgl.attention.registry); the registries import nothing
-of the plugins, so whoever looks a model or backend up starts the manager first.
+The registries (minisgl.models.registry, minisgl.attention.registry) hold the built-ins and import nothing
+of the plugins; this loader sits above them and adds what the plugins' registration hooks return. The engine
+starts it before it looks a model or backend up, and the scheduler asks it for the lifecycle hooks.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import pluggy
 
-from minisgl import builtin_plugin, hooks
+from minisgl import hooks
 from minisgl.attention import registry as attention_registry
 from minisgl.models import registry as model_registry
 
@@ -21,7 +21,6 @@ from minisgl.models import registry as model_registry
 def get_plugin_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(hooks.PROJECT)
     pm.add_hookspecs(hooks)
-    pm.register(builtin_plugin, name="minisgl.builtin")
     pm.load_setuptools_entrypoints(hooks.PROJECT)
     # pluggy calls the last registered first; register in reverse so later registrations win.
     for models in reversed(pm.hook.minisgl_register_architectures()):

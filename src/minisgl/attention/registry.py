@@ -1,10 +1,9 @@
 """The attention backend registry: a backend name (as given to ``--attention-backend``) -> its factory.
 
 A factory is called as ``factory(model_config, kv_pool, page_table, device)`` and returns an
-AttentionBackend. The plugin manager (minisgl.plugins) fills the registry from the
-minisgl_register_attention_backends hook; the built-ins below reach it through that same hook
-(minisgl.builtin_plugin). Each built-in factory imports its backend when called, so listing the
-backends never pulls in GPU-only packages.
+AttentionBackend. The registry holds the built-ins below; the plugin loader (minisgl.plugins, above this
+package) adds what the minisgl_register_attention_backends hook returns. Each built-in factory imports its
+backend when called, so listing the backends never pulls in GPU-only packages.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ BUILTIN_BACKENDS: dict[str, BackendFactory] = {
     "xqa": _xqa_backend,
 }
 
-_registered: dict[str, BackendFactory] = {}
+_registered: dict[str, BackendFactory] = dict(BUILTIN_BACKENDS)
 
 
 def register_backend(name: str, factory: BackendFactory) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from minisgl import plugins
 from minisgl.attention.context import get_context
 from minisgl.config import CPU_QUANTIZATIONS, EngineConfig
 from minisgl.core import Batch, Req
@@ -40,7 +41,6 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 class Engine:
     def __init__(self, config: EngineConfig, model_source: Any = None) -> None:
-        from minisgl import plugins
         from minisgl.engine.sampler import Sampler
         from minisgl.kvcache.table import TableManager
 
@@ -57,6 +57,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
+        plugins.get_plugin_manager()  # the plugins' architectures and backends added before any is looked up
         self._load_model(model_source)
 
         mc = self.model_config

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from minisgl import env, plugins
+from minisgl import env
 from minisgl.errors import ModelLoadError, UnknownArchitectureError, UnknownModelError, WeightsError
 from minisgl.layers.fp8 import checkpoint_quantization, with_fp8_weights
 from minisgl.models.config import ModelConfig, architecture_of
@@ -201,6 +201,9 @@ def load_model(
 ) -> tuple["nn.Module", ModelConfig]:
     """Build the registered model for a dir / .gguf / alias / hub id, or a live transformers model.
 
+    The architecture is looked up in the registry: the built-ins, and the plugins' once minisgl.plugins has
+    loaded them (the engine does, before it calls this).
+
     A live PreTrainedModel contributes its config and current state_dict (in-memory fine-tunes
     included). An FP8 checkpoint (quantization_config.quant_method "fp8") is dequantized into dtype.
     load_format "dummy" skips the weights files and fills parameters with small random values
@@ -219,7 +222,6 @@ def load_model(
         weights = iter_weights(model_dir)
     architecture = architecture or architecture_of(hf_config)
     fp8 = checkpoint_quantization(hf_config)  # an unsupported method fails before any weight is read
-    plugins.get_plugin_manager()  # the plugins' architectures registered
     cls = get_model_class(architecture)  # before reading the config: an unknown one fails naming the registered ones
     config = ModelConfig.from_hf(hf_config, generation_config, architecture=architecture)
     device = torch.device(device)

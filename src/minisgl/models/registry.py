@@ -1,9 +1,8 @@
 """The architecture registry: a HF ``architectures`` name -> the model class that runs it.
 
-The plugin manager (minisgl.plugins) fills it from the minisgl_register_architectures hook; the
-built-ins below reach it through that same hook (minisgl.builtin_plugin). A model is registered as
-its class or as a "module:Class" reference (as entry points are), imported on first use, so the
-registry imports no model.
+It holds the built-ins below; the plugin loader (minisgl.plugins, above this package) adds what the
+minisgl_register_architectures hook returns. A model is registered as its class or as a "module:Class"
+reference (as entry points are), imported on first use, so the registry imports no model.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "minisgl.models.moe:MoeForCausalLM",
 }
 
-_registered: dict[str, Any] = {}  # name -> class or "module:Class"
+_registered: dict[str, Any] = dict(BUILTIN_ARCHITECTURES)  # name -> class or "module:Class"
 
 
 def register_architecture(name: str, model: type | str) -> None:
