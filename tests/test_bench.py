@@ -304,3 +304,29 @@ def test_tp_profile_of_one_rank_writes_its_summary_table_and_timeline(tiny_model
     with gzip.open(tmp_path / "rank0.trace.json.gz") as f:
         events = json.load(f)["traceEvents"]
     assert any(e.get("name", "").startswith("aten::") for e in events)  # the steps' torch ops, timed
+
+
+def test_agents_profile_tool_accounts_for_every_token_through_the_step_hooks(tiny_model_dir, tmp_path, capsys):
+    """tools/device/agents_profile.py on the CPU: its steps, seen through the plugin hooks, add up to the tokens the
+    workload's own outputs report (prefill computed = prompt - cached; one decode token per output after the first)."""
+    import runpy
+    from pathlib import Path
+
+    from minisgl import plugins
+
+    tool = runpy.run_path(str(Path(__file__).parents[1] / "tools/device/agents_profile.py"), run_name="agents_profile")
+    out = tmp_path / "profile.json"
+    k, t = 2, 2
+    argv = ["--model", str(tiny_model_dir("llama")), "--device", "cpu", "-k", str(k), "-t", str(t)]
+    tool["main"]([*argv, "--system-len", "32", "--tool-len", "8", "--output-len", "4", "--timeline", "1"])
+    tool["main"]([*argv, "--system-len", "32", "--tool-len", "8", "--output-len", "4", "--out", str(out)])
+    assert not plugins.get_plugin_manager().has_plugin("agents-profile")  # unregistered after the run
+    printed = capsys.readouterr().out
+    assert "TTFT by turn (ms): turn 0: n 2" in printed and "turn 1: submits over" in printed
+    res = json.loads(out.read_text())
+    summary, steps = res["summary"], res["steps"]
+    assert sum(s["tokens"] for s in steps if s["prefill"]) == summary["prefill_tokens_computed"]
+    assert sum(s["tokens"] for s in steps if not s["prefill"]) == summary["output_tokens"] - k * t
+    assert len(res["ttft_s"]) == k * t and all(v > 0 for v in res["ttft_s"].values())
+    assert all(s["schedule_s"] >= 0 and s["launch_s"] > 0 for s in steps)
+    assert sum(r["steps"] for r in res["by_kind"].values()) == len(steps)
