@@ -170,7 +170,7 @@ def make_prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
 
 def release_gpu() -> None:
     """Give a dropped engine's KV pool and graphs back (the forward context still points at them)."""
-    from minisgl.attention.context import get_context
+    from minisgl.layers.context import get_context
 
     ctx = get_context()
     ctx.attn_backend = ctx.kv_pool = None

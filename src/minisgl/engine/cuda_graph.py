@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minisgl.attention.context import get_context
 from minisgl.core import Batch, Phase
+from minisgl.layers.context import get_context
 from minisgl.layers.embedding import ParallelLMHead
 
 if TYPE_CHECKING:

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 
 from minisgl import plugins
-from minisgl.attention.context import get_context
 from minisgl.config import CPU_QUANTIZATIONS, EngineConfig
 from minisgl.core import Batch, Req
 from minisgl.errors import ConfigError
 from minisgl.kvcache.pool import FP8_DTYPES, KVPool
+from minisgl.layers.context import get_context
 from minisgl.layers.fused import FLASHINFER_HEAD_DIMS
 
 logger = logging.getLogger("minisgl")

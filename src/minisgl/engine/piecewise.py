@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from minisgl.attention.context import get_context
 from minisgl.core import Batch, Phase
+from minisgl.layers.context import get_context
 
 if TYPE_CHECKING:
     from torch import nn

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from minisgl.attention.context import get_context
+from minisgl.layers.context import get_context
 from minisgl.layers.fused_qkv import usable as fused_qkv_usable
 
 if TYPE_CHECKING:

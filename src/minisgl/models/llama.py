@@ -16,7 +16,6 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from minisgl.attention.context import get_context
 from minisgl.errors import ModelLoadError, WeightsError
 from minisgl.layers import (
     AttentionLayer,
@@ -29,6 +28,7 @@ from minisgl.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
+from minisgl.layers.context import get_context
 from minisgl.layers.fused_qkv import fused_qkv
 from minisgl.layers.moe import FusedMoE
 from minisgl.models.config import ModelConfig
