@@ -1,4 +1,4 @@
-"""Imports point one way: adapters -> the public `minisgl` API -> runtime -> engine -> kernels (issue 16).
+"""Imports run down the layers (LAYERS below, docs/ARCHITECTURE.md's list; issues 16 and 49).
 
 Read with `ast`, nothing is imported. Graphs over src/minisgl and integrations/:
 - module level: what importing a module runs (imports in functions and under TYPE_CHECKING left out);
@@ -8,10 +8,14 @@ Read with `ast`, nothing is imported. Graphs over src/minisgl and integrations/:
 No graph may hold a loop (a loop of type-only or lazy imports still ties the modules into one knot),
 and no edge of the run-time graph may point up a layer. An edge goes to the module an import names:
 relative imports are resolved, and `from pkg import name` points at pkg.name where that is a module.
+Package `__init__` modules are followed as Python runs them: importing pkg.sub.mod runs pkg/__init__ and
+pkg/sub/__init__ first (an edge to each package the importer is not inside), and `from pkg import name`, where
+pkg's `__init__` re-exports name, also points at the module that defines it.
 Names loaded through importlib by string (minisgl.__getattr__'s _LAZY, a plugin's "module:Class"
 reference) are a facade, not an edge: the module naming them does not depend on the code behind them.
 Adapters (integrations/*) import from minisgl only the names in `minisgl.__all__` (the error classes
-included: `minisgl` re-exports them).
+included: `minisgl` re-exports them); an adapter's benchmark (its `bench` module, run by `minisgl bench`) is a
+tool and may use minisgl's tool modules, under the layer rule like every module.
 """
 
 from __future__ import annotations
@@ -26,22 +30,35 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = (ROOT / "src", ROOT / "integrations")
 ADAPTERS = ("langchain_minisgl", "litellm_minisgl", "transformers_minisgl")
 
-# Lowest first; a module belongs to the longest prefix that names it. A module may import its own
-# layer and those below, never one above.
+# Lowest first (docs/ARCHITECTURE.md, "Layers"); a module belongs to the longest prefix that names it. A module
+# may import its own layer and those below, never one above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # runtime.protocol is the typed wire format (msgpack): data only, spoken by the TP ranks and the daemon alike.
     (
-        "foundation",
-        ("minisgl", "minisgl.errors", "minisgl.config", "minisgl.core", "minisgl.hooks", "minisgl.runtime.protocol"),
+        "nouns",
+        (
+            "minisgl",
+            "minisgl.errors",
+            "minisgl.env",
+            "minisgl.config",
+            "minisgl.core",
+            "minisgl.lifetime",
+            "minisgl.hooks",
+        ),
     ),
-    ("text", ("minisgl.tokenizer", "minisgl.structured", "minisgl.limits")),
-    ("kernels", ("minisgl.layers", "minisgl.attention", "minisgl.kvcache", "minisgl.distributed")),
-    ("models", ("minisgl.models", "minisgl.plugins", "minisgl.builtin_plugin")),
-    ("engine", ("minisgl.engine", "minisgl.scheduler", "minisgl.distributed.launch")),
-    ("runtime", ("minisgl.runtime",)),
-    ("public API", ("minisgl.client", "minisgl.llm")),
-    ("front ends", ("minisgl.server", *ADAPTERS)),
-    ("tools", ("minisgl.cli", "minisgl.__main__", "minisgl.bench")),
+    (
+        "tensor-parallel group, grammars",
+        ("minisgl.distributed", "minisgl.structured", "minisgl.tokenizer", "minisgl.limits"),
+    ),
+    ("kvcache", ("minisgl.kvcache",)),
+    ("layers", ("minisgl.layers",)),
+    ("models, attention", ("minisgl.models", "minisgl.attention")),
+    ("plugins", ("minisgl.plugins",)),
+    ("engine", ("minisgl.engine",)),
+    ("scheduler", ("minisgl.scheduler",)),
+    ("runtime", ("minisgl.runtime", "minisgl.llm")),
+    ("client, server", ("minisgl.client", "minisgl.server")),
+    ("cli, bench", ("minisgl.cli", "minisgl.__main__", "minisgl.bench")),
+    ("adapters", ADAPTERS),
 ]
 
 # Adapter imports of minisgl internals that are known debt, each with its reason (none today).
@@ -104,17 +121,42 @@ class Graph:
         self.modules = _modules(sources)
         self.edges: dict[str, dict[str, int]] = {}  # module -> {imported module: line}
         self.names: dict[str, list[tuple[str, str | None, int]]] = {}
+        packages = {mod for mod, path in self.modules.items() if path.name == "__init__.py"}
         for mod, path in self.modules.items():
-            imports = _imports(ast.parse(path.read_text()), mod, path.name == "__init__.py", lazy, type_checking)
+            imports = _imports(ast.parse(path.read_text()), mod, mod in packages, lazy, type_checking)
             self.names[mod] = imports
+        for mod in self.modules:
             deps: dict[str, int] = {}
-            for target, name, line in imports:
-                if name is not None and f"{target}.{name}" in self.modules:
-                    deps.setdefault(f"{target}.{name}", line)
-                elif target in self.modules:
-                    deps.setdefault(target, line)
+            for target, name, line in self.names[mod]:
+                full = f"{target}.{name}" if name is not None else target
+                targets = [full] if full in self.modules else [target, *self._defined_in(target, name, packages)]
+                for dep in targets:
+                    for pkg in _packages_run(dep, mod, packages):
+                        deps.setdefault(pkg, line)
+                    if dep in self.modules:
+                        deps.setdefault(dep, line)
             deps.pop(mod, None)
             self.edges[mod] = deps
+
+    def _defined_in(self, package: str, name: str | None, packages: set[str], depth: int = 0) -> list[str]:
+        """The module(s) a package's `__init__` re-exports `name` from, followed through re-exports."""
+        if package not in packages or name is None or depth > 8:
+            return []
+        found = []
+        for target, imported, _ in self.names[package]:
+            if imported == name:
+                full = f"{target}.{name}"
+                source = full if full in self.modules else target
+                if source in self.modules and source != package:
+                    found += [source, *self._defined_in(source, name, packages, depth + 1)]
+        return found
+
+
+def _packages_run(target: str, importer: str, packages: set[str]) -> list[str]:
+    """The package `__init__`s importing target runs first: its parents the importer is not inside."""
+    parts = target.split(".")
+    inside = {".".join(importer.split(".")[:i]) for i in range(1, importer.count(".") + 2)}
+    return [p for i in range(1, len(parts)) if (p := ".".join(parts[:i])) in packages and p not in inside]
 
 
 def find_cycle(edges: dict[str, dict[str, int]] | dict[str, set[str]]) -> list[str] | None:
@@ -140,9 +182,9 @@ def find_cycle(edges: dict[str, dict[str, int]] | dict[str, set[str]]) -> list[s
     return None
 
 
-def layer_of(module: str) -> int | None:
+def layer_of(module: str, layers: list[tuple[str, tuple[str, ...]]] = LAYERS) -> int | None:
     best: tuple[int, int] | None = None  # (prefix length, layer)
-    for rank, (_, prefixes) in enumerate(LAYERS):
+    for rank, (_, prefixes) in enumerate(layers):
         for prefix in prefixes:
             if module == prefix or module.startswith(prefix + "."):
                 if best is None or len(prefix) > best[0]:
@@ -171,15 +213,19 @@ def test_every_module_has_a_layer() -> None:
     assert [m for m in _modules() if layer_of(m) is None] == []
 
 
-def test_imports_point_down() -> None:
-    graph = Graph(lazy=True, type_checking=False)  # a type-only import may name a type from above
-    upward = [
-        f"{mod} ({LAYERS[layer_of(mod)][0]}) imports {dep} ({LAYERS[layer_of(dep)][0]}) at line {line}"
+def upward_imports(graph: Graph, layers: list[tuple[str, tuple[str, ...]]] = LAYERS) -> list[str]:
+    """Each edge that points up a layer, as 'mod (layer) imports dep (layer) at line n'."""
+    rank = {mod: layer_of(mod, layers) for mod in graph.modules}
+    return [
+        f"{mod} ({layers[rank[mod]][0]}) imports {dep} ({layers[rank[dep]][0]}) at line {line}"  # type: ignore[index]
         for mod, deps in sorted(graph.edges.items())
         for dep, line in sorted(deps.items())
-        if layer_of(dep) > layer_of(mod)  # type: ignore[operator]
+        if rank[dep] > rank[mod]  # type: ignore[operator]
     ]
-    assert upward == []
+
+
+def test_imports_point_down() -> None:
+    assert upward_imports(Graph(lazy=True, type_checking=False)) == []  # a type-only import may name a type from above
 
 
 def test_adapters_use_only_the_public_api() -> None:
@@ -190,7 +236,7 @@ def test_adapters_use_only_the_public_api() -> None:
     bad = []
     for mod, imports in sorted(graph.names.items()):
         adapter = mod.split(".")[0]
-        if adapter not in ADAPTERS:
+        if adapter not in ADAPTERS or mod == f"{adapter}.bench":  # a benchmark is a tool (see the docstring)
             continue
         for target, name, line in imports:
             if target.split(".")[0] != "minisgl" or (adapter, target, name) in ADAPTER_EXCEPTIONS:
@@ -206,7 +252,7 @@ def test_the_checks_catch_violations() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a", "c"}}) is None
     assert layer_of("minisgl.runtime.daemon") > layer_of("minisgl.engine.engine")  # type: ignore[operator]
-    assert layer_of("minisgl.distributed.launch") > layer_of("minisgl.distributed")  # type: ignore[operator]
+    assert layer_of("minisgl.plugins") > layer_of("minisgl.models.registry") > layer_of("minisgl.layers")  # type: ignore[operator]
     assert layer_of("minisgl.server.app") > layer_of("minisgl.runtime.daemon")  # type: ignore[operator]
     tree = ast.parse(
         "import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a.b\n"
@@ -252,3 +298,38 @@ def test_adapters_do_not_reach_into_the_engine():
         if isinstance(node, ast.Attribute) and node.attr in private
     ]
     assert not reached, reached
+
+
+# A synthetic tree for the checker itself: pkg.models's __init__ re-exports its loader, which loads plugins.
+SYNTHETIC_LAYERS = [("nouns", ("pkg", "pkg.core")), ("models", ("pkg.models",)), ("plugins", ("pkg.plugins",))]
+SYNTHETIC = {
+    "pkg/__init__.py": "",
+    "pkg/core.py": "",
+    "pkg/models/__init__.py": "from pkg.models.loader import load\n",
+    "pkg/models/registry.py": "from pkg.core import *\n",
+    "pkg/models/loader.py": "def load():\n    pass\n",
+    "pkg/plugins.py": "from pkg.models import registry\n",
+}
+
+
+def test_a_circle_through_a_package_init_is_found(tmp_path):
+    """pkg.models (__init__) -> its loader -> pkg.plugins -> pkg.models.registry, whose import runs pkg.models first."""
+    _write_package(tmp_path, {**SYNTHETIC, "pkg/models/loader.py": "from pkg import plugins\n"})
+    graph = Graph(lazy=False, sources=[tmp_path])
+    assert find_cycle(graph.edges) == ["pkg.models", "pkg.models.loader", "pkg.plugins", "pkg.models"]
+    assert upward_imports(graph, SYNTHETIC_LAYERS) == [
+        "pkg.models.loader (models) imports pkg.plugins (plugins) at line 1"
+    ]
+    _write_package(tmp_path, SYNTHETIC)  # the loader no longer loads the plugins: no circle, nothing climbs
+    graph = Graph(lazy=False, sources=[tmp_path])
+    assert find_cycle(graph.edges) is None and upward_imports(graph, SYNTHETIC_LAYERS) == []
+
+
+def test_an_upward_import_through_a_re_export_is_found(tmp_path):
+    """pkg.core imports a name pkg.models's __init__ re-exports: it climbs to pkg.models and to its loader."""
+    _write_package(tmp_path, {**SYNTHETIC, "pkg/core.py": "def f():\n    from pkg.models import load\n"})
+    assert upward_imports(Graph(lazy=True, sources=[tmp_path]), SYNTHETIC_LAYERS) == [
+        "pkg.core (nouns) imports pkg.models (models) at line 2",
+        "pkg.core (nouns) imports pkg.models.loader (models) at line 2",
+    ]
+    assert upward_imports(Graph(lazy=False, sources=[tmp_path]), SYNTHETIC_LAYERS) == []  # lazy: run time only

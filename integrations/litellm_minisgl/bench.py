@@ -49,6 +49,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import litellm
+
+import litellm_minisgl
+from litellm_minisgl.routing import CacheAwareRouting, RoundRobinRouting
+from minisgl.lifetime import parent_env
+from minisgl.runtime.launcher import stop_daemon, wait_ready
+
 WORDS = (
     "account address agent answer archive batch budget buffer cache call check city client cluster code column "
     "config context count customer data database date debug deploy device document domain driver email engine "
@@ -98,11 +105,6 @@ def make_agents(args: argparse.Namespace, salt: str) -> list[list[dict[str, str]
 
 
 async def run_policy(policy: str, addresses: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    import litellm
-
-    import litellm_minisgl
-    from litellm_minisgl.routing import CacheAwareRouting, RoundRobinRouting
-
     litellm_minisgl.register()
     deployments = addresses[:1] if policy == "single" else addresses
     model_list = [
@@ -173,8 +175,6 @@ def free_port() -> int:
 
 
 def start_daemons(args: argparse.Namespace, runtime_dir: Path) -> tuple[list[str], list[subprocess.Popen]]:
-    from minisgl.lifetime import parent_env
-    from minisgl.runtime.launcher import wait_ready
 
     os.environ["MINISGL_RUNTIME_DIR"] = str(runtime_dir)
     addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
@@ -201,7 +201,6 @@ def start_daemons(args: argparse.Namespace, runtime_dir: Path) -> tuple[list[str
 
 
 def stop_daemons(addresses: list[str], procs: list[subprocess.Popen]) -> None:
-    from minisgl.runtime.launcher import stop_daemon
 
     for address, proc in zip(addresses, procs):
         try:

@@ -21,14 +21,21 @@ Two prompt sets, both greedy and one left-padded batch, as a transformers user w
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import time
 from typing import Any, Callable
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from minisgl import SamplingParams
 from minisgl.bench import write_json
+from minisgl.bench.offline import make_prompts
+from minisgl.models.loader import resolve_model
+from transformers_minisgl import patch_generate
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -86,11 +93,10 @@ def answer_tokens(new: torch.Tensor, eos: int | list[int] | None) -> int:
 
 def engine_alone(model: object, prompts: list[list[int]], output_len: int, on_cuda: bool) -> None:
     """The patched model's own engine through LLM.generate on the same prompts: the floor for the patched call."""
-    from minisgl import SamplingParams
 
     llm = model._minisgl_generate.llm  # type: ignore[attr-defined]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.scheduler.reset_prefix_cache()  # the patched call cached these prompts
+    llm.reset_prefix_cache()  # the patched call cached these prompts
     t0 = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     if on_cuda:
@@ -126,11 +132,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _bench_prompts(args: argparse.Namespace, model_dir: Any, vocab_size: int) -> list[list[int]]:
     """The token prompts of --prompt-set: chat questions, the offline bench's random lengths, or fixed-length ones."""
-    from minisgl.bench.offline import make_prompts
 
     if args.prompt_set == "chat":
-        from transformers import AutoTokenizer
-
         return chat_prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.num_prompts)
     if args.prompt_set == "offline":
         random.seed(0)
@@ -140,8 +143,6 @@ def _bench_prompts(args: argparse.Namespace, model_dir: Any, vocab_size: int) ->
 
 def _profiled(timed_run: Callable[[], tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, float]:
     """timed_run under cProfile; prints the 25 costliest functions by own time."""
-    import cProfile
-    import pstats
 
     prof = cProfile.Profile()
     prof.enable()
@@ -152,10 +153,6 @@ def _profiled(timed_run: Callable[[], tuple[torch.Tensor, float]]) -> tuple[torc
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
-    from minisgl.models.loader import resolve_model
-    from transformers_minisgl import patch_generate
 
     on_cuda = args.device.startswith("cuda")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if on_cuda else torch.float32)
@@ -197,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.repeat):
         hf_out, elapsed = timed("transformers", hf_generate)
         hf_times.append(elapsed)
-        state.llm.scheduler.reset_prefix_cache()  # every timed run starts cold, like the first
+        state.llm.reset_prefix_cache()  # every timed run starts cold, like the first
         if args.profile:
             ms_out, elapsed = _profiled(lambda: timed("minisgl", model.generate))
             engine_alone(model, prompts, args.output_len, on_cuda)
