@@ -31,7 +31,7 @@ PARSE_IN_THREAD_BYTES = 256 * 2**10  # parsing a larger body would hold the even
 BODY_SHAPE = "minisgl.body_shape"  # the scope key of RequestGuard's scan of a large body
 _PROMPT_ID_FIELDS = ("prompt", "input", "input_ids")  # a prompt of token ids (or a batch of them) in some API
 _ID_FIELDS = (*_PROMPT_ID_FIELDS, "tokens")  # token ids: /detokenize's too
-_PROMPT_FIELDS = ("prompt", "input", "input_ids", "text", "messages")  # what the tokenizer reads
+_PROMPT_FIELDS = ("prompt", "input", "input_ids", "messages")  # what the tokenizer reads (and SGLang's "text")
 _CLAMPED = frozenset({"max_tokens", "max_completion_tokens", "max_new_tokens", "max_output_tokens", "num_predict"})
 _SPARE_NUMBERS = 65536  # numbers a body may hold besides its prompts, its logit_bias and stop_token_ids
 
@@ -151,7 +151,7 @@ def check_body(body: Any, facts: ModelFacts | None, route: str) -> None:
     for name in _ID_FIELDS:
         _check_ids(body.get(name), name, vocab)
     truncated = route == "/api/embed" and body.get("truncate", True) is not False  # Ollama cuts what is too long
-    for name in _PROMPT_FIELDS:
+    for name in (*_PROMPT_FIELDS, "text") if route == "/generate" else _PROMPT_FIELDS:
         if body.get(name) is not None and not (truncated and name == "input"):
             _check_prompt(body[name], name, facts.context_length)
 
