@@ -36,14 +36,14 @@ MB = 2**20
 WORDS = ["hello", "world", "token", "the", "of", "inference", "\n", "  ", "1234", "é", "日本", "🙂"]
 
 
-def words(n: int, seed: int = 0) -> str:
+def words(n: int, seed: int = 0, vocabulary: list[str] = WORDS) -> str:
     """n characters of mixed text (ASCII, whitespace runs, accents, CJK, emoji)."""
     import random
 
     rng = random.Random(seed)
     out, size = [], 0
     while size < n:
-        out.append(rng.choice(WORDS) + " ")
+        out.append(rng.choice(vocabulary) + " ")
         size += len(out[-1])
     return "".join(out)[:n]
 
@@ -139,6 +139,34 @@ def test_a_30_mb_prompt_is_refused_by_the_bound_in_milliseconds(tokenizer):
         with pytest.raises(errors.PromptTooLongError, match="max_chars_per_token"):
             preparer.prepare(msg)
         assert time.monotonic() - t0 < 2.0  # tokenizing it takes about a minute
+
+
+def test_the_pool_measures_a_message_before_decoding_its_text_with_the_same_outcome(tokenizer):
+    """A large message is measured with its text still UTF-8 bytes (no decode): the same refusals as decoded."""
+    from minisgl.limits import chars_of
+    from minisgl.runtime.protocol import encode
+    from minisgl.runtime.text_worker import TextWorker
+
+    mixed = words(100_000)
+    assert chars_of(mixed.encode()) == len(mixed) == chars_of(mixed)
+    preparer = preparer_of(tokenizer, 64)
+    limit = 63 * preparer.char_bound.chars_per_token
+    cases = {
+        "bound": Generate("r", prompt=mixed[: limit + 1]),
+        "bound ": Generate("r", messages=[{"role": "user", "content": mixed[:limit]}]),
+        "tokens but": Generate("r", prompt=mixed[:200]),
+        "": Generate("r", prompt=mixed[:20]),
+    }
+    for words_of_outcome, msg in cases.items():
+        outcomes = []
+        for prepare in (lambda: preparer.prepare(msg), lambda: TextWorker._prepare(preparer, encode(msg))):
+            try:
+                outcomes.append(prepare().input_ids)
+            except errors.PromptTooLongError as e:
+                outcomes.append(str(e))
+        assert outcomes[0] == outcomes[1], outcomes
+        expected = "max_chars_per_token" if words_of_outcome.startswith("bound") else words_of_outcome
+        assert expected in str(outcomes[0]) if expected else isinstance(outcomes[0], list), outcomes[0]
 
 
 def bpe_tokenizer(normalizer: Any = None, pre_tokenizer: Any = None, model: str = "BPE") -> Any:
@@ -307,7 +335,9 @@ def big_request(case: str) -> tuple[Any, str]:
     if case == "30 MB prompt":
         return "x" * 30 * MB, "max_chars_per_token"
     if case == "30 MB of chat messages":
-        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": words(30 * MB)}]
+        # ASCII: 30 MB of emoji and CJK take 4x longer to decode from UTF-8, in the daemon's loop as here
+        content = words(30 * MB, vocabulary=[w for w in WORDS if w.isascii()])
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": content}]
         return messages, "max_chars_per_token"
     assert case == "2 MB prompt the bound lets through"  # the text worker tokenizes it, then counts its tokens
     return words(2 * MB), "tokens but the context window is 512"

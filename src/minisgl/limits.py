@@ -84,7 +84,7 @@ def text_chars(value: Any, limit: int) -> int:
     while stack and total <= limit:
         item = stack.pop()
         if isinstance(item, (str, bytes)):
-            total += max(len(item), 1)
+            total += max(chars_of(item), 1)
         elif isinstance(item, (list, tuple, dict)):
             total += 1
             if len(item) > limit - total:  # each element counts at least one: past the limit without a look
@@ -93,3 +93,12 @@ def text_chars(value: Any, limit: int) -> int:
         else:
             total += 1
     return total
+
+
+_UTF8_CONTINUATION = bytes(range(0x80, 0xC0))
+
+
+def chars_of(text: str | bytes) -> int:
+    """The characters of a str, or of UTF-8 bytes (a message's text before it is decoded): every byte but the
+    continuation bytes starts one."""
+    return len(text) if isinstance(text, str) else len(text.translate(None, _UTF8_CONTINUATION))

@@ -229,8 +229,13 @@ class TextWorker:
 
     @staticmethod
     def _prepare(preparer: RequestPreparer, msg: bytes | Generate | Tokenize | Detokenize) -> Any:
-        """The AddRequest, TokenizeReply or DetokenizeReply of a request (or of its bytes)."""
-        msg = decode(msg) if isinstance(msg, bytes) else msg
+        """The AddRequest, TokenizeReply or DetokenizeReply of a request (or of its bytes, measured before decoding)."""
+        if isinstance(msg, bytes):
+            wire = msgpack.unpackb(msg, raw=True, strict_map_key=False)  # text stays bytes: a copy, no UTF-8 decode
+            if isinstance(wire, list) and len(wire) > 2 and wire[1] == Generate.TAG.encode():  # type: ignore[attr-defined]
+                preparer.measure(dict(zip(Generate._fields, wire[2:])))
+            del wire
+            msg = decode(msg)
         if isinstance(msg, Generate):
             return preparer.prepare(msg)
         return preparer.tokenize(msg) if isinstance(msg, Tokenize) else preparer.detokenize(msg)

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError, PromptTooLongError
-from minisgl.limits import RequestLimits, text_chars
+from minisgl.limits import RequestLimits, chars_of, text_chars
 from minisgl.runtime.protocol import AddRequest, Detokenize, DetokenizeReply, Generate, Tokenize, TokenizeReply
 from minisgl.tokenizer import apply_chat_template, encode_prompt, render_chat_template
 
@@ -64,10 +64,11 @@ class CharBound(NamedTuple):
     chars_per_token: int | None
     count_whitespace: bool = True  # False: an added token absorbs the whitespace beside it (lstrip/rstrip)
 
-    def fewest_tokens(self, text: str) -> int:
-        if self.chars_per_token is None:
-            return 0
-        chars = len(text) if self.count_whitespace else len(text) - sum(map(len, _WHITESPACE.findall(text)))
+    def fewest_tokens(self, text: str | bytes) -> int:
+        """The fewest tokens a text (a str, or its UTF-8 bytes) can make: 0 where no bound holds."""
+        if self.chars_per_token is None or (isinstance(text, bytes) and not self.count_whitespace):
+            return 0  # (the whitespace of UTF-8 bytes is not counted: measured once decoded)
+        chars = chars_of(text) if self.count_whitespace else len(text) - sum(map(len, _WHITESPACE.findall(text)))
         return -(-chars // self.chars_per_token)
 
     @classmethod
@@ -143,9 +144,7 @@ class RequestPreparer:
         given = [name for name in ("prompt", "input_ids", "messages") if getattr(msg, name) is not None]
         if len(given) != 1:
             raise InvalidRequestError(f"give exactly one of prompt, input_ids and messages (got {given or 'none'})")
-        if isinstance(msg.input_ids, list):
-            self._check_fits(len(msg.input_ids))  # before a look at each id
-        self.limits.check_request_chars(msg.prompt, msg.input_ids, msg.messages, msg.tools, msg.chat_template_kwargs)
+        self.measure(msg._asdict())  # before a look at each token id, any rendering or tokenizing
         if msg.embed is not False:
             self._check_embed(msg)
             params = SamplingParams.for_embedding()
@@ -186,9 +185,8 @@ class RequestPreparer:
         return AddRequest(msg.rid, input_ids, params.to_dict(), detok, msg.embed)
 
     def _input_ids(self, msg: Generate, tools: list[dict[str, Any]]) -> list[int]:
-        """The prompt's token ids; a text is measured against the context (CharBound) before it is tokenized."""
+        """The prompt's token ids (measure() has bounded the prompt or the messages; a rendered text is measured)."""
         if msg.messages is not None:
-            self._check_messages_fit(msg.messages)
             text = render_chat_template(
                 self.tokenizer,
                 msg.messages,
@@ -196,22 +194,33 @@ class RequestPreparer:
                 tool_choice=msg.tool_choice or "auto",
                 chat_template_kwargs=msg.chat_template_kwargs,
             )
-            self._check_text_fits(text)
+            self._check_text_fits(text)  # measured as rendered, too
             return self.tokenizer.encode(text, add_special_tokens=False)
         if msg.prompt is not None:
             if not isinstance(msg.prompt, str):
                 raise InvalidRequestError(f"prompt must be a string, got {type(msg.prompt).__name__}")
-            self._check_text_fits(msg.prompt)
             return encode_prompt(self.tokenizer, msg.prompt)
         if not isinstance(msg.input_ids, list):
             raise InvalidRequestError("input_ids must be a list of token ids")
         return encode_prompt(self.tokenizer, msg.input_ids)
 
-    def _check_text_fits(self, text: str) -> None:
+    def measure(self, fields: dict[str, Any]) -> None:
+        """The size checks of prepare() on a Generate's fields as the wire has them, text still UTF-8 bytes: a
+        request refused here is never decoded (30 MB of text take up to 0.6 s to decode, holding the GIL)."""
+        if isinstance(fields.get("input_ids"), list):
+            self._check_fits(len(fields["input_ids"]))
+        names = ("prompt", "input_ids", "messages", "tools", "chat_template_kwargs")
+        self.limits.check_request_chars(*(fields.get(name) for name in names))
+        if isinstance(fields.get("prompt"), (str, bytes)):
+            self._check_text_fits(fields["prompt"])
+        if fields.get("messages") is not None:
+            self._check_messages_fit(fields["messages"])
+
+    def _check_text_fits(self, text: str | bytes) -> None:
         fewest = self.char_bound.fewest_tokens(text)
         if fewest >= self.context_length:
             raise PromptTooLongError(
-                f"the prompt has {len(text)} characters, at least {fewest} tokens at up to "
+                f"the prompt has {chars_of(text)} characters, at least {fewest} tokens at up to "
                 f"{self.char_bound.chars_per_token} characters per token (max_chars_per_token), but the context "
                 f"window is {self.context_length} tokens: shorten the prompt"
             )
