@@ -14,12 +14,12 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
+from tests.daemon_fixtures import daemon_runtime_dir, free_port, start_serve, wait_http  # noqa: F401 - fixtures
 
 from minisgl.config import EngineConfig
 from minisgl.distributed import auth
 from minisgl.distributed.auth import AuthError, load_secret, sign
 from minisgl.distributed.channel import ChannelPlace, Hub, Spoke, TPEvent, TPOps
-from minisgl.distributed.launch import free_port
 
 SECRET = b"0123456789abcdef-the-engine-secret"
 
@@ -214,6 +214,19 @@ def _listening_ports(pids: list[int]) -> list[tuple[str, int]]:
     return sorted(out)
 
 
+def _speaks_store_protocol(host: str, port: int) -> bool:
+    """Whether a torch TCPStore answers there: one would hand anyone its keys (and so a queue of ops)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=2)).check(["minisgl"])
+        return True
+    except Exception:  # noqa: BLE001 - not a store, in whatever way
+        return False
+
+
 class _Foreigner:
     """A local user without the secret: connects to every port again and again, sends junk, reads what comes."""
 
@@ -242,32 +255,61 @@ class _Foreigner:
             s.close()
 
 
-def test_a_foreign_client_on_every_tcp_port_of_a_tp2_engine_neither_reads_an_op_nor_delays_a_step(tiny_model_dir):
-    from minisgl import LLM, SamplingParams
+def _stream_gaps(client, prompt: list[int], params) -> tuple[list[int], float]:
+    """A stream's tokens and its largest gap between two chunks."""
+    tokens, gaps, last = [], [], time.perf_counter()
+    for chunk in client.stream(prompt, params):
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+        tokens.extend(chunk.token_ids)
+    return tokens, max(gaps[1:], default=0.0)  # the first gap is the prefill
 
-    prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    with LLM(str(tiny_model_dir("llama")), device="cpu", num_pages=512) as llm:
-        ref = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    with LLM(str(tiny_model_dir("llama")), device="cpu", num_pages=512, tp=2, dist_timeout=30) as llm:
-        pids = [os.getpid(), *(w.pid for w in llm.scheduler.workers)]
-        llm.generate(prompts, greedy, use_tqdm=False)  # warm
-        t0 = time.perf_counter()
-        alone = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        alone_s = time.perf_counter() - t0
-        ports = _listening_ports(pids)
-        assert all(ip in ("127.0.0.1", "::1") for ip, _ in ports), ports  # gloo pinned to loopback
+
+def test_a_foreign_client_on_every_tcp_port_of_a_tp2_daemon_neither_reads_an_op_nor_delays_a_step(
+    tiny_model_dir,
+    daemon_runtime_dir,  # noqa: F811
+    tmp_path,
+):
+    """`minisgl serve --tp 2` with HTTP: a local user without the secret connects to every TCP port the daemon's
+    processes listen on, again and again, sends junk and holds connections open, while a stream runs: the stream
+    gives the offline engine's tokens with gaps like its own alone, nothing it reads carries an op, and every
+    port is on loopback (gloo is pinned there)."""
+    from minisgl import LLM, Client, SamplingParams
+    from minisgl.runtime.launcher import wait_ready
+
+    model = str(tiny_model_dir("llama"))
+    prompt, greedy = [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    address, log = f"ipc://{daemon_runtime_dir}/tp2.sock", tmp_path / "tp2.log"
+    args = ["--model", model, "--device", "cpu", "--num-pages", "512", "--tp", "2", "--address", address]
+    http_port = free_port()
+    proc = start_serve([*args, "--http-port", str(http_port), "--dist-timeout", "60"], log)
+    try:
+        with LLM(model, device="cpu", num_pages=512) as llm:
+            ref = list(llm.generate([prompt], greedy, use_tqdm=False)[0].token_ids)
+        wait_ready(address, 300, proc=proc, log_path=log)
+        wait_http(http_port, proc, log)
+        client = Client("tiny", address, auto_start=False, timeout=120)
+        _stream_gaps(client, prompt, greedy)  # warm
+        alone, alone_gap = _stream_gaps(client, prompt, greedy)
+        family = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        ports = _listening_ports(family)
+        assert ("127.0.0.1", http_port) in ports and len(ports) >= 3, ports  # HTTP and gloo's
+        assert all(ip in ("127.0.0.1", "::1") for ip, _ in ports), ports
+        assert not any(_speaks_store_protocol(ip, port) for ip, port in ports), ports
         foreigner = _Foreigner(ports)
         time.sleep(1)
-        t0 = time.perf_counter()
-        beside = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        beside_s = time.perf_counter() - t0
+        beside, beside_gap = _stream_gaps(client, prompt, greedy)
         foreigner.stop.set()
         foreigner.thread.join()
         assert alone == beside == ref
-        assert beside_s < 3 * alone_s + 2, (alone_s, beside_s)
-        assert b"add" not in foreigner.received and b"tp_ops" not in foreigner.received
-        assert all(w.poll() is None for w in llm.scheduler.workers)
+        assert beside_gap < 3 * alone_gap + 1.0, (alone_gap, beside_gap)
+        assert b"add" not in foreigner.received and b"input_ids" not in foreigner.received
+        assert proc.poll() is None, log.read_text()[-2000:]
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def test_a_channel_directory_whose_rank_zero_died_is_removed_by_the_next_engine():
