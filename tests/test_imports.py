@@ -253,6 +253,7 @@ def test_the_checks_catch_violations() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a", "c"}}) is None
     assert layer_of("minisgl.runtime.daemon") > layer_of("minisgl.engine.engine")  # type: ignore[operator]
     assert layer_of("minisgl.plugins") > layer_of("minisgl.models.registry") > layer_of("minisgl.layers")  # type: ignore[operator]
+    assert layer_of("minisgl.runtime.ranks") > layer_of("minisgl.scheduler") > layer_of("minisgl.distributed")  # type: ignore[operator]
     assert layer_of("minisgl.server.app") > layer_of("minisgl.runtime.daemon")  # type: ignore[operator]
     tree = ast.parse(
         "import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a.b\n"

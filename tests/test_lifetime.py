@@ -109,7 +109,7 @@ def test_no_process_of_a_tp2_daemon_outlives_it(tiny_model_dir, sig):
     try:
         wait_ready(address, 300, proc=daemon, log_path=log_path)
         children = psutil.Process(daemon.pid).children(recursive=True)
-        assert any("minisgl.scheduler.tp" in " ".join(c.cmdline()) for c in children), children
+        assert any("minisgl.runtime.tp" in " ".join(c.cmdline()) for c in children), children
         daemon.send_signal(sig)
         daemon.wait(timeout=60)
         assert wait_gone([c.pid for c in children], 10) == []

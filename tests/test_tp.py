@@ -11,8 +11,8 @@ import time
 import pytest
 
 from minisgl import LLM, SamplingParams
-from minisgl.distributed.launch import RankFailedError, free_port
 from minisgl.layers.moe import FusedMoE
+from minisgl.runtime.ranks import RankFailedError, free_port
 
 PROMPTS = [[11, 12, 13, 14, 15], list(range(100, 160)), [7, 8, 9], list(range(300, 321))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -157,7 +157,7 @@ def test_a_killed_rank_stops_the_daemon_with_a_typed_error(tiny_model_dir, tmp_p
 STUCK_SCRIPT = """
 import os, signal, sys, threading
 from minisgl import LLM, SamplingParams
-from minisgl.distributed import launch
+from minisgl.runtime import ranks as launch
 launch.STUCK_EXIT_S = 2.0
 llm = LLM(sys.argv[1], tp=2, device="cpu", dist_timeout=60)
 sched = llm.scheduler

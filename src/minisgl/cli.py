@@ -170,7 +170,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = engine_config(args)
     if config.node_rank > 0:  # multi-node TP: this node only runs its ranks; node 0 serves
-        from minisgl.distributed.launch import run_node
+        from minisgl.runtime.ranks import run_node
 
         return run_node(config)
     http = _http_options(args)

@@ -102,7 +102,7 @@ class LLM:
             **engine_kwargs,
         )
         if tp > 1:
-            from minisgl.scheduler.tp import TPScheduler
+            from minisgl.runtime.tp import TPScheduler
 
             self.scheduler: Any = TPScheduler(self.config)
         else:

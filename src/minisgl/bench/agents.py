@@ -162,8 +162,8 @@ def max_shared_prefix(prompt: list[int], earlier: list[list[int]]) -> int:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from minisgl.config import EngineConfig
+    from minisgl.runtime.tp import make_scheduler
     from minisgl.scheduler import collector
-    from minisgl.scheduler.tp import make_scheduler
 
     results: dict[str, Any] = {
         "model": args.model,

@@ -271,7 +271,7 @@ def kill_rank_check(
         with Client(str(model_dir), address, auto_start=False, timeout=60) as client:
             first = client.generate([11, 12, 13, 14], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
             r["served_before_kill"] = len(first.outputs[0].token_ids) == 8
-            ranks = [pid for pid, line in session_pids(proc.pid) if "minisgl.scheduler.tp" in line]
+            ranks = [pid for pid, line in session_pids(proc.pid) if "minisgl.runtime.tp" in line]
             r["rank_processes"] = len(ranks)
             if len(ranks) != 1:
                 r["error"] = f"expected one rank-1 process in the daemon's session, found {ranks}"

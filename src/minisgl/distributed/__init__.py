@@ -5,7 +5,7 @@ and on the CPU. tp_allreduce="symm_mem" (one host) sends tensors up to 8 MB (a d
 buffer in PyTorch's symmetric memory instead: one-shot, every GPU reads its peers' buffers over NVLink and sums (the
 copy into the buffer inside the same kernel where this torch has it; a two-shot variant measured the same on 2x H200).
 Its kernels cannot be aborted: with a peer dead they spin, and rank 0's watch then ends the process
-(distributed/launch.py).
+(runtime/ranks.py).
 
 tp_allreduce="fused" (the default; one CUDA host) goes further for the all-reduces that a residual RMSNorm follows
 (every row-parallel projection of a decoder): the projection writes its partial sums into symmetric memory and one
@@ -13,7 +13,7 @@ kernel per rank sums the ranks' rows, adds the residual and normalizes (distribu
 for it with `RowParallelLinear(x, reduce=False)` and `RMSNorm.reduce_forward` (and a MoE layer's experts write
 their sum there too); other all-reduces take NCCL's. On 2x H200 it gave 1.07x NCCL's throughput (Qwen3-14B shape)
 and passed the parity and killed-rank checks; a dead rank is reported within about a second either way (rank 0's step
-stuck in such a kernel ends its process after SYMM_STUCK_EXIT_S, distributed/launch.py).
+stuck in such a kernel ends its process after SYMM_STUCK_EXIT_S, runtime/ranks.py).
 """
 
 from __future__ import annotations

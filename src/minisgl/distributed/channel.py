@@ -139,7 +139,7 @@ class TPEvent(NamedTuple):
         return cls(kind, rank, text)
 
 
-# One op: [kind, *fields]; the kinds a rank > 0 applies (scheduler/tp.py) and how many fields each has.
+# One op: [kind, *fields]; the kinds a rank > 0 applies (runtime/tp.py) and how many fields each has.
 TP_OP_FIELDS = {"add": 4, "compile": 1, "abort": 1, "reset_prefix_cache": 0, "profile": 2, "exit": 0}
 
 

@@ -1,7 +1,7 @@
 """Per-rank step profiles for tensor parallelism: torch.profiler over a run of steps, summarised per step.
 
 Every rank starts and stops at the same step boundary (the "profile" op travels with the step's other
-ops, see launch.py), so the figures of the ranks cover the same steps. Each rank writes
+ops, see runtime/ranks.py), so the figures of the ranks cover the same steps. Each rank writes
 rank{R}.json (per-step wall, host and wait times, GPU time by kernel category), rank{R}.txt
 (torch's key_averages table) and rank{R}.trace.json.gz (the timeline, for chrome://tracing or Perfetto) under the
 directory given at start.

@@ -16,7 +16,7 @@ after its kernel on slot A has finished (kernels of one stream run in order). So
 and no second one after the reads. Each (program, peer) barrier flag goes 0 -> 1 (the peer arrived) -> 0 (seen),
 so CUDA graph replays need no counters; all ranks run the same sequence of forwards with the same row counts.
 
-Its spin-waits cannot be aborted: with a peer dead they spin, and rank 0's watch ends the process (launch.py).
+Its spin-waits cannot be aborted: with a peer dead they spin, and rank 0's watch ends the process (runtime/ranks.py).
 EngineConfig(tp_allreduce="fused") turns it on (distributed/__init__.py).
 """
 

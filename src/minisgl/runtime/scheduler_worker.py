@@ -1,6 +1,6 @@
 """The scheduler process: receives tokenized requests, steps the engine, sends token outputs.
 
-With tp > 1 this is rank 0: minisgl.scheduler.tp.TPScheduler starts ranks 1..N-1 and
+With tp > 1 this is rank 0: minisgl.runtime.tp.TPScheduler starts ranks 1..N-1 and
 broadcasts each step's requests to them, behind the same Scheduler API.
 """
 
@@ -71,7 +71,7 @@ def run_scheduler(config: EngineConfig, endpoints: Endpoints, log_level: int) ->
     frontend = push(ctx, endpoints.frontend)
     try:
         t0 = time.perf_counter()
-        from minisgl.scheduler.tp import make_scheduler
+        from minisgl.runtime.tp import make_scheduler
 
         sched = make_scheduler(config)
     except BaseException as e:  # noqa: BLE001 - any start-up failure is reported to the daemon, then we exit

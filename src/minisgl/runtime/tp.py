@@ -4,7 +4,7 @@ Every rank runs the same Scheduler on the same inputs in the same order, so ever
 batches; the model's layers all-reduce / all-gather through torch.distributed (NCCL on CUDA, gloo on
 CPU). The ops (requests added or aborted, profiler start/stop) reach ranks > 0 over the private control channel
 (distributed/channel.py); a rank > 0 waits for the next step's ops, and the collectives of the forward keep
-the devices in step. Spawning, the rendezvous, NCCL setup and failure watching: distributed/launch.py.
+the devices in step. Spawning, the rendezvous, NCCL setup and failure watching: runtime/ranks.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams, TokenOutput
 from minisgl.distributed.auth import load_secret
 from minisgl.distributed.channel import ChannelPlace, Spoke
-from minisgl.distributed.launch import (
+from minisgl.distributed.profile import active_profiler, apply_profile_op
+from minisgl.lifetime import die_with_parent
+from minisgl.runtime.ranks import (
     EXIT_WAIT_S,
     RankGroup,
     RankZeroWatch,
@@ -31,7 +33,8 @@ from minisgl.distributed.launch import (
     leave,
     rendezvous_store,
 )
-from minisgl.distributed.profile import active_profiler, apply_profile_op
+from minisgl.scheduler import collector
+from minisgl.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("minisgl")
 
@@ -40,8 +43,6 @@ def make_scheduler(config: EngineConfig) -> Any:
     """The Scheduler for tp == 1, else the TP driver with the same API."""
     if config.tp > 1:
         return TPScheduler(config)
-    from minisgl.scheduler.scheduler import Scheduler
-
     return Scheduler(config)
 
 
@@ -52,8 +53,6 @@ class TPScheduler(RankGroup):
     """Rank 0's view of a tensor-parallel engine: the Scheduler API, mirrored to every rank."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from minisgl.scheduler.scheduler import Scheduler
-
         super().__init__(config)  # the channel, the rendezvous, the other ranks, the failure monitor
         self._ops: list[Any] = []
         self._deferred: dict[str, tuple] = {}  # the "add" op of a request whose grammar rank 0 is still compiling
@@ -189,9 +188,6 @@ def _apply(sched: Any, ops: list[Any], rank: int) -> None:
 
 def worker_main(config: EngineConfig, rank: int, place: ChannelPlace) -> int:
     """Ranks > 0: mirror rank 0's scheduler step by step until told to exit; returns an exit code."""
-    from minisgl.scheduler import collector
-    from minisgl.scheduler.scheduler import Scheduler
-
     logging.basicConfig(level=logging.WARNING, format=f"[minisgl tp{rank}] %(levelname)s %(message)s")
     secret = load_secret(config)
     spoke = Spoke(place, secret, rank)
@@ -229,8 +225,6 @@ def worker_main(config: EngineConfig, rank: int, place: ChannelPlace) -> int:
 
 
 def _worker_entry(argv: list[str]) -> None:
-    from minisgl.lifetime import die_with_parent
-
     die_with_parent()  # a rank never outlives the process that started it (rank 0, or a node's launcher)
     fields = json.loads(argv[0])
     code = worker_main(EngineConfig(**fields), int(argv[1]), ChannelPlace.parse(argv[2]))

@@ -1,6 +1,6 @@
 """Tensor parallelism's processes: spawning the ranks, the rendezvous and NCCL/gloo setup, failure watching.
 
-The schedulers the ranks run, and the ops rank 0 sends them each step, are in scheduler/tp.py. Ops and failure
+The schedulers the ranks run, and the ops rank 0 sends them each step, are in runtime/tp.py. Ops and failure
 notices travel over the control channel (distributed/channel.py): ipc sockets in a private directory on one host,
 CURVE-encrypted tcp across hosts. Rank 0 only sends and never waits for the others on the host.
 
@@ -203,11 +203,11 @@ def close_groups(clean: bool, timeout: float = 10.0) -> None:
 
 
 def spawn_worker(config: EngineConfig, rank: int, place: ChannelPlace, secret: bytes) -> subprocess.Popen:
-    """Start rank `rank` as `python -m minisgl.scheduler.tp` (no re-import of the caller's __main__); the
+    """Start rank `rank` as `python -m minisgl.runtime.tp` (no re-import of the caller's __main__); the
     secret goes in its environment, never on its command line."""
     payload = json.dumps(dataclasses.asdict(config))
     return subprocess.Popen(
-        [sys.executable, "-m", "minisgl.scheduler.tp", payload, str(rank), str(place)], env=child_env(secret)
+        [sys.executable, "-m", "minisgl.runtime.tp", payload, str(rank), str(place)], env=child_env(secret)
     )
 
 
