@@ -9,17 +9,21 @@ run back to back while they are short (a burst of small prompts), and alternate 
 is chunked. The first prefill step after a decode step computes at least MIN_CHUNK tokens, so a prompt makes progress
 even where one token costs more than the gap.
 
-Prediction. A prefill step is modelled as a * tokens + c * pairs, where pairs counts the attention's query-key pairs,
-sum of extend * (prefix + (extend + 1) / 2) over its requests: the part that grows with the prefix a chunk reads. a
-and c are fitted by exponentially weighted least squares over recent prefill steps, pulled weakly towards the
-model's ratio of the two costs in FLOPs (which holds them apart until the steps' prefixes differ); a fixed cost of a
-step is folded into a, which the fit measures at the chunk sizes the gap leads to. The decode step's time is an EMA.
+Prediction. A prefill step is modelled as f + a * tokens + c * pairs: f a fixed cost per step (launches, a backend's
+planning), pairs the attention's query-key pairs, sum of extend * (prefix + (extend + 1) / 2) over its requests (the
+part that grows with the prefix a chunk reads). f, a and c are fitted by exponentially weighted least squares of the
+relative error over recent prefill steps (a chunk beside decodes weighs as much as a full step before it), pulled
+weakly towards f = 0 and the model's ratio of a to c in FLOPs, which decide what the steps cannot tell apart (steps
+of one size, one prefix). The decode step's time is an EMA.
 Before any prefill step was measured, a step beside decodes computes MIN_CHUNK tokens and a decode step follows.
 
-Timing costs one clock read per step, at its end, and no wait for the device: the time between two step ends is what
-a decoding request waits per step. Without overlap it covers the step just launched; with overlap (scheduler.py) the
-host waits at the end of a step for the forward launched one step earlier, so the interval is that forward's, and
-is credited to it. After an idle loop (no work at the previous step's end) the interval starts with the step.
+Timing adds no wait for the device. On the host (CPU) a step computes its forward before it ends, whether or not
+overlap scheduling is on, so one clock read per step end gives each launched batch its time, since the previous step
+ended. On CUDA the host reads a step's tokens one step later (overlap, scheduler.py), and some launches wait for the
+device themselves (a backend or layer that reads a result on the host): host clocks would credit a wait to the wrong
+step. There each step records a timing event after its forward (step.py), and a batch's time is the device time from
+the previous batch's event to its own, read once both are done (the device's idle wait for the host included). After
+an idle loop (no work left at a step's end) the time starts again with the next step.
 
 Tensor parallelism: every rank must build the same batches, and measured times differ between ranks. The state that
 decides (the fit, the decode time, the gap spent) is state(), a tuple of floats: rank 0 measures and sends it with
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
@@ -66,47 +71,77 @@ def flop_ratio(model_config: Any) -> float:
     return max(1.0, 2 * weights / (4 * q_dim))
 
 
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """m x = v by Gaussian elimination with partial pivoting (m small and symmetric); None when singular."""
+    size = len(v)
+    rows = [m[i][:] + [v[i]] for i in range(size)]
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(rows[r][col]))
+        if abs(rows[pivot][col]) < 1e-300:
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, size):
+            f = rows[r][col] / rows[col][col]
+            rows[r] = [x - f * y for x, y in zip(rows[r], rows[col])]
+    x = [0.0] * size
+    for r in reversed(range(size)):
+        x[r] = (rows[r][size] - sum(rows[r][k] * x[k] for k in range(r + 1, size))) / rows[r][r]
+    return x
+
+
 class StepCost:
-    """The fitted cost of a prefill step: a seconds per token, c per query-key pair (None until measured)."""
+    """The fitted cost of a prefill step: f seconds per step, a per token, c per query-key pair (a is None until
+    measured)."""
 
     def __init__(self, ratio: float) -> None:
         self.ratio = ratio  # pairs per token's worth, the prior
-        # Exponentially weighted sums of tokens (n), pairs (p) and seconds (t) products over recent prefill steps.
-        self.sums = [0.0] * 5  # nn, np, pp, nt, pt
+        # Exponentially weighted sums over recent prefill steps of the products of x = (1, tokens, pairs) / seconds
+        # (each step relative to its own time: a small chunk's counts as much as a full step's), and x itself.
+        self.sums = [0.0] * 9  # 11, 1n, 1p, nn, np, pp, 1, n, p
+        self.f = self.c = 0.0
         self.a: float | None = None
-        self.c = 0.0
 
     def observe(self, tokens: float, pairs: float, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        one, n, p = 1 / seconds, tokens / seconds, pairs / seconds
         s = self.sums
-        for i, v in enumerate((tokens * tokens, tokens * pairs, pairs * pairs, tokens * seconds, pairs * seconds)):
+        for i, v in enumerate((one * one, one * n, one * p, n * n, n * p, p * p, one, n, p)):
             s[i] = DECAY * s[i] + v
         self.refit()
 
     def refit(self) -> None:
-        nn, np_, pp, nt, pt = self.sums
-        if nn <= 0:
-            self.a, self.c = None, 0.0
+        """Least squares of seconds ~ f + a*tokens + c*pairs in relative error, pulled weakly towards f = 0 and
+        a = k*c (what the data cannot tell apart follows the prior); a negative cost falls back to fewer terms."""
+        s11, s1n, s1p, snn, snp, spp, v1, vn, vp = self.sums
+        if snn <= 0:
+            self.f, self.a, self.c = 0.0, None, 0.0
             return
-        k, mu = self.ratio, PRIOR_WEIGHT * nn
-        # Least squares of seconds ~ a*tokens + c*pairs, plus mu * (a - k*c)^2 (c = a/k when pairs cannot tell).
-        m11, m12, m22 = nn + mu, np_ - mu * k, pp + mu * k * k
-        det = m11 * m22 - m12 * m12
-        a = (nt * m22 - pt * m12) / det if det > 0 else -1.0
-        c = (pt * m11 - nt * m12) / det if det > 0 else -1.0
-        if a < 0 or c < 0:  # the data contradict the shape: one rate along the prior's
-            ww = nn + 2 * np_ / k + pp / (k * k)
-            a = max(0.0, (nt + pt / k) / ww)
-            c = a / k
-        self.a, self.c = a, c
+        k, mu_f, mu = self.ratio, PRIOR_WEIGHT * s11, PRIOR_WEIGHT * snn
+        full = _solve(
+            [[s11 + mu_f, s1n, s1p], [s1n, snn + mu, snp - mu * k], [s1p, snp - mu * k, spp + mu * k * k]], [v1, vn, vp]
+        )
+        if full is not None and min(full) >= 0:
+            self.f, self.a, self.c = full
+            return
+        pair = _solve([[snn + mu, snp - mu * k], [snp - mu * k, spp + mu * k * k]], [vn, vp])
+        if pair is not None and min(pair) >= 0:
+            self.f, (self.a, self.c) = 0.0, pair
+            return
+        rate = max(0.0, (vn + vp / k) / (snn + 2 * snp / k + spp / (k * k)))  # one rate along the prior's shape
+        self.f, self.a, self.c = 0.0, rate, rate / k
 
     def seconds(self, extend: int, prefix: int) -> float:
         if self.a is None:
             return math.inf
-        return self.a * extend + self.c * extend * (prefix + (extend + 1) / 2)
+        return self.f + self.a * extend + self.c * extend * (prefix + (extend + 1) / 2)
 
     def tokens_within(self, seconds: float, prefix: int) -> int:
         """The most tokens after `prefix` cached ones that one step computes in `seconds`."""
-        if self.a is None or seconds <= 0:
+        if self.a is None:
+            return 0
+        seconds -= self.f
+        if seconds <= 0:
             return 0
         a, c = self.a, self.c
         if c <= 0:
@@ -178,7 +213,11 @@ class PrefillBudget:
         self.decode_s = 0.0  # EMA of a decode step's time
         self.spent_s = 0.0  # predicted prefill seconds since the last decode step
         self.following = False  # a tensor-parallel rank > 0: rank 0's state, loaded each step, decides
-        self._last_end: float | None = None
+        self._busy = False  # the last step left work: the loop did not idle since
+        self._host_timed = True  # until a device event arrives
+        self._last_end: float | None = None  # host clock at the last step's end
+        self._pending: deque[tuple[Batch, Any]] = deque()  # launched batches whose device events are not done yet
+        self._last_event: Any = None
 
     def allowance(self, decoding: bool, after_decode: bool = False) -> Allowance | None:
         """The next prefill step's budget; None: a decode step must run first. decoding: requests are decoding now.
@@ -204,26 +243,48 @@ class PrefillBudget:
             self.spent_s += allowance.used_s if self.cost.a is not None else self.max_gap
 
     def step_started(self) -> None:
-        """The start of a step after an idle loop (the clock's only other read): its time is a sample too."""
-        if self._last_end is None:
-            self._last_end = self.clock()
+        """The start of a step; after an idle loop the host clock starts here (an idle wait is no step's time)."""
+        if not self._busy:
+            self._drain()  # every event is done when the loop goes idle
+            self._last_event = None
+            self._last_end = self.clock() if self._host_timed else None
 
-    def step_done(self, completed: Batch | None, busy: bool) -> None:
-        """The end of a step: `completed` is the batch whose forward it waited for (None: none); busy: work is left,
-        so the loop starts the next step at once and the time until its end is a sample."""
-        now = self.clock()
-        last, self._last_end = self._last_end, (now if busy else None)
-        if completed is None or last is None or self.following:
+    def step_done(self, launched: Batch | None, event: Any, busy: bool) -> None:
+        """The end of a step: `launched` its batch (None: none), `event` the device event recorded after it (None:
+        the forward ran on the host, done by now); busy: work is left, so the next step starts at once."""
+        self._busy = busy
+        if self.following:
             return
-        elapsed = now - last
-        if completed.is_decode:
-            self.decode_s = elapsed if self.decode_s == 0 else self.decode_s + DECODE_ALPHA * (elapsed - self.decode_s)
+        if event is None:  # the host computed the forward within this step: the step's time is the batch's
+            now = self.clock()
+            if launched is not None and self._last_end is not None:
+                self._observe(launched, now - self._last_end)
+            self._last_end = now
+            return
+        self._host_timed = False
+        if launched is not None:
+            self._pending.append((launched, event))
+        self._drain()
+
+    def _drain(self) -> None:
+        """Time the launched batches whose events are done, in order: each from the previous one's event to its
+        own, which counts what the device waited for the host too. query() and elapsed_time() of done events do not
+        wait for the device."""
+        while self._pending and self._pending[0][1].query():
+            batch, event = self._pending.popleft()
+            if self._last_event is not None:
+                self._observe(batch, self._last_event.elapsed_time(event) / 1e3)
+            self._last_event = event
+
+    def _observe(self, batch: Batch, seconds: float) -> None:
+        if batch.is_decode:
+            self.decode_s = seconds if self.decode_s == 0 else self.decode_s + DECODE_ALPHA * (seconds - self.decode_s)
             return
         tokens = pairs = 0.0
-        for prefix, extend in zip(completed.prefix_lens, completed.extend_lens):
+        for prefix, extend in zip(batch.prefix_lens, batch.extend_lens):
             tokens += extend
             pairs += extend * (prefix + (extend + 1) / 2)
-        self.cost.observe(tokens, pairs, elapsed)
+        self.cost.observe(tokens, pairs, seconds)
 
     # -- tensor parallelism: rank 0's deciding state, carried to the other ranks
 
@@ -235,5 +296,5 @@ class PrefillBudget:
         """Take rank 0's state(); from now on this rank follows it and measures nothing."""
         self.following = True
         self.max_gap, self.decode_s, self.spent_s = (float(v) for v in state[:3])
-        self.cost.sums = [float(v) for v in state[3:8]]
+        self.cost.sums = [float(v) for v in state[3:]]
         self.cost.refit()

@@ -101,6 +101,13 @@ class PrefillManager:
             batch = self._resume_stalled(allowance)
         return batch
 
+    def defer_chunk(self) -> None:
+        """A decode step runs before the next chunk: the prompt waits at the queue's front, keeping its row and pages,
+        where a decode step short of pages can roll it back (decode.py)."""
+        if self.chunked is not None:
+            self.waiting.appendleft(self.chunked)
+            self.chunked = None
+
     def _resume_stalled(self, allowance: Allowance) -> Batch | None:
         """Nothing runs and nothing could be admitted: partly prefilled prompts hold the pages the others need (two
         of them, or a request ranked first that cannot fit beside one), and no decode will roll them back. Keep the
@@ -144,8 +151,9 @@ class PrefillManager:
         if self.chunked is not None:
             req = self.chunked
             extend = allowance.fit(req.cached_len, req.seq_len - req.cached_len)
-            if extend <= 0:
-                return None  # the decodes' gap is spent: their step first, the chunk after it
+            if extend <= 0:  # the decodes' gap is spent: their step first, the chunk after it
+                self.defer_chunk()
+                return None
             self.chunked = None
             if self.kv.reserve(req, extend):
                 chosen.append((req, extend))

@@ -219,12 +219,11 @@ class Scheduler:
         if self.grammar_waiting and self.admit_in_step:
             self.admit_compiled()
         self.prefill_budget.step_started()
-        completed: LaunchedStep | None = None  # the step whose forward this one waits for
         if self._inflight is not None and self._needs_host_state(self._inflight):
             # Grammar masks and penalties need the previous token on the host first (min_tokens
             # only needs the count, which num_sampled projects).
-            completed, self._inflight = self._inflight, None
-            self._process(completed)
+            previous, self._inflight = self._inflight, None
+            self._process(previous)
         started = time.perf_counter() if self._hook_launch else 0.0  # for minisgl_step_scheduled
         batch = self._schedule()
         launched = None
@@ -240,12 +239,11 @@ class Scheduler:
             previous, self._inflight = self._inflight, launched
             if previous is not None:
                 self._process(previous)
-                completed = previous
         elif launched is not None:
             self._process(launched)
-            completed = launched
         busy = self._inflight is not None or bool(self.running or self.waiting) or self.prefill.chunked is not None
-        self.prefill_budget.step_done(completed.batch if completed is not None else None, busy)
+        timed = (launched.batch, launched.ready) if launched is not None else (None, None)
+        self.prefill_budget.step_done(*timed, busy)
         outputs, self.pending_outputs = self.pending_outputs, []
         return outputs
 
@@ -254,6 +252,8 @@ class Scheduler:
         in_flight = self._inflight.sampled_ids if self._inflight is not None else frozenset()
         decoding = bool(self.running)
         allowance: Allowance | None = self.prefill_budget.allowance(decoding)
+        if allowance is None:
+            self.prefill.defer_chunk()
         batch = self.prefill.schedule(self.running, allowance) if allowance is not None else None
         if batch is None:
             batch = self.decode.schedule(in_flight, self._finish_pool_full)

@@ -22,15 +22,18 @@ class LaunchedStep(NamedTuple):
     sampled: list[Req]  # requests that get a token from this step, in row order
     tokens: torch.Tensor | None  # [len(sampled)] int64 on the host (pinned on CUDA), valid once `ready` fires
     logprobs: list[Any] | None
-    ready: Any  # torch.cuda.Event recorded after the device-to-host copy, or None
+    # A timing torch.cuda.Event recorded after the forward and the device-to-host copy (on CUDA, tokens or not), or None
+    ready: Any
     sampled_ids: frozenset[int]  # id() of the sampled requests: their last token is not on the host yet
 
 
 def copy_to_host(
     kv: ReqKV, batch: Batch, sampled: list[Req], next_ids: torch.Tensor | None, logprobs: Any
 ) -> LaunchedStep:
-    """Start the device-to-host copy of the sampled tokens; keep them on the device as their rows' last tokens."""
-    tokens = ready = None
+    """Start the device-to-host copy of the sampled tokens; keep them on the device as their rows' last tokens.
+
+    On CUDA the step's event also times it (budget.py reads the time between two steps' events once both are done)."""
+    tokens = None
     if next_ids is not None:
         for req in sampled:
             req.tokens_in_flight += 1
@@ -39,10 +42,12 @@ def copy_to_host(
         if next_ids.is_cuda:
             tokens = torch.empty(next_ids.shape, dtype=torch.int64, pin_memory=True)
             tokens.copy_(next_ids, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
         else:
             tokens = next_ids
+    ready = None
+    if kv.device.type == "cuda":
+        ready = torch.cuda.Event(enable_timing=True)
+        ready.record()
     return LaunchedStep(batch, sampled, tokens, logprobs, ready, frozenset(map(id, sampled)))
 
 
