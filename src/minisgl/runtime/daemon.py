@@ -23,7 +23,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
@@ -61,11 +61,8 @@ from minisgl.runtime.protocol import (
     error_reply,
 )
 from minisgl.runtime.registry import DaemonRecord, FileLock, Registry
-from minisgl.runtime.supervisor import HttpChild
+from minisgl.runtime.supervisor import HttpChild, HttpServer
 from minisgl.runtime.transport import Endpoints, PrivateDir, pull, push, remove_stale_private_dirs, router_socket
-
-if TYPE_CHECKING:
-    from minisgl.server import HttpOptions
 
 logger = logging.getLogger("minisgl")
 
@@ -87,7 +84,7 @@ class Daemon:
         allow_remote: bool = False,
         curve: bool = False,
         curve_keys: str | os.PathLike | None = None,
-        http: HttpOptions | None = None,
+        http: HttpServer | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         log_level: int = logging.INFO,
         idle_timeout: float | None = None,

@@ -7,12 +7,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
-
-    from minisgl.server import HttpOptions
 
 logger = logging.getLogger("minisgl")
 
@@ -35,16 +33,30 @@ class Restarts:
         return self.delays[self.failures - 1] if self.failures <= len(self.delays) else None
 
 
+class HttpServer(Protocol):
+    """The HTTP server a daemon starts, handed down by the CLI (minisgl.server.HttpOptions: the runtime sits below
+    its front ends and never imports them)."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+    def run(self, address: str, model: str, log_level: int) -> None:
+        """Process entry of the HTTP server: one more client of the daemon at address."""
+
+
 class HttpChild:
-    """The daemon's HTTP server process (HttpOptions.run in a spawned process named "http"), restarted by Restarts.
+    """The daemon's HTTP server process (HttpServer.run in a spawned process named "http"), restarted by Restarts.
 
     spawn starts a process and makes it the daemon's child of its name (the daemon watches its exit)."""
 
     def __init__(
-        self, options: HttpOptions, args: tuple, spawn: Callable[[BaseProcess], None], restarts: Restarts | None = None
+        self, options: HttpServer, args: tuple, spawn: Callable[[BaseProcess], None], restarts: Restarts | None = None
     ) -> None:
         self.options = options
-        self.args = args  # (daemon address, model, log level), as HttpOptions.run takes them
+        self.args = args  # (daemon address, model, log level), as HttpServer.run takes them
         self._spawn = spawn
         self.restarts = restarts or Restarts()
         self.started_at = 0.0
