@@ -32,8 +32,8 @@ from minisgl import plugins
 from minisgl.bench.agents import Workload, run_workload
 from minisgl.config import EngineConfig
 from minisgl.hooks import hookimpl
+from minisgl.runtime.tp import make_scheduler
 from minisgl.scheduler import collector
-from minisgl.scheduler.tp import make_scheduler
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
