@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from minisgl import plugins
 from minisgl.config import CPU_QUANTIZATIONS, EngineConfig
 from minisgl.core import Batch, Req
+from minisgl.engine.threads import default_threads
 from minisgl.errors import ConfigError
 from minisgl.kvcache.pool import FP8_DTYPES, KVPool
 from minisgl.layers.context import get_context
@@ -45,9 +47,12 @@ class Engine:
         from minisgl.kvcache.table import TableManager
 
         self.config = config
-        if config.threads is not None:  # every computing process builds one Engine: the one place to set it
-            torch.set_num_threads(config.threads)
         self.device = resolve_device(config.device)
+        threads = config.threads
+        if threads is None and self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            threads = default_threads()  # physical cores, not torch's count of logical CPUs
+        if threads is not None:  # every computing process builds one Engine: the one place to set it
+            torch.set_num_threads(threads)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.quantization in CPU_QUANTIZATIONS and (self.device.type != "cpu" or self.dtype != torch.float32):
             raise ConfigError(
