@@ -1,16 +1,63 @@
-"""CPU speed options: `threads` sets torch's thread count in the computing process; quantization="fp16"/"int8"
-keep weights in fbgemm's formats. Each GEMM is checked against a brute-force reference (the same rounding of W
-done by hand), and SmolLM2 with fp16 weights against HF transformers' fp32 greedy continuations."""
+"""CPU speed options: `threads` sets torch's thread count in the computing process (physical cores by default);
+quantization="fp16"/"int8" keep weights in layers/cpu_quant.py's formats. Each GEMM is checked against a brute-force
+reference (the same rounding of W and x done by hand), and SmolLM2 with fp16 / int8 weights against HF transformers'
+fp32 top-1 tokens."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
 
 import pytest
 import torch
 
 from minisgl import LLM, SamplingParams, errors
-from minisgl.layers.linear import RESCORED, RESCORED_TOP, CpuGemm, quantize_gemms
+from minisgl.engine.threads import cgroup_quota, default_threads
+from minisgl.layers import cpu_quant
+from minisgl.layers.cpu_quant import INT8_KERNEL_ROWS, RESCORED, RESCORED_TOP
+from minisgl.layers.linear import CpuGemm, quantize_gemms
 
 pytestmark = pytest.mark.skipif(not CpuGemm.supports("fp16"), reason="no fbgemm kernels in this torch/CPU")
+
+# Held out: no text here was used to choose QUANTIZED_GEMMS (its figures came from other passages).
+HELD_OUT = [
+    "The Great Barrier Reef stretches for more than two thousand kilometres along the coast of Queensland. It is "
+    "built by billions of tiny coral polyps, and warmer seas have bleached large parts of it several times since "
+    "the late nineteen nineties.",
+    "<|im_start|>user\nHow do I reverse a list in Python?<|im_end|>\n<|im_start|>assistant\nUse slicing: "
+    "`reversed_list = my_list[::-1]` returns a new list, while `my_list.reverse()` reverses it in place.<|im_end|>",
+    "Every morning the baker lit the wood oven before dawn. By six o'clock the first loaves were cooling on the "
+    "racks, and a queue of neighbours had already formed outside the small shop on the corner of the square.",
+    "A prime number has exactly two divisors, one and itself. The first few are two, three, five, seven, eleven "
+    "and thirteen, and Euclid showed more than two thousand years ago that there are infinitely many of them.",
+    "def word_counts(text):\n    counts = {}\n    for word in text.lower().split():\n        counts[word] = "
+    "counts.get(word, 0) + 1\n    return sorted(counts.items(), key=lambda item: -item[1])\n",
+]
+
+
+def _int8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T as the int8 kind defines it, in float64: W rounded per output channel to 127 steps of a bf16 scale,
+    x rounded to bf16."""
+    scale = (w.abs().amax(1) / 127).bfloat16().double()[:, None]
+    w_q = torch.round(w.double() / scale).clamp(-127, 127) * scale
+    return x.bfloat16().double() @ w_q.T
+
+
+@pytest.mark.parametrize("rows", [1, INT8_KERNEL_ROWS, INT8_KERNEL_ROWS + 3])
+@pytest.mark.parametrize("k", [64, 40])  # 40: not a multiple of the kernel's step, so every row count is widened
+def test_int8_gemm_is_the_product_of_int8_weights_and_bf16_inputs(rows, k):
+    torch.manual_seed(0)
+    x, w, b = torch.randn(rows, k), torch.randn(48, k) * 0.05, torch.randn(48)
+    w[3, 5] = 1.0  # an outlier weight: its row's scale grows, the other rows keep theirs
+    gemm = CpuGemm()
+    gemm.quantized = "int8"
+    y = gemm(x, w, b).double()
+    expected = _int8_reference(x, w) + b.double()
+    # The output passes through bf16 (8 bits), the widened weights through fp16 (11 bits).
+    bound = (expected - b.double()).abs() * 2**-8 + (x.double().abs() @ w.double().abs().T) * 2**-11 + 1e-5
+    assert ((y - expected).abs() <= bound).all()
+    assert not torch.allclose(y, (x @ w.T + b).double(), rtol=1e-5, atol=1e-5)  # it really runs on int8 weights
 
 
 def test_fp16_gemm_equals_the_product_with_fp16_rounded_weights():
@@ -22,30 +69,30 @@ def test_fp16_gemm_equals_the_product_with_fp16_rounded_weights():
     torch.testing.assert_close(gemm(x, w, b), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_int8_gemm_is_within_the_rounding_of_7_bit_weights_and_8_bit_inputs_per_row():
+def test_dynamic_int8_gemm_is_within_the_rounding_of_7_bit_weights_and_8_bit_inputs_per_row():
     torch.manual_seed(0)
-    x, w, b = torch.randn(3, 128), torch.randn(64, 128) * 0.05, torch.randn(64)
+    x, w = torch.randn(3, 128), torch.randn(64, 128) * 0.05
     x[1] *= 50  # an outlier row: the other rows keep their own resolution
-    gemm = CpuGemm()
-    gemm.quantized = "int8"
+    packed = cpu_quant.pack(RESCORED, w, None)
     scale = w.abs().amax(1, keepdim=True) / 63
     w_q = torch.round(w / scale) * scale  # the weights as 7-bit integers per output channel hold them
     for rows in (x, x[:1]):  # a prefill's rows, and one decode row
         x_step = 2 * rows.abs().amax(1, keepdim=True) / 255  # 8-bit inputs, each row over its own range
-        expected = rows @ w_q.T + b
         bound = x_step / 2 * w_q.abs().sum(1) + 1e-4  # every input off by at most half a step
-        assert ((gemm(rows, w, b) - expected).abs() <= bound).all()
-        assert not torch.equal(gemm(rows, w, b), rows @ w.T + b)  # it really runs in int8
+        y = cpu_quant.run(RESCORED, rows, packed)
+        assert ((y - rows @ w_q.T).abs() <= bound).all()
+        assert not torch.equal(y, rows @ w.T)
 
 
-def test_a_changed_weight_is_packed_again():
+@pytest.mark.parametrize("kind", ["fp16", "int8"])
+def test_a_changed_weight_is_packed_again(kind):
     x, w = torch.randn(2, 16), torch.randn(8, 16)
     gemm = CpuGemm()
-    gemm.quantized = "fp16"
+    gemm.quantized = kind
     gemm(x, w)
     with torch.no_grad():
         w.mul_(2)
-    torch.testing.assert_close(gemm(x, w), x @ w.half().float().T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gemm(x, w), x @ w.T, rtol=0.02, atol=0.1)
 
 
 def test_int8_rescored_gemm_scores_each_rows_top_outputs_in_fp32_and_the_rest_in_int8():
@@ -55,9 +102,7 @@ def test_int8_rescored_gemm_scores_each_rows_top_outputs_in_fp32_and_the_rest_in
     gemm.quantized = RESCORED
     y = gemm(x, w)
     exact = x @ w.T
-    plain = CpuGemm()
-    plain.quantized = "int8"
-    approx = plain(x, w)
+    approx = cpu_quant.run(RESCORED, x, cpu_quant.pack(RESCORED, w, None))
     for row in range(3):
         top = approx[row].topk(RESCORED_TOP).indices
         torch.testing.assert_close(y[row, top], exact[row, top], rtol=1e-5, atol=1e-5)  # fp32's own scores
@@ -67,7 +112,7 @@ def test_int8_rescored_gemm_scores_each_rows_top_outputs_in_fp32_and_the_rest_in
     assert torch.equal(y.argmax(-1), exact.argmax(-1))
 
 
-def test_int8_quantization_switches_every_linear_and_rescores_the_lm_head(tiny_model_dir):
+def test_int8_quantization_routes_each_linear_to_its_format(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama")), quantization="int8", num_pages=256)
     kinds = {
         name.rsplit(".", 1)[-1]: module.gemm.quantized
@@ -75,23 +120,42 @@ def test_int8_quantization_switches_every_linear_and_rescores_the_lm_head(tiny_m
         if isinstance(getattr(module, "gemm", None), CpuGemm)
     }
     assert kinds == {
-        "qkv_proj": "int8",
+        "qkv_proj": "fp16",
         "o_proj": "int8",
         "gate_up_proj": "int8",
-        "down_proj": "int8",
+        "down_proj": "fp16",
         "lm_head": RESCORED,
     }
     out = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
 
 
-def test_threads_sets_torch_threads_for_the_engine(tiny_model_dir):
+def test_threads_sets_torch_threads_for_the_engine(tiny_model_dir, monkeypatch):
     before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     try:
         LLM(str(tiny_model_dir("llama")), threads=1, num_pages=64)
         assert torch.get_num_threads() == 1
+        LLM(str(tiny_model_dir("llama")), num_pages=64)  # the default: physical cores
+        assert torch.get_num_threads() == default_threads()
     finally:
         torch.set_num_threads(before)
+
+
+def test_default_threads_are_the_physical_cores_this_process_may_use():
+    lscpu = shutil.which("lscpu")
+    if lscpu is None or not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no lscpu or affinity masks here")
+    if cgroup_quota() is not None:
+        pytest.skip("a cgroup CPU quota caps the count")
+    allowed = os.sched_getaffinity(0)
+    rows = subprocess.run([lscpu, "-p=CPU,CORE,SOCKET"], capture_output=True, text=True, check=True).stdout
+    cores = {
+        tuple(row.split(",")[1:])
+        for row in rows.splitlines()
+        if row[:1].isdigit() and int(row.split(",")[0]) in allowed
+    }
+    assert default_threads() == len(cores)
 
 
 @pytest.mark.parametrize(
@@ -108,21 +172,38 @@ def test_quantize_gemms_refuses_a_kind_this_cpu_cannot_run(monkeypatch):
         quantize_gemms(torch.nn.Linear(2, 2), "int8")
 
 
-def test_smollm2_fp16_weights_agree_with_hf_fp32_greedy(smollm2_dir):
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    prompts = ["The capital of France is", "def add(a, b):"]
-    llm = LLM("smollm2", quantization="fp16", num_pages=512)
+    return tok, AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+def _teacher_forced_agreement(llm: LLM, hf_smollm2, texts: list[str]) -> tuple[int, int]:
+    """(positions where llm's top-1 next token equals HF fp32's, positions) over texts fed whole (teacher forced)."""
+    tok, hf = hf_smollm2
     hits = total = 0
-    for prompt in prompts:
-        ids = tok(prompt, return_tensors="pt").input_ids
+    for text in texts:
+        ids = tok(text).input_ids
         with torch.no_grad():
-            ref = hf.generate(ids, max_new_tokens=16, do_sample=False)[0].tolist()
-        out = llm.generate([ref], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
-        for i in range(ids.shape[1], len(ref)):  # teacher forced: fp16's top-1 after HF's own prefix
+            expected = hf(torch.tensor([ids])).logits[0].argmax(-1).tolist()
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+        out = llm.generate([ids], params, use_tqdm=False)[0]
+        for i in range(1, len(ids)):  # prompt_logprobs[i]: the distribution of token i after ids[:i]
             top = max(out.prompt_logprobs[i][1], key=lambda t: t[1])[0]
-            hits += top == ref[i]
+            hits += top == expected[i - 1]
             total += 1
-    assert hits / total >= 0.95, f"{hits}/{total}"
+    return hits, total
+
+
+def test_smollm2_int8_agrees_with_hf_fp32_top1_on_held_out_text(hf_smollm2):
+    hits, total = _teacher_forced_agreement(LLM("smollm2", quantization="int8", num_pages=64), hf_smollm2, HELD_OUT)
+    assert total >= 200
+    print(f"int8 vs HF fp32, teacher-forced top-1: {hits}/{total}")
+    assert hits / total >= 0.97, f"{hits}/{total}"
+
+
+def test_smollm2_fp16_weights_agree_with_hf_fp32_top1(hf_smollm2):
+    hits, total = _teacher_forced_agreement(LLM("smollm2", quantization="fp16", num_pages=64), hf_smollm2, HELD_OUT)
+    assert hits / total >= 0.98, f"{hits}/{total}"

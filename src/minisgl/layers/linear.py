@@ -13,6 +13,8 @@ from torch import nn
 from minisgl import env
 from minisgl.distributed import all_reduce, get_tp_info, partial_out
 from minisgl.errors import WeightsError
+from minisgl.layers import cpu_quant
+from minisgl.layers.cpu_quant import RESCORED
 from minisgl.layers.fp8 import Fp8Weight
 from minisgl.layers.fp8_gemm import Fp8Gemm
 
@@ -67,56 +69,6 @@ def _probe_packable(dtype: torch.dtype) -> bool:
 
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-INT8_WEIGHT_MAX = 63  # 7-bit weights: see _pack_quantized
-
-
-def _pack_quantized(kind: str, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """fbgemm's packed weight: "int8" symmetric per output channel in 7 bits (scale = max |w| / 63), "fp16" rounded.
-
-    7-bit weights let the inputs keep all 8 bits: AVX2's u8 x s8 pairwise sums (vpmaddubsw) saturate int16 only
-    past 2 x 255 x 63 < 32767. On SmolLM2-135M, 7-bit weights with 8-bit inputs agreed with fp32 more often than
-    8-bit weights with inputs cut to 7 bits (torch's reduce_range), 87% vs 82% top-1 with every linear in int8.
-    """
-    import warnings
-
-    w = weight.detach().float()
-    b = None if bias is None else bias.detach().float()
-    if kind == "fp16":
-        return torch.ops.quantized.linear_prepack_fp16(w, b)
-    scales = (w.abs().amax(dim=1).clamp(min=1e-8) / INT8_WEIGHT_MAX).double()
-    zeros = torch.zeros(w.shape[0], dtype=torch.long)
-    with warnings.catch_warnings():  # torch marks quantized tensors deprecated; fbgemm's kernels take them
-        warnings.simplefilter("ignore")
-        qw = torch.quantize_per_channel(w, scales, zeros, 0, torch.qint8)
-        return torch.ops.quantized.linear_prepack(qw, None)  # the bias is added after the row scaling
-
-
-def _run_quantized(kind: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ b) over a packed weight [rows, in]; fp16 multiplies in fp32. int8 quantizes x on the fly to
-    8 bits per tensor, which is per row in decode (one row per request); a prefill's rows are scaled to the same
-    range first, so that each is quantized as finely as decode would (one outlier row would coarsen them all)."""
-    # The overloads themselves: an op packet's call first walks its arguments for script objects (the packed weight).
-    if kind == "fp16":
-        return torch.ops.quantized.linear_dynamic_fp16.default(x, packed)
-    # int8 and RESCORED (whose top entries CpuGemm recomputes afterwards) run the same int8 GEMM.
-    linear = torch.ops.quantized.linear_dynamic.default
-    if x.shape[0] == 1:
-        y = linear(x, packed, False)
-    else:
-        row_max = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
-        y = linear(x / row_max, packed, False).mul_(row_max)
-    return y if bias is None else y.add_(bias)
-
-
-def _quantized_available(kind: str) -> bool:
-    """Whether this torch runs fbgemm's kernels for kind (x86 with AVX2 or AVX-512), checked on a tiny weight."""
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        return False
-    try:
-        y = _run_quantized(kind, torch.ones(2, 8), _pack_quantized(kind, torch.ones(4, 8), None))
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return False
-    return bool(torch.allclose(y, torch.full((2, 4), 8.0), rtol=0.05))
 
 
 class CpuGemm:
@@ -146,7 +98,7 @@ class CpuGemm:
     @classmethod
     def supports(cls, kind: str) -> bool:
         if kind not in cls.quantized_ok:
-            cls.quantized_ok[kind] = _quantized_available(kind)
+            cls.quantized_ok[kind] = cpu_quant.available(kind)
         return cls.quantized_ok[kind]
 
     @classmethod
@@ -178,44 +130,32 @@ class CpuGemm:
             torch.addmm(bias, x, weight.t(), out=out)
 
     def _quantized(self, kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """fbgemm's GEMM over a weight packed once (re-packed when the weight or bias changes)."""
+        """layers/cpu_quant.py's GEMM over a weight packed once (re-packed when the weight or bias changes)."""
         key = (weight.data_ptr(), weight._version, bias.data_ptr() if bias is not None else 0)
         if key != self._key:
-            self._packed = _pack_quantized(kind, weight, bias)
+            self._packed = cpu_quant.pack(kind, weight, bias)
             self._key = key
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # the model's activations are 2-D already
-        y = _run_quantized(kind, x2, self._packed, None if kind == "fp16" else bias)
+        y = cpu_quant.run(kind, x2, self._packed, bias if kind == RESCORED else None)
         if kind == RESCORED:
-            y = _rescore_top(y, x2, weight, bias)
+            y = cpu_quant.rescore_top(y, x2, weight, bias)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
-RESCORED = "int8_top"  # int8 GEMM, then its RESCORED_TOP largest outputs of each row recomputed from the fp32 weight
-RESCORED_TOP = 32
-
-
-def _rescore_top(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y [rows, out] (x W^T in int8) with each row's RESCORED_TOP largest entries replaced by fp32's exact values: an
-    LM head whose candidates for the top tokens are scored as fp32 scores them, at int8's weight bytes."""
-    top = y.topk(min(RESCORED_TOP, y.shape[-1]), dim=-1, sorted=False).indices
-    rows = weight.index_select(0, top.flatten()).view(*top.shape, weight.shape[-1])
-    exact = torch.bmm(rows, x.unsqueeze(-1)).squeeze(-1)
-    return y.scatter_(1, top, exact if bias is None else exact + bias[top])
-
-
-# quantization -> the fbgemm weight kind of each GEMM, by the name of its module (first match; "" matches all).
-# int8: every linear of the layers; the LM head in int8 with each row's top candidates rescored in fp32 (RESCORED: the
-# top tokens get fp32's logits at int8's bytes, 28 MB a step instead of fp16's 57). On SmolLM2-135M (teacher-forced
-# top-1 vs fp32, 480 positions): 89% as with the head in fp16, every GEMM plain int8 87%, the MLP's input projection
-# alone in int8 95% but with 1.3x the weight bytes (211 MB vs 161 MB a step).
+# quantization -> the weight kind of each GEMM (layers/cpu_quant.py), by the name of its module (first match; "" matches
+# all). int8: the attention's output and the MLP's input projections in int8 (59% of a layer's weights), the QKV and
+# down projections in fp16, the LM head RESCORED (fp32's logits for the top tokens at int8's bytes). On SmolLM2-135M,
+# teacher-forced top-1 vs fp32 over 679 positions of held-out text: these 98.8%; QKV in int8 too 97.9%; every linear
+# in int8 (bf16 inputs) 97.1%, down_proj alone in int8 97.8% (its inputs carry the outliers); every linear in
+# fbgemm's dynamic int8 (8-bit inputs) 89-92%. docs/benchmarks.md has the speeds.
 QUANTIZED_GEMMS: dict[str, tuple[tuple[str, str], ...]] = {
     "fp16": (("", "fp16"),),
-    "int8": (("lm_head", RESCORED), ("", "int8")),
+    "int8": (("lm_head", RESCORED), ("qkv_proj", "fp16"), ("down_proj", "fp16"), ("", "int8")),
 }
 
 
 def quantize_gemms(model: nn.Module, quantization: str) -> int:
-    """Route the CPU GEMMs of model (linears and the LM head) through fbgemm with the weights QUANTIZED_GEMMS
+    """Route the CPU GEMMs of model (linears and the LM head) through the weight formats QUANTIZED_GEMMS
     gives them; how many GEMMs were switched. ConfigError when this torch or CPU has no such kernels."""
     from minisgl.errors import ConfigError
 
@@ -223,7 +163,7 @@ def quantize_gemms(model: nn.Module, quantization: str) -> int:
     for _, kind in rules:
         if not CpuGemm.supports(kind):
             raise ConfigError(
-                f"quantization={quantization!r} needs torch's fbgemm {kind} kernels (an x86 CPU with AVX2): "
+                f"quantization={quantization!r} needs torch's {kind} CPU kernels (fbgemm: an x86 CPU with AVX2): "
                 "run without quantization"
             )
     switched = 0
