@@ -2,9 +2,10 @@
 
 Unit tests check the bounds of RequestPreparer against the real tokenizer's token counts (brute force). Daemon tests
 send a 30 MB prompt (as text and as chat messages) and a prompt the bound lets through to the tokenizer beside a
-normal stream, read in another process: its gaps between tokens stay under MAX_GAP_S and its tokens equal the offline
-engine's; the big request fails with the typed error naming the limit; afterwards the daemon answers, no KV page is
-held and the text worker's memory is back.
+normal stream, read in another process: its gaps between tokens stay under MAX_GAP_S (beyond the machine's own
+jitter: the stream's gaps without the big request) and its tokens equal the offline engine's; the big request fails
+with the typed error naming the limit; afterwards the daemon answers, no KV page is held and the text worker's
+memory is back.
 """
 
 from __future__ import annotations
@@ -335,7 +336,7 @@ def big_request(case: str) -> tuple[Any, str]:
     if case == "30 MB prompt":
         return "x" * 30 * MB, "max_chars_per_token"
     if case == "30 MB of chat messages":
-        # ASCII: 30 MB of emoji and CJK take 4x longer to decode from UTF-8, in the daemon's loop as here
+        # ASCII: the daemon decodes a message in its loop, and 30 MB of emoji and CJK take 4x longer
         content = words(30 * MB, vocabulary=[w for w in WORDS if w.isascii()])
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": content}]
         return messages, "max_chars_per_token"
@@ -370,9 +371,11 @@ def test_a_big_prompt_beside_a_stream_fails_alone_and_the_stream_keeps_its_pace(
     assert isinstance(outcome.get("error"), errors.PromptTooLongError), outcome
     assert words_of_error in str(outcome["error"]), outcome["error"]
     assert ids == expected
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     assert stamps[-1] > outcome["sent"], "the stream ended before the big request was sent"
-    assert max(gaps) < MAX_GAP_S, (max(gaps), outcome["answered"] - outcome["sent"])
+    beside = [b - a for a, b in zip(stamps, stamps[1:]) if b > outcome["sent"] and a < outcome["answered"]]
+    alone = [b - a for a, b in zip(stamps, stamps[1:]) if b <= outcome["sent"] or a >= outcome["answered"]]
+    jitter = max(alone, default=0.0)  # the machine's own (a loaded CI runner's), without the big request
+    assert max(beside) < MAX_GAP_S + jitter, (max(beside), jitter, outcome["answered"] - outcome["sent"])
     assert small == served.client.tokenize("a small request") and small_s < MAX_GAP_S + 1.0, small_s
     after = served.client.generate(NORMAL_IDS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert after.token_ids == expected[:8]
