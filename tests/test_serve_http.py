@@ -1,25 +1,32 @@
-"""`minisgl serve` serves the HTTP API by default (127.0.0.1:30000; ZeroMQ only with --no-http, --http-port 0,
-or when the default port is taken), and --served-model-name gives the names /v1/models lists and requests may
-use (checked with the real openai package). Auto-started daemons never open HTTP."""
+"""`minisgl serve` serves the HTTP API by default (127.0.0.1:30000; ZeroMQ only with --no-http or --http-port 0);
+a taken port, default or given, stops it before the model loads, naming the process that holds the port; and
+--served-model-name gives the names /v1/models lists and requests may use (checked with the real openai package).
+Auto-started daemons never open HTTP."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Iterator
 
 import pytest
 from tests.daemon_fixtures import daemon_runtime_dir, free_port, start_serve, wait_http  # noqa: F401 - a fixture
 
 from minisgl import cli
-from minisgl.server import DEFAULT_HTTP_PORT
+from minisgl.runtime.supervisor import HttpChild, port_taken
+from minisgl.server import DEFAULT_HTTP_PORT, HttpOptions
 
 
 def _http(argv: list[str]) -> Any:
     return cli._http_options(cli.build_parser().parse_args(["serve", *argv]))
 
 
-def test_serve_listens_on_the_default_port_on_loopback(monkeypatch):
-    monkeypatch.setattr(cli, "_port_free", lambda host, port: True)
+def test_serve_listens_on_the_default_port_on_loopback():
     default = _http([])
     assert (default.host, default.port, default.served_model_names) == ("127.0.0.1", DEFAULT_HTTP_PORT, ())
     assert DEFAULT_HTTP_PORT == 30000
@@ -30,11 +37,55 @@ def test_no_http_and_port_0_serve_zeromq_only(argv):
     assert _http(argv) is None
 
 
-def test_a_taken_default_port_leaves_http_off_but_a_given_one_is_kept(monkeypatch):
-    monkeypatch.setattr(cli, "_port_free", lambda host, port: False)
-    assert _http([]) is None
-    given = _http(["--http-port", "8123", "--served-model-name", "a", "b"])
-    assert (given.port, given.served_model_names) == (8123, ("a", "b"))
+@pytest.fixture
+def held_port() -> Iterator[int]:
+    """A loopback port this test process listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_port_taken_names_the_port_and_this_process(held_port: int):
+    taken = port_taken("127.0.0.1", held_port)
+    assert taken is not None and str(held_port) in taken and f"pid {os.getpid()}" in taken
+    assert port_taken("127.0.0.1", free_port()) is None
+
+
+def test_an_http_process_that_cannot_bind_stops_the_daemon_at_once(held_port: int):
+    child = HttpChild(HttpOptions(port=held_port), (), spawn=lambda proc: None)
+    child.start()
+    dead = SimpleNamespace(pid=1234, exitcode=1)
+    reason = child.exited(dead, 0)  # the first failure, not after the restarts
+    assert reason is not None and str(held_port) in reason and f"pid {os.getpid()}" in reason
+
+
+def test_serve_on_a_taken_port_fails_before_loading_and_no_http_starts(
+    held_port: int,
+    daemon_runtime_dir: Path,  # noqa: F811
+    tiny_model_dir: Any,
+):
+    model = str(tiny_model_dir("llama"))
+    argv = [sys.executable, "-m", "minisgl", "serve", "--model", model, "--num-pages", "64"]
+    address = f"ipc://{daemon_runtime_dir}/taken.sock"
+    began = time.monotonic()
+    failed = subprocess.run(
+        [*argv, "--address", address, "--http-port", str(held_port)], capture_output=True, timeout=120
+    )
+    assert failed.returncode != 0, failed.stderr.decode()
+    assert time.monotonic() - began < 60  # refused before the model loads
+    message = failed.stderr.decode()
+    assert f"HTTP port {held_port}" in message and f"pid {os.getpid()}" in message, message
+    log = daemon_runtime_dir / "no-http.log"
+    proc = start_serve(["--model", model, "--address", address, "--num-pages", "64", "--no-http"], log)
+    try:
+        deadline = time.monotonic() + 300
+        while "ready: serving" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def test_served_model_names_are_listed_and_accepted(daemon_runtime_dir: Path, tiny_model_dir: Any):  # noqa: F811

@@ -81,7 +81,7 @@ def _add_serve_parser(sub: Any) -> None:
     serve.add_argument(
         "--http-port",
         type=_port,
-        help="serve the OpenAI/Ollama HTTP API on this port (default: 30000; if it is taken, ZeroMQ only; 0: no HTTP)",
+        help="serve the OpenAI/Ollama HTTP API on this port (default: 30000; a taken port is an error; 0: no HTTP)",
     )
     serve.add_argument("--no-http", action="store_true", help="serve ZeroMQ clients only (same as --http-port 0)")
     serve.add_argument(
@@ -178,6 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from minisgl.server.app import check_bind
 
         check_bind(args.host, http.api_key)  # refused before the model loads, not by the HTTP process after it
+        _check_http_port(http)
     if args.http_port and (running := _running_daemon(config, args.address)) is not None:
         return _serve_http_only(running, http, args.model)
     return serve(
@@ -194,19 +195,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _http_options(args: argparse.Namespace) -> Any:
-    """The HTTP server's options, None with --no-http or --http-port 0, or when the default port is taken (a
-    second daemon, say; a port given explicitly must be free: uvicorn then says why it is not). Its API key from
-    --api-key, else --api-key-file, else $MINISGL_API_KEY."""
+    """The HTTP server's options, None with --no-http or --http-port 0. Its API key from --api-key, else
+    --api-key-file, else $MINISGL_API_KEY."""
     from minisgl.server import DEFAULT_HTTP_PORT, HttpOptions
 
     if args.no_http or args.http_port == 0:
-        return None
-    if args.http_port is None and not _port_free(args.host, DEFAULT_HTTP_PORT):
-        logger.warning(
-            "HTTP port %d on %s is in use: serving ZeroMQ clients only (give --http-port to serve HTTP elsewhere)",
-            DEFAULT_HTTP_PORT,
-            args.host,
-        )
         return None
     api_key = args.api_key
     if api_key is None and args.api_key_file:
@@ -229,15 +222,14 @@ def _http_options(args: argparse.Namespace) -> Any:
     )
 
 
-def _port_free(host: str, port: int) -> bool:
-    import socket
+def _check_http_port(http: Any) -> None:
+    """Refuse a taken HTTP port before the model loads, naming the process that holds it."""
+    from minisgl.errors import ConfigError
+    from minisgl.runtime.supervisor import port_taken
 
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
+    taken = port_taken(http.host, http.port)
+    if taken is not None:
+        raise ConfigError(f"{taken}; stop it, or pass --http-port N for another port, or --no-http for ZeroMQ only")
 
 
 def _running_daemon(config: EngineConfig, address: str | None) -> str | None:

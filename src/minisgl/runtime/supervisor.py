@@ -33,6 +33,41 @@ class Restarts:
         return self.delays[self.failures - 1] if self.failures <= len(self.delays) else None
 
 
+def port_taken(host: str, port: int) -> str | None:
+    """None when this process could bind host:port (then releases it); else a sentence naming the port and, where
+    this user may see it, the process listening on it."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT does not count
+        try:
+            sock.bind((host, port))
+            return None
+        except OSError as e:
+            why = e.strerror or str(e)
+    return f"HTTP port {port} on {host} is taken ({why}): {port_holder(port)}"
+
+
+def port_holder(port: int) -> str:
+    """Who listens on a local TCP port: "held by NAME (pid N)", or that another user's process (invisible to this
+    one) holds it."""
+    try:
+        import psutil
+
+        holders = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid}
+        names = []
+        for pid in sorted(holders):
+            try:
+                names.append(f"{psutil.Process(pid).name()} (pid {pid})")
+            except psutil.Error:
+                names.append(f"pid {pid}")
+    except Exception:  # psutil missing, or /proc unreadable: say what we know
+        names = []
+    if names:
+        return "held by " + ", ".join(names)
+    return "held by a process this user cannot see (another user's, or in another network namespace)"
+
+
 class HttpServer(Protocol):
     """The HTTP server a daemon starts, handed down by the CLI (minisgl.server.HttpOptions: the runtime sits below
     its front ends and never imports them)."""
@@ -77,6 +112,8 @@ class HttpChild:
         stop the daemon when it keeps failing."""
         ran = time.monotonic() - self.started_at
         what = f"the HTTP server process (pid {proc.pid}) exited with code {proc.exitcode} after {ran:.1f}s"
+        if proc.exitcode and (taken := port_taken(self.options.host, self.options.port)) is not None:
+            return f"{what}: {taken} (stop it, or give `minisgl serve` another --http-port, or --no-http)"
         delay = self.restarts.after_exit(ran)
         if delay is None:
             return (
