@@ -249,3 +249,77 @@ def test_a_pydantic_ai_agent_gets_its_structured_output_through_the_responses_mo
     assert isinstance(result.output, Capital) and result.output.city.strip() and result.output.country.strip()
     calls = [p for m in result.all_messages() for p in getattr(m, "parts", []) if isinstance(p, ToolCallPart)]
     assert len(calls) == 1 and Capital.model_validate(calls[0].args_as_dict()) == result.output
+
+
+class _ScriptedDaemon:
+    """A stand-in for the daemon's client whose stream is a fixed script of chunks (text and tool-call deltas, as
+    the daemon's detokenizer sends them): text, a call, whitespace, a call whose start shares a chunk with its
+    arguments, then text again."""
+
+    SCRIPT = [
+        ("Let me check.", None),
+        ("", [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]),
+        ("", [{"index": 0, "function": {"arguments": '{"city": '}}]),
+        ("", [{"index": 0, "function": {"arguments": '"Paris"}'}}]),
+        ("\n", None),
+        ("", [{"index": 1, "id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]),
+        (" Done.", None),
+    ]
+
+    async def close(self) -> None:
+        pass
+
+    async def model_info(self) -> dict[str, Any]:
+        return {"name": "stand-in", "context_length": 2048}
+
+    async def stream(self, messages: Any, **kwargs: Any) -> Any:
+        usage = SimpleNamespace(prompt_tokens=5, completion_tokens=len(self.SCRIPT), cached_tokens=0)
+        for k, (text, calls) in enumerate(self.SCRIPT):
+            last = k == len(self.SCRIPT) - 1
+            yield SimpleNamespace(
+                index=0,
+                text=text,
+                tool_calls=calls,
+                finish_reason="tool_calls" if last else None,
+                usage=usage if last else None,
+            )
+
+
+def test_text_and_calls_interleaved_in_a_stream_become_items_in_order_that_the_sdk_assembles():
+    """Each text run and each call is its own item, opened and closed in order (whitespace between calls is no
+    item); the openai package's stream helper, which checks that every added item is done with the same identity,
+    assembles the same output as the final response.completed event."""
+    from fastapi.testclient import TestClient
+
+    from minisgl.server.app import create_app
+    from minisgl.server.guard import GuardOptions
+
+    app = create_app(
+        "ipc:///unused", "stand-in", client_factory=_ScriptedDaemon, guard=GuardOptions(allowed_hosts=("testserver",))
+    )
+    with TestClient(app) as http:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        with sdk.responses.stream(model="stand-in", input="Weather and time?", tools=TOOLS) as stream:
+            events = list(stream)
+            assembled = stream.get_final_response()
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and final.status == "completed"
+    assert [o.type for o in final.output] == ["message", "function_call", "function_call", "message"]
+    assert {o.status for o in final.output} == {"completed"}
+    first, weather, clock, last = final.output
+    assert first.content[0].text == "Let me check." and last.content[0].text == " Done."
+    assert (weather.call_id, weather.name, weather.arguments) == ("call_a", "get_weather", '{"city": "Paris"}')
+    assert (clock.call_id, clock.name, clock.arguments) == ("call_b", "get_time", "{}")
+    assert _items(assembled.output) == _items(final.output)
+    added = [(e.output_index, e.item.id) for e in events if e.type == "response.output_item.added"]
+    done = [(e.output_index, e.item.id) for e in events if e.type == "response.output_item.done"]
+    assert added == done == [(i, o.id) for i, o in enumerate(final.output)]
+    # An item is done before the next one is added.
+    opened = [e.type for e in events if e.type in ("response.output_item.added", "response.output_item.done")]
+    assert opened == ["response.output_item.added", "response.output_item.done"] * 4
+
+
+def _items(output: list[Any]) -> list[tuple[Any, ...]]:
+    """What an output list says: each item's type, id, status, and its text or call."""
+    said = [o.content[0].text if o.type == "message" else (o.call_id, o.name, o.arguments) for o in output]
+    return [(o.type, o.id, o.status, what) for o, what in zip(output, said)]
