@@ -223,9 +223,9 @@ def test_an_openai_agents_agent_calls_its_function_tool_and_answers(server):
         return result, kinds
 
     result, kinds = asyncio.run(run())
-    assert len(cities) == 1 and cities[0].strip(), cities
+    assert cities and all(c.strip() for c in cities), cities
     steps = [type(i).__name__ for i in result.new_items]
-    assert steps == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"], steps
+    assert steps[:2] == ["ToolCallItem", "ToolCallOutputItem"] and steps[-1] == "MessageOutputItem", steps
     assert isinstance(result.final_output, str) and result.final_output.strip()
     assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
 
