@@ -49,7 +49,7 @@ class RequestLimits(NamedTuple):
 
     def check_tools(self, tools: Any) -> None:
         """Before a tool is rendered or its schema walked: their number and how deeply each nests."""
-        from minisgl.structured.grammar import check_schema_shape
+        from minisgl.structured.grammar import check_schema_shape  # xgrammar and torch: only when tools come
 
         if not isinstance(tools, (list, tuple)):
             return  # normalize_tools says what is wrong with it
@@ -61,7 +61,7 @@ class RequestLimits(NamedTuple):
             check_schema_shape(tool, f"tools[{i}]", self.max_schema_depth)
 
     def check_schema(self, schema: Any, what: str) -> None:
-        from minisgl.structured.grammar import check_schema_shape
+        from minisgl.structured.grammar import check_schema_shape  # xgrammar and torch: only when a schema comes
 
         check_schema_shape(schema, what, self.max_schema_depth)
 

@@ -19,10 +19,14 @@ stuck in such a kernel ends its process after SYMM_STUCK_EXIT_S, runtime/ranks.p
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from minisgl.distributed.reduce_norm import SymmReduceNorm
 
 logger = logging.getLogger("minisgl")
 SYMM_MEM_MAX_BYTES = 8 * 2**20  # tensors up to this size take the symmetric-memory all-reduce
@@ -53,14 +57,11 @@ def get_tp_info() -> TPInfo:
 
 def symm_mem_group() -> str:
     """The TP group's name, with symmetric memory enabled for it (older torch needs that; a no-op later)."""
-    import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
+    import torch.distributed._symmetric_memory as symm_mem  # private torch API, CUDA only: where it is used
 
     group = dist.group.WORLD.group_name
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
     if enable is not None:
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             enable(group)
@@ -71,7 +72,7 @@ class SymmMemAllReduce:
     """One-shot all-reduce through a symmetric-memory buffer that every rank registered (CUDA only)."""
 
     def __init__(self, device: torch.device, max_bytes: int = SYMM_MEM_MAX_BYTES) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
+        import torch.distributed._symmetric_memory as symm_mem  # private torch API, CUDA only: where it is used
 
         self.group = symm_mem_group()
         self.buf = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
@@ -114,8 +115,6 @@ def setup_symm_mem(device: torch.device, choice: str, fused_mb: int) -> None:
         _SYMM = SymmMemAllReduce(device)
         logger.info("tensor-parallel all-reduce up to %d MB through symmetric memory", SYMM_MEM_MAX_BYTES >> 20)
     elif choice == "fused" and device.type == "cuda":
-        from minisgl.distributed.reduce_norm import SymmReduceNorm
-
         # Each of its two slots holds one reduction: 8 MB takes decode's (batch 256 x 5,120 x bf16: 2.6 MB);
         # tp_fused_mb=192 takes a 16k-token prefill chunk's too (bigger slots: less memory for the KV).
         _REDUCE_NORM = SymmReduceNorm(device, symm_mem_group(), _TP.rank, _TP.size, fused_mb << 20)
@@ -134,7 +133,6 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     if _SYMM is not None and _SYMM.fits(x):
         return _SYMM(x)
-    import torch.distributed as dist
 
     dist.all_reduce(x)
     return x
@@ -160,7 +158,6 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate each rank's shard of the last dimension (vocab-parallel logits)."""
     if _TP.size == 1:
         return x
-    import torch.distributed as dist
 
     # One collective into one buffer [tp, ..., shard], then one copy into [..., tp * shard]: a list
     # all_gather gathers into a flat buffer, copies it out per rank and torch.cat copies it again.

@@ -21,6 +21,7 @@ from pathlib import Path
 from minisgl import env
 from minisgl.config import EngineConfig
 from minisgl.errors import ConfigError
+from minisgl.lifetime import parent_env
 
 SECRET_ENV = env.TP_SECRET.name
 _SIG_BYTES = hashlib.sha256().digest_size
@@ -60,7 +61,6 @@ def _read_secret_file(path: Path) -> bytes:
 
 def child_env(secret: bytes) -> dict[str, str]:
     """The environment of a rank process: this one's, plus the secret (and this pid: it ends with this process)."""
-    from minisgl.lifetime import parent_env
 
     return parent_env({**os.environ, SECRET_ENV: secret.decode()})
 

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import msgpack
 import zmq
 import zmq.utils.z85
+from zmq.auth.thread import ThreadAuthenticator
 
 from minisgl.distributed.auth import sign, verify
 
@@ -186,7 +187,6 @@ class _Curve:
         self.client_public, self.client_secret = _keypair(secret, b"client")
 
     def serve(self, ctx: zmq.Context) -> Any:
-        from zmq.auth.thread import ThreadAuthenticator
 
         auth = ThreadAuthenticator(ctx, log=logging.getLogger("minisgl.tp.zap"))
         auth.start()

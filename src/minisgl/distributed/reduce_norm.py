@@ -26,6 +26,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 MAX_PROGRAMS = 512  # programs of one launch (the barrier flags: MAX_PROGRAMS x world per slot)
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -131,8 +132,7 @@ class SymmReduceNorm:
     """The two slots in symmetric memory, their addresses and barrier flags, and the call (CUDA only)."""
 
     def __init__(self, device: torch.device, group: Any, rank: int, world: int, slot_bytes: int) -> None:
-        import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
+        import torch.distributed._symmetric_memory as symm_mem  # private torch API, CUDA only: where it is used
 
         self.rank, self.slot_bytes = rank, slot_bytes
         self.flag_bytes = MAX_PROGRAMS * world * 4

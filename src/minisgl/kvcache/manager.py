@@ -13,17 +13,15 @@ import torch
 
 from minisgl.errors import ConfigError
 from minisgl.kvcache.base import MatchResult, PrefixCache
+from minisgl.kvcache.naive import NaiveCache
+from minisgl.kvcache.radix import RadixCache
 
 
 def make_prefix_cache(kind: str, page_size: int, device: torch.device | str = "cpu") -> PrefixCache:
     """The prefix cache named by the config: "radix" (share prefixes) or "naive" (no reuse)."""
     if kind == "radix":
-        from minisgl.kvcache.radix import RadixCache
-
         return RadixCache(page_size, device)
     if kind == "naive":
-        from minisgl.kvcache.naive import NaiveCache
-
         return NaiveCache(page_size, device)
     raise ConfigError(f"unknown prefix cache {kind!r}: use 'radix' or 'naive'")
 

@@ -30,7 +30,9 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from minisgl.config import EngineConfig
 from minisgl.distributed import reset_symm_mem, set_tp_info, setup_symm_mem
@@ -65,7 +67,6 @@ def connect_store(init_addr: str, is_master: bool, timeout: datetime.timedelta) 
 
     Rank 0's store listens on that address only: left to itself, torch's TCPStore listens on every interface.
     """
-    import torch.distributed as dist
 
     host, _, port = init_addr.rpartition(":")
     host = host.strip("[]")
@@ -98,7 +99,6 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def rendezvous_store(config: EngineConfig, place: ChannelPlace, is_master: bool) -> Any:
     """The process group's rendezvous: a FileStore in the private directory on one host, node 0's TCPStore else."""
-    import torch.distributed as dist
 
     if place.directory is not None:
         return dist.FileStore(place.store_path(), config.tp)
@@ -125,7 +125,6 @@ def loopback_interface() -> str:
 
 def init_distributed(config: EngineConfig, rank: int, store: Any) -> None:
     """Join the TP process group through `store` and set this rank's device."""
-    import torch.distributed as dist
 
     use_cuda = config.device != "cpu" and torch.cuda.is_available()
     if config.nnodes == 1:  # gloo's and NCCL's own sockets: loopback only, unless the user chose an interface
@@ -170,7 +169,6 @@ def _bounded(fn: Any, timeout: float, what: str) -> bool:
 
 def abort_communicators(timeout: float = 10.0) -> None:
     """Abort this rank's NCCL communicators: kernels waiting for a dead peer return. Safe from any thread."""
-    import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_backend() != "nccl":
         return  # gloo fails a collective with a dead peer by itself
@@ -190,7 +188,6 @@ def close_groups(clean: bool, timeout: float = 10.0) -> None:
     Either is abandoned after `timeout` seconds: with NCCL, a destroy whose peers have already exited,
     or an abort with a peer in a bad state, can block for good (torch waits on it even past its own timeout).
     """
-    import torch.distributed as dist
 
     reset_symm_mem()
     if not dist.is_initialized():
@@ -228,7 +225,6 @@ class RankZeroWatch:
         threading.Thread(target=self._run, name="minisgl-tp-watch", daemon=True).start()
 
     def _run(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
 
         ctx = zmq.Context()
         sub = self.spoke.control_socket(ctx)
