@@ -129,7 +129,8 @@ TP_SECRET = _declare(
     "str",
     None,
     str,
-    "multi-node tensor parallelism: the secret every node shares, which signs the ranks' messages (or "
+    "multi-node tensor parallelism: the secret every node shares, which signs the ranks' messages and keys their "
+    "encrypted control channel (or "
     "`--tp-secret-file`, a file only its owner can read); a one-node engine makes its own",
 )
 PARENT_PID = _declare(
