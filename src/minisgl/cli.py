@@ -10,6 +10,7 @@ from typing import Any
 
 from minisgl import env
 from minisgl.config import EngineConfig, default_of
+from minisgl.engine.threads import default_threads, set_wait_policy
 from minisgl.errors import MiniSGLError
 
 logger = logging.getLogger("minisgl")
@@ -30,6 +31,10 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
         "moe_parallel": "MoE under --tp: ep (whole experts per rank), tp (each expert split across the ranks) or "
         "auto (ep where the ranks divide the experts); ",
     }
+    defaults = {  # what a None default stands for
+        "threads": f"the physical cores this process may use, hyperthreads not counted ({default_threads()} here; "
+        "OMP_NUM_THREADS, if set, instead)",
+    }
     for f in fields(EngineConfig):
         if f.name in ("model", "extra", *skip):
             continue
@@ -44,7 +49,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                 type=_TYPES[kind],
                 default=argparse.SUPPRESS,
                 metavar=f.name.upper(),
-                help=notes.get(f.name, "") + f"default: {default_of(f)}",
+                help=notes.get(f.name, "") + f"default: {defaults.get(f.name, default_of(f))}",
             )
 
 
@@ -411,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     from minisgl.lifetime import die_with_parent
 
     die_with_parent()  # a command another minisgl command started (MINISGL_PARENT_PID) ends with it
+    set_wait_policy()  # before anything loads torch: this process's and its children's OpenMP threads sleep
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         from minisgl.bench import main as bench_main
