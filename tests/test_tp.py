@@ -234,3 +234,21 @@ def test_two_nodes_on_one_machine_match_single_node(tiny_model_dir, tmp_path):
     finally:
         if node1.poll() is None:
             node1.kill()
+
+
+def test_tp2_ranks_follow_rank_zeros_prefill_budget(tiny_model_dir):
+    """A long prompt chunked beside decoding requests under a tight max_decode_gap: rank 0 alone measures step times
+    and its budget's state reaches the other rank with each step's ops, so both build the same (small) chunks and
+    the tokens equal TP=1's without a budget."""
+    model_dir = tiny_model_dir("llama")
+    prompts = [[11, 12, 13], list(range(20, 420)), [7, 8, 9, 10]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(str(model_dir), max_prefill_tokens=64, max_decode_gap=0) as llm:
+        ref = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    with LLM(str(model_dir), tp=2, dist_timeout=60, max_prefill_tokens=64, max_decode_gap=0.001) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        budget = llm.scheduler.sched.prefill_budget
+        assert budget.decode_s > 0 and budget.cost.a is not None  # it measured decodes and prefill chunks
+        assert llm.scheduler._budget_sent is not None and llm.scheduler._budget_sent[0] == 0.001  # shared
+        llm.check_integrity()
+    assert got == ref

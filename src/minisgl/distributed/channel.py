@@ -141,7 +141,15 @@ class TPEvent(NamedTuple):
 
 
 # One op: [kind, *fields]; the kinds a rank > 0 applies (runtime/tp.py) and how many fields each has.
-TP_OP_FIELDS = {"add": 4, "compile": 1, "abort": 1, "reset_prefix_cache": 0, "profile": 2, "exit": 0}
+TP_OP_FIELDS = {
+    "add": 4,
+    "compile": 1,
+    "abort": 1,
+    "reset_prefix_cache": 0,
+    "profile": 2,
+    "prefill_budget": 1,
+    "exit": 0,
+}
 
 
 class TPOps(NamedTuple):

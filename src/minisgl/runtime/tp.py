@@ -55,6 +55,7 @@ class TPScheduler(RankGroup):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)  # the channel, the rendezvous, the other ranks, the failure monitor
         self._ops: list[Any] = []
+        self._budget_sent: list[float] | None = None  # the prefill budget's state the other ranks have
         self._deferred: dict[str, tuple] = {}  # the "add" op of a request whose grammar rank 0 is still compiling
         self._closed = False
         try:
@@ -122,6 +123,7 @@ class TPScheduler(RankGroup):
         if self._deferred:
             self._admit_compiled()
         ops, self._ops = self._ops, []
+        self._share_budget(ops)
         t0 = time.perf_counter()
         self.step_started = time.monotonic()  # the failure watch ends a process whose step never comes back
         try:
@@ -142,6 +144,17 @@ class TPScheduler(RankGroup):
         if prof is not None:
             prof.record_step(sent - t0, time.perf_counter() - t1)
         return outputs
+
+    def _share_budget(self, ops: list[Any]) -> None:
+        """Rank 0 alone measures step times (they differ between ranks); the state its prefill budget decides this
+        step with goes to the other ranks with the step's ops, whenever it changed, so every rank builds the same
+        batches."""
+        budget = self.sched.prefill_budget
+        budget.step_started()  # its measurements up to now: the step's own call then changes nothing
+        state = list(budget.state())
+        if state != self._budget_sent:
+            ops.append(("prefill_budget", state))
+            self._budget_sent = state
 
     def stats(self) -> dict[str, int]:
         return self.sched.stats()
@@ -184,6 +197,8 @@ def _apply(sched: Any, ops: list[Any], rank: int) -> None:
             sched.reset_prefix_cache()
         elif op[0] == "profile":
             apply_profile_op(op, rank)
+        elif op[0] == "prefill_budget":  # rank 0's measurements decide every rank's chunks
+            sched.prefill_budget.load(op[1])
 
 
 def worker_main(config: EngineConfig, rank: int, place: ChannelPlace) -> int:

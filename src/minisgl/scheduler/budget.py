@@ -214,6 +214,7 @@ class PrefillBudget:
         self.spent_s = 0.0  # predicted prefill seconds since the last decode step
         self.following = False  # a tensor-parallel rank > 0: rank 0's state, loaded each step, decides
         self._busy = False  # the last step left work: the loop did not idle since
+        self._started = False  # step_started() ran for the step in progress
         self._host_timed = True  # until a device event arrives
         self._last_end: float | None = None  # host clock at the last step's end
         self._pending: deque[tuple[Batch, Any]] = deque()  # launched batches whose device events are not done yet
@@ -243,7 +244,12 @@ class PrefillBudget:
             self.spent_s += allowance.used_s if self.cost.a is not None else self.max_gap
 
     def step_started(self) -> None:
-        """The start of a step; after an idle loop the host clock starts here (an idle wait is no step's time)."""
+        """The start of a step; after an idle loop the host clock starts here (an idle wait is no step's time).
+        Once per step: a tensor-parallel rank 0 calls it before it sends its state, and the step's own call is then
+        a no-op, so the state it decides with is the one it sent."""
+        if self._started:
+            return
+        self._started = True
         if not self._busy:
             self._drain()  # every event is done when the loop goes idle
             self._last_event = None
@@ -252,7 +258,7 @@ class PrefillBudget:
     def step_done(self, launched: Batch | None, event: Any, busy: bool) -> None:
         """The end of a step: `launched` its batch (None: none), `event` the device event recorded after it (None:
         the forward ran on the host, done by now); busy: work is left, so the next step starts at once."""
-        self._busy = busy
+        self._busy, self._started = busy, False
         if self.following:
             return
         if event is None:  # the host computed the forward within this step: the step's time is the batch's

@@ -63,8 +63,8 @@ class Scheduler:
         self.kv = ReqKV(self.table, self.cache, self.device)
         self.prefill = PrefillManager(config, self.kv)
         self.decode = DecodeManager(self.kv, self.prefill.waiting, self.max_seq_len)
-        # Under tensor parallelism rank 0 alone may measure: off until its state reaches the ranks (budget.py).
-        gap = default_gap(config.max_decode_gap, self.device.type) if get_tp_info().size == 1 else 0.0
+        # Under tensor parallelism rank 0 alone measures; the other ranks follow its state (runtime/tp.py).
+        gap = default_gap(config.max_decode_gap, self.device.type)
         self.prefill_budget = PrefillBudget(
             config.max_prefill_tokens, gap, self.page_size, flop_ratio(self.model_config)
         )
