@@ -162,7 +162,8 @@ def test_hermes_plain_text_is_all_content() -> None:
 def test_hermes_malformed_call_stays_in_content(bad: str) -> None:
     good = '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
     parsed = HermesToolParser.parse(f"before {bad} middle {good} after")
-    assert parsed.content == f"before {bad} middle  after"
+    untagged = bad.removeprefix("<tool_call>").removesuffix("</tool_call>")  # the text stays, the tags go
+    assert parsed.content == f"before {untagged} middle  after"
     assert calls_of(parsed) == [("get_time", {"tz": "UTC"})]
 
 
@@ -170,7 +171,7 @@ def test_hermes_accepts_an_unclosed_final_call_but_not_a_truncated_one() -> None
     closed_by_eos = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n'
     assert calls_of(HermesToolParser.parse(closed_by_eos)) == [("get_time", {"tz": "UTC"})]
     truncated = '<tool_call>{"name": "get_time", "arguments": {"tz": "UT'
-    assert HermesToolParser.parse(truncated) == ParsedToolOutput(truncated, [])
+    assert HermesToolParser.parse(truncated) == ParsedToolOutput(truncated.removeprefix("<tool_call>"), [])
 
 
 def test_hermes_accepts_arguments_key_order_and_string_arguments() -> None:
@@ -252,6 +253,24 @@ def test_streamed_deltas_add_up_to_the_whole_text_parse(parser_cls: type[Streami
     one_char = parser_cls()
     deltas = [d for ch in text for d in one_char.feed(ch)] + one_char.finish()
     assert fold(deltas) == expected
+
+
+def test_template_tags_never_reach_content_brute_force() -> None:
+    """Random mixes of answer text, echoed template tags, calls and malformed calls: content is exactly the text
+    (a malformed call's text included, without its tags), calls exactly the well-formed ones, whole or streamed."""
+    texts = ["The answer is ", "84", ". ", "3 < 4 ", "<b>x</b>", "<tool_x> ", "a\n", "<tool_"]
+    strays = ["<tool_response>", "</tool_response>", "</tool_call>"]
+    call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 7}}\n</tool_call>'
+    bad = "<tool_call>not json</tool_call>"
+    rng = random.Random(0)
+    for trial in range(300):
+        parts = rng.choices([*texts, *strays, call, bad], k=rng.randint(1, 8))
+        text = "".join(parts)
+        content = "".join(p if p in texts else "not json" if p == bad else "" for p in parts)
+        expected = (content if content.strip() else None, [("multiply", '{"a": 12, "b": 7}')] * parts.count(call))
+        whole = HermesToolParser.parse(text)
+        assert (whole.content, [(c.name, c.arguments) for c in whole.tool_calls]) == expected, text
+        assert fold(stream(HermesToolParser, text, random.Random(trial))) == expected, text
 
 
 def test_streaming_holds_back_a_possible_tag_and_streams_arguments() -> None:

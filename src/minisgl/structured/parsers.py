@@ -2,7 +2,8 @@
 
 Formats:
 - hermes (Hermes, Qwen2.5, Qwen3, Mistral fallback): <tool_call>{"name": N, "arguments": {...}}</tool_call>,
-  any number of them, anywhere in the text; the rest is content.
+  any number of them, anywhere in the text; the rest is content, less the template's tags (<tool_call>,
+  </tool_call>, <tool_response>, </tool_response>: a malformed call's text stays, its tags go).
 - llama3_json (Llama 3.1/3.2 JSON tool calling): the output starts with {"name": N, "parameters": {...}}
   (optionally after <|python_tag|>), several separated by ";"; text after the last call is content.
 
@@ -13,7 +14,7 @@ arguments are cut short or corrupted after the name was streamed cannot be unstr
 then ends that call with what it sent, while parse leaves the text as content.)
 
 A call's arguments are the model's own JSON text of the arguments object (not re-serialised), so
-the streamed fragments and the final string agree byte for byte. Malformed calls stay in content.
+the streamed fragments and the final string agree byte for byte. Malformed calls stay in content (hermes: untagged).
 """
 
 from __future__ import annotations
@@ -315,27 +316,27 @@ class HermesToolParser(StreamingToolParser):
     name: ClassVar[str] = "hermes"
     START: ClassVar[str] = "<tool_call>"
     END: ClassVar[str] = "</tool_call>"
+    # Template markup a small model echoes (its prompt wraps tool results in these): never content.
+    STRAY: ClassVar[tuple[str, ...]] = ("</tool_call>", "<tool_response>", "</tool_response>")
 
     def _advance(self, final: bool) -> None:
         start, end = self.START, self.END
         while True:
             buf = self._buf
             if self._state == _TEXT or self._state == _SKIP:
-                tag = start if self._state == _TEXT else end
-                i = buf.find(tag)
-                if i < 0:
-                    keep = 0 if final else partial_suffix(buf, tag)
+                opener = start if self._state == _TEXT else end
+                tags = (opener, *self.STRAY)
+                found = [(buf.find(tag), tag) for tag in tags if tag in buf]
+                if not found:
+                    keep = 0 if final else max(partial_suffix(buf, tag) for tag in tags)
                     self._emit_content(buf[: len(buf) - keep])
                     self._buf = buf[len(buf) - keep :]
                     return
-                if self._state == _TEXT:
-                    self._emit_content(buf[:i])
-                    self._buf = buf[i + len(tag) :]
-                    self._state, self._call = _CALL, _Call(start, -1)
-                else:
-                    self._emit_content(buf[: i + len(tag)])
-                    self._buf = buf[i + len(tag) :]
-                    self._state = _TEXT
+                i, tag = min(found)
+                self._emit_content(buf[:i])
+                self._buf = buf[i + len(tag) :]
+                if tag == opener:  # else a stray template tag, dropped
+                    self._state, self._call = (_CALL, _Call("", -1)) if self._state == _TEXT else (_TEXT, None)
             elif self._state == _CALL:
                 call = self._call
                 assert call is not None
@@ -344,7 +345,7 @@ class HermesToolParser(StreamingToolParser):
                     if j == len(buf) and not final:
                         return
                     if j == len(buf) or buf[j] != "{":
-                        self._emit_content(call.prefix)  # not JSON: the whole block is content
+                        self._emit_content(call.prefix)  # not JSON: the block's text is content
                         self._state, self._call = _SKIP, None
                         continue
                     call.prefix += buf[:j]
