@@ -279,8 +279,8 @@ class PagedRunner:
 
     def step(self, rows: list[int], seqs: list[list[int]], prefix_lens: list[int]) -> list[torch.Tensor]:
         """Compute seqs[i][prefix_lens[i]:] on top of the cached prefix; logits [extend_len, vocab] per request."""
-        from minisgl.layers.context import get_context
         from minisgl.core import Batch, Phase, Req, SamplingParams
+        from minisgl.layers.context import get_context
 
         extend_lens = [len(s) - p for s, p in zip(seqs, prefix_lens)]
         input_ids = torch.tensor([t for s, p in zip(seqs, prefix_lens) for t in s[p:]], dtype=torch.int64)
