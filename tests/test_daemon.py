@@ -35,6 +35,7 @@ from daemon_fixtures import (  # noqa: F401 - fixtures are used by name
 )
 from minisgl.client import AsyncClient, Client
 from minisgl.core import SamplingParams
+from minisgl.engine.threads import default_threads
 from minisgl.errors import (
     DaemonError,
     DaemonNotRunningError,
@@ -469,6 +470,8 @@ def test_ps_lists_each_daemon_with_its_state_and_load(
     assert mine["address"] == smollm2_daemon.address and mine["model"] == "smollm2" and mine["state"] == "ready"
     assert mine["total_pages"] == SMOLLM2_ENGINE["num_pages"] and mine["running"] == 1 and mine["req_pages"] > 0
     assert mine["uptime_s"] >= 0
+    threads = int(os.environ.get("OMP_NUM_THREADS") or default_threads())  # what its scheduler process computes with
+    assert mine["quantization"] == "none" and mine["threads"] == threads
     # The CURVE daemon does not answer a client without keys: ps says so instead of hanging or failing.
     curve = statuses[curve_daemon.proc.pid]
     assert curve["state"].startswith("refused") and "total_pages" not in curve
@@ -479,9 +482,9 @@ def test_ps_lists_each_daemon_with_its_state_and_load(
     curve = {s["pid"]: s for s in map(json.loads, _ps("--json", env=keyed).splitlines())}[curve_daemon.proc.pid]
     assert curve["state"] == "ready" and curve["total_pages"] == 2048 and curve["running"] == 0
     lines = table.splitlines()
-    assert lines[0].split()[:5] == ["MODEL", "ADDRESS", "PID", "STATE", "UP"]
+    assert lines[0].split()[:8] == ["MODEL", "ADDRESS", "PID", "STATE", "UP", "QUANTIZATION", "THREADS", "RUNNING"]
     row = next(line.split() for line in lines if str(smollm2_daemon.pid) in line.split())
-    assert row[0] == "smollm2" and row[3] == "ready" and row[5] == "1"  # RUNNING
+    assert row[0] == "smollm2" and row[3] == "ready" and row[5:8] == ["none", str(threads), "1"]
 
 
 def test_oversize_message_drops_only_that_connection(curve_daemon: CurveDaemon) -> None:

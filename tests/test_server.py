@@ -35,6 +35,7 @@ from daemon_fixtures import (  # noqa: F401 - fixtures are used by name
     wait_http,
 )
 from minisgl.core import SamplingParams
+from minisgl.engine.threads import default_threads
 from minisgl.errors import (
     ConfigError,
     DaemonNotRunningError,
@@ -1449,8 +1450,11 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_transformers_does(oai, smoll
     )  # only when asked for
 
 
-def test_openai_models_lists_the_served_model(oai):
-    assert [m.id for m in oai.models.list().data] == ["smollm2"]
+def test_openai_models_lists_the_served_model_with_its_quantization_and_threads(oai):
+    models = oai.models.list().data
+    assert [m.id for m in models] == ["smollm2"]
+    threads = int(os.environ.get("OMP_NUM_THREADS") or default_threads())  # what the scheduler process computes with
+    assert models[0].model_dump()["quantization"] == "none" and models[0].model_dump()["threads"] == threads
 
 
 def test_repeated_long_system_prompt_reports_cached_tokens(oai):
@@ -1643,8 +1647,10 @@ def test_metrics_report_requests_tokens_and_daemon_state(daemon, oai):
         "minisgl_kv_cache_usage_ratio",
         "minisgl_prefix_cache_hit_rate",
         "minisgl_time_per_output_token_seconds_bucket",
+        "minisgl_threads",
     ):
         assert name in text
+    assert 'minisgl_quantization_info{model_name="smollm2",quantization="none"} 1.0' in text
 
 
 # ---------------------------------------------------------------------------- Ollama's API (the real ollama client)

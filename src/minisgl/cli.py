@@ -303,8 +303,10 @@ def cmd_ps(args: argparse.Namespace) -> int:
     if not statuses:
         print("no minisgl daemon is running")
         return 0
-    rows = [("MODEL", "ADDRESS", "PID", "STATE", "UP", "RUNNING", "WAITING", "KV IN USE", "KV CACHED")]
+    header = ("MODEL", "ADDRESS", "PID", "STATE", "UP", "QUANTIZATION", "THREADS")
+    rows = [(*header, "RUNNING", "WAITING", "KV IN USE", "KV CACHED")]
     for s in statuses:
+        engine = (str(s.get("quantization", "-")), str(s.get("threads", "-")))  # a ready daemon's scheduler says
         load = ("-",) * 4
         if "total_pages" in s:
             total = max(s["total_pages"], 1)
@@ -314,7 +316,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
                 f"{100 * s['req_pages'] / total:.1f}%",
                 f"{100 * s['cached_pages'] / total:.1f}%",
             )
-        rows.append((s["model"], s["address"], str(s["pid"]), s["state"], _duration(s["uptime_s"]), *load))
+        rows.append((s["model"], s["address"], str(s["pid"]), s["state"], _duration(s["uptime_s"]), *engine, *load))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])

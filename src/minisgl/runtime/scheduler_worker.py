@@ -43,6 +43,14 @@ IDLE_POLL_MS = 500  # how long an idle scheduler waits for a message before chec
 GRAMMAR_POLL_MS = 5  # how often a scheduler with nothing else to run checks on a grammar being compiled
 
 
+def engine_facts(sched: "Scheduler") -> dict[str, Any]:
+    """How the engine computes, for `minisgl ps`, /metrics and /v1/models: its weights' quantization ("none" when
+    unquantized) and this process's CPU threads."""
+    import torch
+
+    return {"quantization": sched.engine.config.quantization or "none", "threads": torch.get_num_threads()}
+
+
 def model_info(sched: "Scheduler", config: EngineConfig) -> dict[str, Any]:
     mc, engine = sched.model_config, sched.engine
     return {
@@ -60,6 +68,7 @@ def model_info(sched: "Scheduler", config: EngineConfig) -> dict[str, Any]:
         "page_size": sched.page_size,
         "total_pages": sched.stats()["total_pages"],
         "has_chat_template": getattr(sched.tokenizer, "chat_template", None) is not None,
+        **engine_facts(sched),
         "config": config.to_dict(),
     }
 
@@ -113,6 +122,7 @@ class SchedulerLoop:
         self.detokenizer = detokenizer
         self.frontend = frontend
         self.parent = ParentWatch()
+        self.facts = engine_facts(sched)  # sent with every GetStats reply: `minisgl ps` and /metrics show them
         sched.defer_grammars = True  # a grammar compiles off this loop; the other requests keep decoding
 
     def _poll_ms(self) -> int:
@@ -150,7 +160,7 @@ class SchedulerLoop:
         elif isinstance(msg, Abort):
             self.sched.abort(msg.rid)
         elif isinstance(msg, GetStats):
-            self._send_frontend(StatsReply(msg.rid, self.sched.stats()))
+            self._send_frontend(StatsReply(msg.rid, {**self.sched.stats(), **self.facts}))
         elif isinstance(msg, FlushCache):  # between steps; a running request's prefix stays (it is locked)
             self.sched.reset_prefix_cache()
             self._send_frontend(StatsReply(msg.rid, self.sched.stats()))

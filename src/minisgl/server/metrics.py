@@ -21,6 +21,7 @@ _DAEMON_GAUGES = {
     "minisgl_kv_cache_total_pages": ("KV pages in the pool", lambda s: s["total_pages"]),
     "minisgl_kv_cache_free_pages": ("Free KV pages", lambda s: s["free_pages"]),
     "minisgl_kv_cache_cached_pages": ("KV pages owned by the prefix cache", lambda s: s["cached_pages"]),
+    "minisgl_threads": ("CPU threads of the daemon's computing process", lambda s: s["threads"]),
 }
 
 
@@ -51,6 +52,12 @@ class ServerMetrics:
             "minisgl_e2e_request_latency_seconds", "Request latency", m, buckets=_LATENCY_BUCKETS, registry=r
         )
         self.daemon = {name: Gauge(name, help_text, m, registry=r) for name, (help_text, _) in _DAEMON_GAUGES.items()}
+        self.quantization = Gauge(
+            "minisgl_quantization_info",
+            "1 for the daemon's weight quantization (none, fp16, int8, fp8)",
+            m + ["quantization"],
+            registry=r,
+        )
         self.cache_hit_rate = Gauge(
             "minisgl_prefix_cache_hit_rate",
             "Prompt tokens served from the prefix cache / prompt tokens (since start)",
@@ -69,6 +76,8 @@ class ServerMetrics:
                 self.daemon[name].labels(self.model_name).set(value(stats))
             except (KeyError, TypeError):
                 pass  # a daemon of another version: export what it reports
+        if isinstance(stats.get("quantization"), str):
+            self.quantization.labels(self.model_name, stats["quantization"]).set(1)
 
     def count_tokens(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         name = self.model_name

@@ -109,15 +109,21 @@ def _chunk_json(chunk: ChatCompletionChunk | CompletionResponse, include_usage: 
 @router.get("/models")
 async def list_models(request: Request) -> ModelList:
     server = server_of(request)
-    context_len = await server.context_len()
-    return ModelList(data=[ModelCard(id=name, max_model_len=context_len) for name in server.served_names])
+    context_len, engine = await server.context_len(), _engine_facts(await server.info())
+    return ModelList(data=[ModelCard(id=name, max_model_len=context_len, **engine) for name in server.served_names])
 
 
 @router.get("/models/{model:path}")
 async def get_model(model: str, request: Request) -> ModelCard:
     server = server_of(request)
     await server.check_model(model)
-    return ModelCard(id=server.model_name, max_model_len=await server.context_len())
+    engine = _engine_facts(await server.info())
+    return ModelCard(id=server.model_name, max_model_len=await server.context_len(), **engine)
+
+
+def _engine_facts(info: dict[str, Any]) -> dict[str, Any]:
+    """The quantization and threads the daemon reports (absent from a daemon of an older version)."""
+    return {key: info.get(key) for key in ("quantization", "threads")}
 
 
 @router.post("/chat/completions")

@@ -406,6 +406,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "minisgl"
     max_model_len: int | None = None
+    quantization: str | None = None  # the daemon's weights: none, fp16, int8 or fp8
+    threads: int | None = None  # CPU threads of its computing process
 
 
 class ModelList(BaseModel):
