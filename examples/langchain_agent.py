@@ -1,16 +1,20 @@
 """A tool-using agent through LangChain on minisgl: the model calls tools, the loop runs them and
 feeds the results back as ToolMessages until the model answers in words or a step limit is hit.
 
-    python examples/langchain_agent.py "What is 12 times 7?"
+    python examples/langchain_agent.py                                  # "What is 12 times 7?" -> multiply -> 84
+    python examples/langchain_agent.py --tool add "What is 25 plus 17?"
+    python examples/langchain_agent.py "What is 6 times 9?"             # the model picks the tool
 
-ChatMiniSGL finds (or starts) the daemon serving the model. The first step makes the model act
-(tool_choice="any": a grammar-forced call of one of the tools, so even a 135M model produces a
-well-formed call); later steps let it choose between another call and its answer.
+ChatMiniSGL finds (or starts) the daemon serving the model. The first step makes the model act: a
+grammar-forced call, so even a 135M model produces a well-formed one; --tool NAME forces that tool
+(tool_choice=NAME), else any of them (tool_choice="any"). The default SmolLM2-135M writes good arguments
+but picks add for "12 times 7", so the default question names multiply; a larger model (--model) picks
+for itself. Later steps let the model choose between another call and its answer.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 from dataclasses import dataclass, field
 
 from langchain_core.language_models import BaseChatModel
@@ -51,9 +55,12 @@ def run_tool(tools: dict[str, BaseTool], call: dict) -> ToolMessage:
         return ToolMessage(f"Error: {e}", tool_call_id=call["id"], name=call["name"], status="error")
 
 
-def run_agent(llm: BaseChatModel, question: str, tools: list[BaseTool] = TOOLS, max_steps: int = 4) -> AgentRun:
+def run_agent(
+    llm: BaseChatModel, question: str, tools: list[BaseTool] = TOOLS, max_steps: int = 4, first_tool: str | None = None
+) -> AgentRun:
+    """first_tool: the tool the first step must call (None: any of them)."""
     by_name = {t.name: t for t in tools}
-    act = llm.bind_tools(tools, tool_choice="any")
+    act = llm.bind_tools(tools, tool_choice=first_tool or "any")
     decide = llm.bind_tools(tools)
     messages: list[BaseMessage] = [SystemMessage(SYSTEM), HumanMessage(question)]
     for step in range(max_steps):
@@ -69,9 +76,15 @@ def run_agent(llm: BaseChatModel, question: str, tools: list[BaseTool] = TOOLS, 
 def main() -> None:
     from langchain_minisgl import ChatMiniSGL
 
-    question = " ".join(sys.argv[1:]) or "What is 12 times 7?"
-    llm = ChatMiniSGL(model="smollm2", temperature=0, max_tokens=64)
-    run = run_agent(llm, question)
+    parser = argparse.ArgumentParser(description="A LangChain tool-calling agent on minisgl.")
+    parser.add_argument("question", nargs="*", help='default: "What is 12 times 7?" (with --tool multiply)')
+    parser.add_argument("--tool", choices=[t.name for t in TOOLS], help="the tool the first step must call")
+    parser.add_argument("--model", default="smollm2", help="the model (default: smollm2)")
+    args = parser.parse_args()
+    question = " ".join(args.question) or "What is 12 times 7?"
+    first_tool = args.tool or (None if args.question else "multiply")
+    llm = ChatMiniSGL(model=args.model, temperature=0, max_tokens=64)
+    run = run_agent(llm, question, first_tool=first_tool)
     for m in run.messages[1:]:
         if isinstance(m, AIMessage) and m.tool_calls:
             for call in m.tool_calls:
@@ -80,7 +93,7 @@ def main() -> None:
             print(f"<- {m.content}")
         elif isinstance(m, HumanMessage):
             print(f"Q: {m.text}")
-    print(f"A: {run.answer}" if run.answer is not None else "A: (no answer within the step limit)")
+    print(f"A: {run.answer.strip()}" if run.answer is not None else "A: (no answer within the step limit)")
     llm.close()
 
 
