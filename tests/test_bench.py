@@ -285,6 +285,7 @@ def test_bench_cpu_prints_medians_ratios_to_fp32_and_int8_agreement(tiny_model_d
     assert len(int8["single_runs"]) == 3 and int8["single"] == sorted(int8["single_runs"])[1]  # the median
     assert int8["vs_fp32"] == pytest.approx(int8["single"] / rows["fp32"]["single"])
     assert 0.0 <= int8["agreement"] <= 1.0 and int8["batched"] > 0
+    assert 0 <= int8["chat_same_prefix"] <= 32 and 0 <= int8["chat_same_answers"] <= 8  # greedy chat answers
     assert "load average" in capsys.readouterr().out
 
 

@@ -5,9 +5,10 @@
 For each: tokens per second of one request (greedy, `--tokens` new tokens) and of `--concurrency` requests
 at once (0 skips it), the median of `--reps` runs with the engines interleaved run by run so that a noisy
 machine hurts them alike, and its ratio to minisgl fp32 (the plain path); the load average is printed
-with the figures. For each quantization its top-1 agreement with fp32: the fp32 engine's greedy
-continuations of ten prompts are fed back as prompts (teacher forcing) and each position's most likely
-token is compared with fp32's.
+with the figures. For each quantization its agreement with fp32: top-1 when teacher-forced (the fp32 engine's
+greedy continuations of ten prompts are fed back as prompts and each position's most likely token is compared
+with fp32's), and greedy over CHAT_TOKENS tokens of answers to eight chat questions (how many of each answer's
+first tokens equal fp32's before they part, and how many answers are equal throughout).
 """
 
 from __future__ import annotations
@@ -33,11 +34,22 @@ PROMPTS = [
     "The best way to learn a language is",
     "Photosynthesis is the process",
 ]
+CHAT = [
+    "What is the capital of Australia?",
+    "Give me three tips for sleeping better.",
+    "Explain what a binary search does.",
+    "Why is the sky blue?",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+    "What is the difference between weather and climate?",
+    "Translate 'good morning' into French and Spanish.",
+]
+CHAT_TOKENS = 32
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the physical cores)")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--concurrency", type=int, default=32, help="requests at once for the batched figure (0: none)")
     p.add_argument("--reps", type=int, default=5, help="timed runs per engine (the median is shown)")
@@ -74,6 +86,24 @@ def agreement(llm: Any, prompt_ids: list[list[int]], reference: list[list[int]])
             hits += top == seq[i]
             total += 1
     return hits / total
+
+
+def chat_answers(llm: Any) -> list[list[int]]:
+    """llm's greedy answers to CHAT, CHAT_TOKENS tokens each."""
+    from minisgl import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=CHAT_TOKENS, ignore_eos=True)
+    return [o.token_ids for o in llm.chat([[{"role": "user", "content": q}] for q in CHAT], params, use_tqdm=False)]
+
+
+def greedy_agreement(llm: Any, reference: list[list[int]]) -> tuple[float, int]:
+    """(mean count of each chat answer's first tokens equal to the reference's before they part, answers equal
+    throughout) over llm's answers to CHAT."""
+    prefixes = [
+        next((i for i, (a, b) in enumerate(zip(answer, ref)) if a != b), len(ref))
+        for answer, ref in zip(chat_answers(llm), reference)
+    ]
+    return sum(prefixes) / len(prefixes), sum(p == CHAT_TOKENS for p in prefixes)
 
 
 def _hf_generate(model_dir: str, tokens: int) -> Any:
@@ -150,6 +180,7 @@ def _print_rows(
         params = fp32.params
         prompt_ids = [fp32.llm.tokenizer.encode(p) for p in PROMPTS]
         reference = [o.token_ids for o in fp32.llm.generate(PROMPTS, params, use_tqdm=False)]
+        chat_ref = chat_answers(fp32.llm)
     base = statistics.median(single["fp32"]) if fp32 is not None else None
     load = result["load"]
     print(f"{result['cpu']}, {result['threads']} threads, {args.model}, {args.tokens} new tokens per request")
@@ -157,20 +188,25 @@ def _print_rows(
     print(
         f"{'engine':<14}{'1 request tok/s':>17}{'vs fp32':>9}"
         f"{f'{args.concurrency} requests tok/s' if args.concurrency else 'batched (skipped)':>22}{'top-1 vs fp32':>15}"
+        f"{'chat greedy: same first tokens':>32}"
     )
     for name in engines:
-        agree = None
+        agree = greedy = None
         if fp32 is not None and hasattr(engines[name], "llm") and name != "fp32":
             agree = agreement(engines[name].llm, prompt_ids, reference)
+            greedy = greedy_agreement(engines[name].llm, chat_ref)
         one = statistics.median(single[name])
         many = statistics.median(batched[name]) if batched[name] else None
         ratio = one / base if base else None
         row = dict(single=one, single_runs=single[name], batched=many, vs_fp32=ratio, agreement=agree)
+        if greedy is not None:
+            row.update(chat_same_prefix=greedy[0], chat_same_answers=greedy[1])
         result["rows"][name] = row
         shown = [
             f"{one:>17.1f}",
             f"{ratio:>8.2f}x" if ratio is not None else f"{'':>9}",
             f"{many:>22.1f}" if many is not None else f"{'-':>22}",
             f"{agree:>15.1%}" if agree is not None else "",
+            f"{greedy[0]:>11.1f}/{CHAT_TOKENS} ({greedy[1]}/{len(CHAT)} equal)" if greedy is not None else "",
         ]
         print(f"{name:<14}" + "".join(shown))
