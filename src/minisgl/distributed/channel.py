@@ -33,6 +33,7 @@ import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
 from minisgl.distributed.auth import sign, verify
+from minisgl.lifetime import pid_alive
 
 logger = logging.getLogger("minisgl")
 
@@ -98,21 +99,11 @@ def remove_stale_places() -> None:
     for path in Path(tempfile.gettempdir()).glob(f"{PLACE_PREFIX}*-*"):
         pid = path.name[len(PLACE_PREFIX) :].partition("-")[0]
         try:
-            if not pid.isdigit() or path.stat().st_uid != os.getuid() or _alive(int(pid)):
+            if not pid.isdigit() or path.stat().st_uid != os.getuid() or pid_alive(int(pid)):
                 continue
         except OSError:
             continue
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class TPEvent(NamedTuple):

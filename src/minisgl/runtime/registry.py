@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from minisgl.errors import DaemonError, DaemonTimeoutError, MiniSGLError
+from minisgl.lifetime import pid_alive
 from minisgl.runtime.addresses import Address, parse_address, runtime_dir
 
 logger = logging.getLogger("minisgl")
@@ -41,21 +42,6 @@ def _ipc_path(address: str) -> str | None:
     except MiniSGLError:
         return None
     return parsed.path if parsed.scheme == "ipc" else None
-
-
-def pid_alive(pid: int) -> bool:
-    """True while the process runs (an exited child not yet reaped by its parent counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 class Registry:
