@@ -5,7 +5,7 @@ check and then fails (32: "Invalid configuration", seen on the H100) or reads ou
 (sizes not a multiple of 64: flashinfer-ai/flashinfer#4299), and its RoPE kernel refuses them ("Unsupported
 head_dim", seen on the H100). "auto" must then run torch-native attention (pages of one token, as on the CPU) and
 the rotary layer PyTorch's RoPE; naming a FlashInfer backend must be refused with a ConfigError before anything loads.
-The engine's own checks are exercised here without a GPU: an Engine shell with a CUDA device and FlashInfer
+The engine's checks (attention/choice.py) are exercised here without a GPU: a CUDA device and FlashInfer
 reported importable; tests/test_warmup.py runs a head_dim-32 model end to end on a GPU.
 """
 
@@ -17,27 +17,30 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from minisgl.attention import choice
 from minisgl.config import EngineConfig
-from minisgl.engine import engine as engine_mod
 from minisgl.errors import ConfigError
 from minisgl.layers import rotary
 
 BACKENDS = {name: object() for name in ("torch", "flashinfer", "fa3", "xqa")}
 
 
-def shell(head_dim: int, attention_backend: str = "auto") -> engine_mod.Engine:
-    eng = engine_mod.Engine.__new__(engine_mod.Engine)
-    eng.config = EngineConfig(attention_backend=attention_backend)
-    eng.device = torch.device("cuda", 0)
-    eng.dtype = eng.kv_dtype = torch.bfloat16
-    eng.model_config = SimpleNamespace(head_dim=head_dim)
-    eng.page_size = eng._page_size()
-    return eng
+def shell(head_dim: int, attention_backend: str = "auto") -> SimpleNamespace:
+    """The engine's choice for a CUDA device in bfloat16: its page size, and _backend_names(backends)."""
+    config = EngineConfig(attention_backend=attention_backend)
+    device, dtype = torch.device("cuda", 0), torch.bfloat16
+    page_size = choice.page_size_for(config, device, dtype, head_dim)
+    return SimpleNamespace(
+        page_size=page_size,
+        _backend_names=lambda backends: choice.backend_names(
+            config, backends, device, dtype, dtype, head_dim, page_size
+        ),
+    )
 
 
 @pytest.fixture(autouse=True)
 def flashinfer_importable(monkeypatch):
-    monkeypatch.setattr(engine_mod, "_importable", lambda name: name == "flashinfer")
+    monkeypatch.setattr(choice, "_importable", lambda name: name == "flashinfer")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -43,7 +43,7 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # "auto": cuda when available, else cpu
     cache: str = "radix"
-    page_size: int | None = None  # None: 16 for FlashInfer/XQA attention on a CUDA GPU, else 1 (Engine._page_size)
+    page_size: int | None = None  # None: 16 for FlashInfer/XQA attention on a CUDA GPU, else 1 (attention/choice.py)
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8_e4m3" (or "fp8") / "fp8_e5m2": half the bytes
     num_pages: int | None = None  # None: sized from memory (mem_fraction on CUDA, kv_cache_gb on CPU)
     kv_cache_gb: float = 1.0  # CPU: memory given to the KV pool

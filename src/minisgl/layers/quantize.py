@@ -6,20 +6,58 @@ step. Elsewhere (the CPU, older GPUs) they are rounded to FP8 and computed back 
 (`quantize_model_fp8`): FP8's accuracy, not its memory or speed. Either way the same weights are FP8: every linear
 of the decoder layers and the experts; the embedding, the LM head and MoE routers stay as they are (what vLLM and
 SGLang leave unquantized).
+
+`check_quantization` and `quantize_model` are the engine's policy: which --quantization a device and dtype take,
+and what each does to the loaded weights (the CPU's fp16/int8 GEMMs of layers/linear.py, or FP8 as above).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-from minisgl.layers.fp8 import round_through_fp8
-from minisgl.layers.fp8_gemm import FP8, Fp8Gemm, quantize_per_channel
-from minisgl.layers.linear import LinearBase
+from minisgl.config import CPU_QUANTIZATIONS
+from minisgl.errors import ConfigError
+from minisgl.layers.fp8 import checkpoint_quantization, round_through_fp8
+from minisgl.layers.fp8_gemm import FP8, Fp8Gemm, quantize_per_channel, supported
+from minisgl.layers.linear import LinearBase, quantize_gemms
 from minisgl.layers.moe import FusedMoE
 from minisgl.layers.norm import RMSNorm
+
+logger = logging.getLogger("minisgl")
+
+
+def check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    """A CPU quantization (fp16, int8) asked for on another device or dtype is a ConfigError."""
+    if quantization in CPU_QUANTIZATIONS and (device.type != "cpu" or dtype != torch.float32):
+        raise ConfigError(
+            f"quantization={quantization!r} is a CPU float32 mode (device {device}, dtype "
+            f"{str(dtype).removeprefix('torch.')}): use device='cpu' without a dtype, or drop quantization"
+        )
+
+
+def quantize_model(
+    model: nn.Module, quantization: str | None, hf_config: Any, device: torch.device, dtype: torch.dtype
+) -> None:
+    """`quantization` applied to the loaded weights: fp16/int8 CPU GEMMs, or FP8 (GEMMs in FP8 on a GPU
+    that has them, for quantization='fp8' and FP8 checkpoints alike; else rounding in the model's dtype)."""
+    fp8_checkpoint = checkpoint_quantization(hf_config) is not None
+    if (quantization == "fp8" or fp8_checkpoint) and supported(device, dtype):
+        # A block-wise checkpoint was dequantized at load: its weights are re-quantized here per channel.
+        converted = to_fp8_gemms(model)
+        logger.info("fp8: %d weights in e4m3 with per-channel scales, FP8 GEMMs", converted)
+    elif quantization == "fp8":
+        if fp8_checkpoint:
+            logger.info("fp8: the checkpoint's weights are FP8 already; not rounded again")
+            return
+        rounded = quantize_model_fp8(model)
+        logger.info("fp8: %d weights rounded to FP8 per channel, computed in %s", rounded, dtype)
+    elif quantization is not None:
+        quantize_gemms(model, quantization)
 
 
 def _fp8_weights(model: nn.Module) -> Iterator[LinearBase | FusedMoE]:

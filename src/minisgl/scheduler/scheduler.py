@@ -273,15 +273,14 @@ class Scheduler:
         the batch is as it was scheduled (see _fail).
         """
         sampled = [r for r, m in zip(batch.reqs, batch.sample_mask) if m]
-        next_ids, logprobs, prompt, embeddings = self.engine.forward_and_sample(
-            batch, sampled, self.grammars.bitmask_fn(sampled)
-        )
+        out = self.engine.forward_and_sample(batch, sampled, self.grammars.bitmask_fn(sampled))
         self.num_steps += 1
-        for row, entries in (prompt or {}).items():  # before cached_len moves: entries start at its old value
+        # Before cached_len moves: the prompt logprob entries start at its old value.
+        for row, entries in (out.prompt_logprobs or {}).items():
             req = batch.reqs[row]
             # Cut at cached_len: a prompt rolled back under KV pressure computes its prompt again from the start.
             req.prompt_logprobs = (req.prompt_logprobs or [None])[: req.cached_len + 1] + entries
-        for row, vector in (embeddings or {}).items():
+        for row, vector in (out.embeddings or {}).items():
             batch.reqs[row].embedding = vector
         for req, extend in zip(batch.reqs, batch.extend_lens):
             req.cached_len += extend
@@ -292,7 +291,7 @@ class Scheduler:
                 if req.cached_len < req.seq_len:
                     self.prefill.chunked = req
             self.running.extend(sampled)  # decodes from the next step on, its first token read from the device
-        return copy_to_host(self.kv, batch, sampled, next_ids, logprobs)
+        return copy_to_host(self.kv, batch, sampled, out.next_ids, out.logprobs)
 
     def _process(self, step: LaunchedStep) -> None:
         """Read a launched step's tokens on the host: append them, check stops, report.

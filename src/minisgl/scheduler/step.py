@@ -125,7 +125,7 @@ def warmup(config: EngineConfig, engine: Any, kv: ReqKV, eos_token_ids: frozense
                 chosen.append((req, extend))
             if not reqs or len(chosen) < len(reqs):
                 break
-            next_ids, *_ = engine.forward_and_sample(kv.make_batch(phase, chosen), reqs)
+            next_ids = engine.forward_and_sample(kv.make_batch(phase, chosen), reqs).next_ids
             assert next_ids is not None
             for i, req in enumerate(reqs):
                 kv.last_tokens[req.table_idx] = next_ids[i]
