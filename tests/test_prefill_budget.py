@@ -398,3 +398,22 @@ def test_a_long_prompt_beside_a_stream_keeps_it_within_3x_its_time_alone(long_co
     assert bounded["seconds"] < 3 * alone["seconds"], (bounded, alone, sched.prefill_budget.max_gap)
     # Chunked at the budget's sizes, the long prompt gives the greedy tokens of plain max_prefill_tokens chunks.
     assert bounded["long"] == unbounded["long"] and len(bounded["long"]) == LONG_TOKENS
+
+
+def test_the_offline_engine_prefills_first_and_a_served_one_bounds_the_gap(tiny_model_dir):
+    """Offline, results must not depend on measured step times (max_decode_gap 0); a daemon's scheduler, built from
+    the serve command's config, takes the device default."""
+    from minisgl import LLM
+    from minisgl.config import EngineConfig
+    from minisgl.scheduler.scheduler import Scheduler
+
+    model = str(tiny_model_dir("llama"))
+    with LLM(model, device="cpu", num_pages=64) as llm:
+        assert llm.scheduler.prefill_budget.max_gap == 0
+    with LLM(model, device="cpu", num_pages=64, max_decode_gap=0.5) as llm:
+        assert llm.scheduler.prefill_budget.max_gap == 0.5
+    served = Scheduler(EngineConfig(model=model, device="cpu", num_pages=64))
+    try:
+        assert served.prefill_budget.max_gap == 1.0
+    finally:
+        served.shutdown()

@@ -88,6 +88,9 @@ class LLM:
         **engine_kwargs: Any,
     ) -> None:
         model_source = None if isinstance(model, str) else model
+        # Offline, whole batches matter, not one stream's gap: prefill first (and the chunks, so the results, do not
+        # depend on measured step times). A daemon bounds the gap (max_decode_gap's device default).
+        engine_kwargs.setdefault("max_decode_gap", 0.0)
         name = (
             model if isinstance(model, str) else getattr(getattr(model, "config", None), "name_or_path", "") or "model"
         )
