@@ -94,9 +94,8 @@ def backend_names(
             raise ConfigError(f"attention backend {part!r} needs dtype bfloat16 or float16, got {dtype}")
         if part in ("flashinfer", "fa3") and head_dim not in FLASHINFER_HEAD_DIMS:
             raise ConfigError(
-                f"attention backend {part!r} takes head_dim {', '.join(map(str, FLASHINFER_HEAD_DIMS))}; this "
-                f"model's is "
-                f"{head_dim}: use 'torch' (or 'auto')"
+                f"attention backend {part!r} takes head_dim {', '.join(map(str, FLASHINFER_HEAD_DIMS))}; "
+                f"this model's is {head_dim}: use 'torch' (or 'auto')"
             )
     if kv_dtype != dtype and parts[0] == "fa3":
         raise ConfigError("an fp8 KV cache needs FlashInfer's FA2 prefill (attention_backend 'flashinfer'), not 'fa3'")
