@@ -31,6 +31,7 @@ from minisgl.errors import (
 from minisgl.runtime import protocol as P
 from minisgl.runtime.addresses import daemon_name, parse_address
 from minisgl.runtime.registry import DaemonRecord, FileLock, Registry
+from minisgl.server.params import sampling_params_from_openai
 
 
 @pytest.fixture
@@ -296,7 +297,7 @@ def test_the_daemon_fills_an_unset_max_tokens_from_the_context(tokenizer: Any) -
         P.Generate(
             "r",
             messages=[{"role": "user", "content": "Hi"}],
-            params=SamplingParams.from_openai({"temperature": 0}).to_dict(),
+            params=sampling_params_from_openai({"temperature": 0}).to_dict(),
         )
     )
     assert chat.params["max_tokens"] == 64 - len(chat.input_ids)

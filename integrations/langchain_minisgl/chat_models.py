@@ -54,6 +54,7 @@ from minisgl import (
     DaemonNotRunningError,
     InvalidRequestError,
     SamplingParams,
+    sampling_params_from_openai,
 )
 
 # SamplingParams fields a call may set through kwargs (stop comes as its own argument; one
@@ -86,7 +87,7 @@ class _Request(NamedTuple):
     parallel_tool_calls: bool | None
 
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams.from_openai(self.params)  # max_tokens unset: the daemon fills the context
+        return sampling_params_from_openai(self.params)  # max_tokens unset: the daemon fills the context
 
     def chat(self) -> dict[str, Any]:
         """The Client's chat keywords of this call."""

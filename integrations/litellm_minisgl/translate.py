@@ -1,6 +1,6 @@
 """LiteLLM <-> minisgl: request parameters in, responses, stream chunks and errors out.
 
-Mirrors the OpenAI server (minisgl.server): the same SamplingParams.from_openai mapping, message
+Mirrors the OpenAI server (minisgl.server): the same sampling_params_from_openai mapping, message
 flattening and usage with prompt_tokens_details.cached_tokens.
 """
 
@@ -24,12 +24,13 @@ from minisgl import (
     SamplingParams,
     UnknownModelError,
     flatten_message,
+    sampling_params_from_openai,
 )
 
 PROVIDER = "minisgl"
 
 # The OpenAI sampling parameters this provider takes, and the engine extras a caller may pass as
-# kwargs or in extra_body (as vLLM/SGLang accept them); SamplingParams.from_openai maps them.
+# kwargs or in extra_body (as vLLM/SGLang accept them); sampling_params_from_openai maps them.
 _OPENAI = (
     "temperature",
     "top_p",
@@ -57,8 +58,8 @@ class Request:
         sampling: SamplingParams | None = None,
     ):
         self.messages = messages
-        self._sampling = sampling if sampling is not None else SamplingParams.from_openai(params)
-        self.params = params  # the OpenAI sampling parameters given (for SamplingParams.from_openai)
+        self._sampling = sampling if sampling is not None else sampling_params_from_openai(params)
+        self.params = params  # the OpenAI sampling parameters given (for sampling_params_from_openai)
         self.tools = optional_params.get("tools") or None
         self.tool_choice = optional_params.get("tool_choice")
         self.parallel_tool_calls = optional_params.get("parallel_tool_calls")
@@ -101,7 +102,7 @@ def build_request(messages: Any, optional_params: Mapping[str, Any], stream: boo
         raise InvalidRequestError("n > 1 cannot be streamed through LiteLLM's provider interface: use stream=False")
     if stream and params.get("logprobs"):
         raise InvalidRequestError("logprobs are returned only with stream=False")
-    sampling = SamplingParams.from_openai(params)  # validate now, before a daemon is found or started
+    sampling = sampling_params_from_openai(params)  # validate now, before a daemon is found or started
     return Request(chat_messages(messages), params, given, sampling)
 
 

@@ -29,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "SamplingParams",
+    "sampling_params_from_openai",
     "Client",
     "AsyncClient",
     "CompletionOutput",
@@ -70,6 +71,7 @@ _LAZY = {
     "PING_TIMEOUT_S": "minisgl.client",
     "ping": "minisgl.client",
     "flatten_message": "minisgl.tokenizer",
+    "sampling_params_from_openai": "minisgl.server.params",
 }
 
 

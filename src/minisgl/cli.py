@@ -12,6 +12,7 @@ from minisgl import env
 from minisgl.config import EngineConfig, default_of
 from minisgl.engine.threads import default_threads, set_wait_policy
 from minisgl.errors import MiniSGLError
+from minisgl.server.params import sampling_params_for
 
 logger = logging.getLogger("minisgl")
 
@@ -146,14 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     shell = sub.add_parser("shell", help="interactive chat with a model (/reset clears the history)")
     shell.add_argument("--system", help="a system prompt")
-    shell.add_argument("--max-tokens", type=int, help="default: 512 (API_DEFAULTS in minisgl.core)")
+    shell.add_argument("--max-tokens", type=int, help="default: 512 (API_DEFAULTS in minisgl.server.params)")
     shell.add_argument("--temperature", type=float, help="default: 0.7")
     _add_client_flags(shell)
     add_engine_flags(shell)
 
     gen = sub.add_parser("generate", help="generate once, offline (in this process), and print the text")
     gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, help="default: 64 (API_DEFAULTS in minisgl.core)")
+    gen.add_argument("--max-tokens", type=int, help="default: 64 (API_DEFAULTS in minisgl.server.params)")
     gen.add_argument("--temperature", type=float, help="default: 0 (greedy)")
     gen.add_argument("--top-p", type=float)
     gen.add_argument("--top-k", type=int)
@@ -342,7 +343,6 @@ def _given(**flags: Any) -> dict[str, Any]:
 
 def cmd_shell(args: argparse.Namespace) -> int:
     from minisgl.client import Client
-    from minisgl.core import SamplingParams
     from minisgl.server.shell import run_shell
 
     with Client(
@@ -352,12 +352,11 @@ def cmd_shell(args: argparse.Namespace) -> int:
         curve_server_key=args.curve_server_key,
         **engine_kwargs(args),
     ) as client:
-        params = SamplingParams.for_api("shell", _given(max_tokens=args.max_tokens, temperature=args.temperature))
+        params = sampling_params_for("shell", _given(max_tokens=args.max_tokens, temperature=args.temperature))
         return run_shell(client, system_prompt=args.system, sampling_params=params)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from minisgl.core import SamplingParams
     from minisgl.llm import LLM
 
     llm = LLM(args.model, **engine_kwargs(args))
@@ -369,7 +368,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.sample_seed,
         stop=args.stop,
     )
-    params = SamplingParams.for_api("cli.generate", given)
+    params = sampling_params_for("cli.generate", given)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:

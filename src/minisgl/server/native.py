@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
 from minisgl.server.edge import EdgeRoute
+from minisgl.server.params import sampling_params_for
 from minisgl.server.state import ServerState, check_key, error_event, fail, server_of, sse_response
 from minisgl.server.streams import (
     close_stream,
@@ -84,7 +85,7 @@ def sampling_params(d: Any, logprobs: int | None, prompt_logprobs: int | None) -
         except json.JSONDecodeError as e:
             raise InvalidRequestError(f"sampling_params.json_schema is not valid JSON: {e}") from None
     params["logprobs"], params["prompt_logprobs"] = logprobs, prompt_logprobs
-    return SamplingParams.for_api("sglang", params), bool(d.get("no_stop_trim"))
+    return sampling_params_for("sglang", params), bool(d.get("no_stop_trim"))
 
 
 def _prompts(body: dict[str, Any]) -> tuple[list[Any], bool]:

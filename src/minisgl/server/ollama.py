@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
 from minisgl.server.edge import MAX_CHARS_PER_TOKEN, OllamaEdgeRoute
+from minisgl.server.params import sampling_params_for
 from minisgl.server.state import ServerState, api_error, check_key, server_of
 from minisgl.server.streams import ClientDisconnected, close_stream, first_item, json_object, unless_disconnected
 from minisgl.tokenizer import flatten_message
@@ -51,7 +52,7 @@ def sampling_params(body: dict[str, Any]) -> SamplingParams:
         raise InvalidRequestError(f"options.num_predict must be an integer (-1: no limit), got {num_predict!r}")
     if num_predict is not None and num_predict >= 0:  # -1 (infinite) and -2 (fill the context): to the context's end
         params["max_tokens"] = num_predict
-    return SamplingParams.for_api("ollama", params)
+    return sampling_params_for("ollama", params)
 
 
 def response_format(fmt: Any) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
+from minisgl.server.params import sampling_params_from_openai
 from minisgl.tokenizer import flatten_message
 
 
@@ -75,7 +76,7 @@ class _SamplingFields(_Request):
     prompt_logprobs: int | None = None  # vLLM's extra: the prompt tokens' logprobs (top-k), in the choice
     logit_bias: dict[str, float] | None = None  # OpenAI's: {"token id": bias in [-100, 100]}
     # Grammar-constrained output as SGLang (json_schema, regex, ebnf) and vLLM (guided_*, structured_outputs) take
-    # it in the body (SamplingParams.from_openai maps them); response_format is OpenAI's way.
+    # it in the body (sampling_params_from_openai maps them); response_format is OpenAI's way.
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -111,7 +112,7 @@ class ChatCompletionRequest(_SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         """Without max_tokens the answer may run to the end of the context window (as OpenAI's): the
         daemon resolves the unset max_tokens."""
-        return SamplingParams.from_openai(dict(self), api="openai.chat")
+        return sampling_params_from_openai(dict(self), api="openai.chat")
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The messages with OpenAI content parts flattened to text, as chat templates expect."""
@@ -147,10 +148,10 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("best_of is not supported (leave it unset or equal to n)")
         request = dict(self)
         if "max_tokens" not in self.model_fields_set:
-            del request["max_tokens"]  # OpenAI's default for this API applies (SamplingParams.for_api)
+            del request["max_tokens"]  # OpenAI's default for this API applies (sampling_params_for)
         if self.echo and self.prompt_logprobs is None:
             request["prompt_logprobs"] = 0 if self.logprobs is None else self.logprobs  # the prompt's tokens, logprobs
-        return SamplingParams.from_openai(request, api="openai.completions")
+        return sampling_params_from_openai(request, api="openai.completions")
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt (text or token ids) per entry of a batched request."""

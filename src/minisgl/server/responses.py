@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
 from minisgl.server.edge import EdgeRoute
+from minisgl.server.params import sampling_params_from_openai
 from minisgl.server.protocol import _Request, now
 from minisgl.server.state import api_error, check_key, fail, server_of, sse_response
 from minisgl.server.streams import close_stream, first_item, unless_disconnected
@@ -109,7 +110,7 @@ class ResponsesRequest(_Request):
 
     def sampling_params(self) -> SamplingParams:
         given = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_output_tokens}
-        return SamplingParams.from_openai(given, api="openai.responses")
+        return sampling_params_from_openai(given, api="openai.responses")
 
     def response_format(self) -> dict[str, Any] | None:
         fmt = (self.text or {}).get("format")

@@ -7,6 +7,7 @@ from typing import Any, TextIO
 
 from minisgl.core import SamplingParams
 from minisgl.errors import MiniSGLError
+from minisgl.server.params import sampling_params_for
 
 HELP = """Commands:
   /reset   forget the conversation so far
@@ -30,7 +31,7 @@ def run_shell(
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
     interactive = stdin.isatty() and stdout.isatty()
-    params = sampling_params or SamplingParams.for_api("shell", {})
+    params = sampling_params or sampling_params_for("shell", {})
     history: list[dict[str, str]] = []
 
     def say(text: str = "", end: str = "\n") -> None:
