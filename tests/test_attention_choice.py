@@ -30,11 +30,9 @@ def shell(head_dim: int, attention_backend: str = "auto") -> SimpleNamespace:
     config = EngineConfig(attention_backend=attention_backend)
     device, dtype = torch.device("cuda", 0), torch.bfloat16
     page_size = choice.page_size_for(config, device, dtype, head_dim)
+    target = choice.AttentionTarget(device, dtype, dtype, head_dim, page_size)
     return SimpleNamespace(
-        page_size=page_size,
-        _backend_names=lambda backends: choice.backend_names(
-            config, backends, device, dtype, dtype, head_dim, page_size
-        ),
+        page_size=page_size, _backend_names=lambda backends: choice.backend_names(config, backends, target)
     )
 
 

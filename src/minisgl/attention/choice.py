@@ -2,15 +2,15 @@
 
 The engine asks here after it loads the model: `page_size_for` (config.page_size, or the one the backend reads
 fastest), `backend_names` (the (prefill, decode) names from "auto", "NAME" or "PREFILL,DECODE", refused with a
-ConfigError where the device, the dtype or the head size cannot run them) and `make_backend` (the backend built from
-the registry's factories). Nothing here imports a GPU-only package: FlashInfer is looked for, not imported.
+ConfigError where the AttentionTarget's device, dtype or head size cannot run them) and `make_backend` (the backend
+built from the registry's factories). Nothing here imports a GPU-only package: FlashInfer is looked for, not imported.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -47,37 +47,33 @@ def page_size_for(config: EngineConfig, device: torch.device, dtype: torch.dtype
     return 16 if gpu and flashinfer else 1
 
 
-def auto_xqa(
-    config: EngineConfig,
-    backends: dict[str, Any],
-    device: torch.device,
-    kv_dtype: torch.dtype,
-    page_size: int,
-    head_dim: int,
-) -> bool:
+class AttentionTarget(NamedTuple):
+    """What an engine's attention runs on, as the backend choice reads it."""
+
+    device: torch.device
+    dtype: torch.dtype  # the model's
+    kv_dtype: torch.dtype  # the KV cache's (fp8 or the model's)
+    head_dim: int
+    page_size: int
+
+
+def auto_xqa(config: EngineConfig, backends: dict[str, Any], target: AttentionTarget) -> bool:
     """XQA decodes an fp8_e4m3 KV cache when "auto" is asked on a Hopper GPU whose page size it takes
     (attention/xqa.py: ~1.5x FlashInfer's fp8 decode reads there) unless disable_xqa keeps FlashInfer's decode."""
     return (
         "xqa" in backends
         and not config.disable_xqa
-        and kv_dtype == torch.float8_e4m3fn
-        and xqa_supported(device, page_size, head_dim)
+        and target.kv_dtype == torch.float8_e4m3fn
+        and xqa_supported(target.device, target.page_size, target.head_dim)
     )
 
 
-def backend_names(
-    config: EngineConfig,
-    backends: dict[str, Any],
-    device: torch.device,
-    dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-    head_dim: int,
-    page_size: int,
-) -> tuple[str, str]:
+def backend_names(config: EngineConfig, backends: dict[str, Any], target: AttentionTarget) -> tuple[str, str]:
     """(prefill, decode) backend names from "auto", "NAME" or "PREFILL,DECODE"."""
+    device, dtype, kv_dtype, head_dim, _ = target
     name = config.attention_backend
     if name == "auto":
-        name = _auto_name(config, backends, device, dtype, kv_dtype, head_dim, page_size)
+        name = _auto_name(config, backends, target)
     if name == "xqa":  # a decode kernel: FlashInfer prefills
         name = "flashinfer,xqa"
     parts = [p.strip() for p in name.split(",")]
@@ -102,16 +98,9 @@ def backend_names(
     return parts[0], parts[-1]
 
 
-def _auto_name(
-    config: EngineConfig,
-    backends: dict[str, Any],
-    device: torch.device,
-    dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-    head_dim: int,
-    page_size: int,
-) -> str:
+def _auto_name(config: EngineConfig, backends: dict[str, Any], target: AttentionTarget) -> str:
     """What "auto" runs: FlashInfer (with XQA's fp8 decode where it fits) on a GPU that takes it, else torch."""
+    device, dtype, _, head_dim, _ = target
     gpu = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     name = "flashinfer" if gpu and "flashinfer" in backends and flashinfer_fits(head_dim) else "torch"
     if gpu and name == "torch" and not _importable("flashinfer"):
@@ -122,10 +111,10 @@ def _auto_name(
             head_dim,
             "/".join(map(str, FLASHINFER_HEAD_DIMS)),
         )
-    if name == "flashinfer" and auto_xqa(config, backends, device, kv_dtype, page_size, head_dim):
+    if name == "flashinfer" and auto_xqa(config, backends, target):
         name = "flashinfer,xqa"
     # fp8 on Hopper, pages XQA does not take
-    elif name == "flashinfer" and auto_xqa(config, backends, device, kv_dtype, 16, head_dim):
+    elif name == "flashinfer" and auto_xqa(config, backends, target._replace(page_size=16)):
         logger.info(
             "an fp8 KV cache with page_size 16 (32, 64, 128) decodes with XQA's fp8 kernel, "
             "~1.3x the throughput of FlashInfer's fp8 decode on this GPU (docs/benchmarks.md)"

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from minisgl import plugins
-from minisgl.attention.choice import backend_names, make_backend, page_size_for
+from minisgl.attention.choice import AttentionTarget, backend_names, make_backend, page_size_for
 from minisgl.config import EngineConfig
 from minisgl.core import Batch, Req
 from minisgl.distributed import get_tp_info
@@ -57,7 +57,8 @@ class Engine:
         backends = plugins.attention_backends()
         self.page_size = page_size_for(config, self.device, self.dtype, mc.head_dim)
         self.kv_dtype = FP8_DTYPES.get(config.kv_cache_dtype, self.dtype)
-        names = backend_names(config, backends, self.device, self.dtype, self.kv_dtype, mc.head_dim, self.page_size)
+        target = AttentionTarget(self.device, self.dtype, self.kv_dtype, mc.head_dim, self.page_size)
+        names = backend_names(config, backends, target)
         # On CUDA one extra page past num_pages is scratch: padded CUDA-graph rows write their KV there.
         self.num_pages = self._num_pages()
         scratch = 1 if self.device.type == "cuda" else 0
