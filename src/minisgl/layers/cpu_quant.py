@@ -1,17 +1,18 @@
 """The CPU weight formats of `--quantization fp16 / int8` and their GEMMs (CpuGemm packs a weight once per format).
 
 - "fp16": fbgemm's fp16 weights, math in fp32.
-- "int8": weight-only int8, one scale per output channel (max |w| / 127); the inputs are rounded to bf16 and the
-  outputs come back through bf16. Up to INT8_KERNEL_ROWS rows run torch's int8-weight kernel (aten's
-  `_weight_int8pack_mm`: vectorised for bf16 inputs on AVX2 and AVX-512, torch picks the path); more rows (a
-  prefill, a large decode batch) run fbgemm's fp16 GEMM over the same int8 weights widened (exact to 2^-11), with
-  the same bf16 rounding, so a request's numbers do not depend on how many rows share its step.
+- "int8": weight-only int8, one scale per group of 32 inputs (max |w| / 127), fp32 inputs and outputs. Up to
+  INT8_KERNEL_ROWS rows (decode) run layers/int8_gemm.c (built for this CPU by layers/cpu_kernel.py); more rows (a
+  prefill, a large decode batch), or a machine without a C compiler, run fbgemm's fp16 GEMM over the same int8
+  weights widened (exact to 2^-11).
 - RESCORED ("int8_top", the LM head): fbgemm's dynamic int8 GEMM (7-bit weights, inputs quantized to 8 bits per
   row), then each row's RESCORED_TOP largest outputs recomputed from the fp32 weight.
 
-Why weight-only int8 with bf16 inputs, on SmolLM2-135M (teacher-forced top-1 vs fp32): quantizing the inputs to
-8 bits cost 3 points by itself and 8 bits per channel on every linear 3 more (every linear in fbgemm's int8: 89%);
-aten's int8-weight kernel is 4-20x slower with fp32 inputs than with bf16 (no vectorised fp32 path on x86).
+Why weight-only int8 per group with fp32 inputs, on SmolLM2-135M (teacher-forced top-1 vs fp32): quantizing the
+inputs to 8 bits cost 3 points by itself and 8 bits per channel on every linear 3 more (every linear in fbgemm's
+int8: 89%); per channel with fp32 inputs 97.2%, per group of 32 98.4%. torch's own int8-weight kernel (aten's
+`_weight_int8pack_mm`) takes only per-channel scales and bf16 inputs, and streams int8 no faster than oneDNN
+streams fp32 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -20,34 +21,39 @@ import warnings
 
 import torch
 
+from minisgl.layers import cpu_kernel
+
 INT8_WEIGHT_MAX = 127  # weight-only int8: symmetric per output channel
 DYNAMIC_WEIGHT_MAX = 63  # fbgemm's dynamic int8: 7-bit weights, see _pack_dynamic
-INT8_KERNEL_ROWS = 2  # aten's int8-weight kernel up to this many rows: it computes in 4x4 tiles and loses past 2
-INT8_KERNEL_K_STEP = 16  # the kernel reads inputs and weights in aligned steps of 16 (AVX-512) or 8 (AVX2)
+INT8_KERNEL_ROWS = cpu_kernel.MAX_ROWS  # int8_gemm.c up to this many rows (decode); fbgemm's fp16 GEMM past them
 RESCORED = "int8_top"  # the LM head: int8 GEMM, then its RESCORED_TOP largest outputs recomputed in fp32
 RESCORED_TOP = 32
 KINDS = ("fp16", "int8", RESCORED)
 
 
 class Int8Weight:
-    """An int8 weight [out, in] with its bf16 scales per output channel, and the same values widened for fbgemm's
-    fp16 GEMM (more rows than the int8 kernel is fast for)."""
+    """An int8 weight [out, in] with one float32 scale per group of cpu_kernel.GROUP inputs (max |w| / 127), packed
+    for int8_gemm.c, and the same values widened to fp16 for fbgemm's GEMM (more rows than the kernel takes, or no
+    kernel on this machine). Inputs and outputs stay float32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         w = weight.detach().float()
-        scales = (w.abs().amax(dim=1).clamp(min=1e-8) / INT8_WEIGHT_MAX).bfloat16()
-        self.q = torch.round(w / scales.float()[:, None]).clamp_(-INT8_WEIGHT_MAX, INT8_WEIGHT_MAX).to(torch.int8)
-        self.scales = scales
+        n, k = w.shape
+        group = cpu_kernel.GROUP if k % cpu_kernel.GROUP == 0 else k  # an odd width: one scale per channel
+        grouped = w.view(n, k // group, group)
+        scales = grouped.abs().amax(dim=2).clamp(min=1e-8) / INT8_WEIGHT_MAX
+        q = torch.round(grouped / scales[..., None]).clamp_(-INT8_WEIGHT_MAX, INT8_WEIGHT_MAX).to(torch.int8)
         self.bias = None if bias is None else bias.detach().float()
-        self.kernel = w.shape[1] % INT8_KERNEL_K_STEP == 0
-        self.widened = torch.ops.quantized.linear_prepack_fp16(self.q.float() * scales.float()[:, None], None)
+        self.widened = torch.ops.quantized.linear_prepack_fp16((q.float() * scales[..., None]).view(n, k), None)
+        self.kernel = cpu_kernel.load() if group == cpu_kernel.GROUP else None
+        if self.kernel is not None:
+            self.packed = self.kernel.pack(q.view(n, k).contiguous(), scales.contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xb = x.to(torch.bfloat16)
-        if self.kernel and x.shape[0] <= INT8_KERNEL_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm.default(xb, self.q, self.scales).float()
+        if self.kernel is not None and x.shape[0] <= INT8_KERNEL_ROWS:
+            y = self.kernel.gemm(x.contiguous(), *self.packed)
         else:
-            y = torch.ops.quantized.linear_dynamic_fp16.default(xb.float(), self.widened).bfloat16().float()
+            y = torch.ops.quantized.linear_dynamic_fp16.default(x, self.widened)
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -107,9 +113,7 @@ def available(kind: str) -> bool:
     checked on a tiny weight at both row counts."""
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         return False
-    if kind == "int8" and not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-        return False
-    k = INT8_KERNEL_K_STEP * 2
+    k = cpu_kernel.GROUP * 2
     try:
         packed = pack(kind, torch.ones(4, k), None)
         ys = [run(kind, torch.ones(rows, k), packed) for rows in (1, INT8_KERNEL_ROWS + 1)]
