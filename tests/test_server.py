@@ -586,6 +586,38 @@ def test_error_after_the_first_byte_ends_the_stream_with_an_error_event():
     assert events[2:] == ["[DONE]"]
 
 
+class AbortedAfterOneChunk(StandInClient):
+    async def stream(self, prompt: Any, sampling_params: SamplingParams, rid: str, **kw: Any) -> Any:
+        async for chunk in super().stream(prompt, sampling_params, rid, **kw):
+            yield chunk
+            raise RequestAbortedError("the daemon is shutting down")
+
+
+def test_an_error_mid_stream_ends_every_routes_stream_in_its_shape_and_counts_its_http_status():
+    """After the first byte an error travels in the stream, in each API's shape, and the metrics count the
+    status api_error gives it before the first byte (503 for an aborted request), on every streaming route."""
+    routes = {
+        "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        "completions": ("/v1/completions", {"prompt": "x"}),
+        "responses": ("/v1/responses", {"input": "x"}),
+        "generate": ("/generate", {"text": "x"}),
+    }
+    message = "the request was aborted: the daemon is shutting down"
+    with _app_client(AbortedAfterOneChunk(reply="Paris is")) as http:
+        streamed = {name: http.post(path, json={**body, "stream": True}) for name, (path, body) in routes.items()}
+        ollama = http.post("/api/generate", json={"prompt": "x", "stream": True})
+        text = http.get("/metrics").text
+    for name, r in streamed.items():
+        assert r.status_code == 200 and message in r.text, name
+        # OpenAI's streams end with [DONE] even after an error; the Responses API and SGLang's do not
+        assert r.text.rstrip().endswith("data: [DONE]") == (name in ("chat", "completions")), name
+    assert json.loads(streamed["responses"].text.rstrip().split("data: ")[-1])["type"] == "error"
+    lines = [json.loads(line) for line in ollama.text.splitlines()]
+    assert lines[0]["response"] == "Paris" and lines[-1] == {"error": message}
+    counted = re.findall(r'minisgl_requests_total\{endpoint="(\w+)",model_name="stand-in",status="(\d+)"\} (\S+)', text)
+    assert sorted(counted) == sorted((name, "503", "1.0") for name in routes)
+
+
 def test_echo_cannot_stream_and_says_so():
     with _app_client(StandInClient()) as http:
         r = http.post("/v1/completions", json={"prompt": "Hi", "echo": True, "stream": True})

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,13 +23,13 @@ from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
 from minisgl.server.edge import EdgeRoute
 from minisgl.server.params import sampling_params_for
-from minisgl.server.state import ServerState, check_key, error_event, fail, server_of, sse_response
+from minisgl.server.state import ServerState, check_key, error_event, fail, server_of
 from minisgl.server.streams import (
-    close_stream,
-    first_item,
+    StreamWriter,
     gather_all,
     json_object,
     merge_streams,
+    streamed_response,
     unless_disconnected,
 )
 
@@ -233,7 +233,7 @@ async def generate(request: Request) -> Response:
         requests, many = _requests(body)
         if body.get("stream"):
             streams = [server.client.stream(p, params, rid=rid) for p, params, rid, _ in requests]
-            return await _stream(server, streams, requests, many, started, timer)
+            return await streamed_response(merge_streams(streams), _Events(server, requests, many, started), timer)
         results = await unless_disconnected(
             request, gather_all([server.client.generate(p, params, rid=rid) for p, params, rid, _ in requests])
         )
@@ -259,62 +259,48 @@ async def _kept_stop_token(server: ServerState, out: _Output, params: Any, reaso
     return ""
 
 
-async def _stream(
-    server: ServerState, streams: list[Any], requests: list[_Request], many: bool, started: float, timer: Any
-) -> Response:
-    merged = merge_streams(streams)
-    first, _ = await first_item(merged)  # an error before any output is an HTTP error, not a 200
-    return sse_response(_events(server, merged, first, requests, many, started, timer))
-
-
-async def _events(
-    server: ServerState,
-    merged: Any,
-    first: Any,
-    requests: list[_Request],
-    many: bool,
-    started: float,
-    timer: Any,
-) -> AsyncIterator[str]:
+class _Events(StreamWriter):
     """SGLang's stream: per chunk, the sequence's answer so far; a batch's events carry their sequence's index."""
-    offsets = [0]
-    for _, _, _, outs in requests[:-1]:
-        offsets.append(offsets[-1] + len(outs))
-    item, totals = first, [0, 0, 0]
-    try:
-        while item is not None:
-            i, chunk = item
-            out = requests[i][3][chunk.index]
-            if chunk.prompt_logprobs is not None:
-                out.prompt_logprobs = chunk.prompt_logprobs
-            if chunk.usage is not None:  # the request's last chunk: every sequence of it has its usage
-                for o in requests[i][3]:
-                    o.usage = chunk.usage
-                totals = [a + b for a, b in zip(totals, chunk.usage)]
-            kept = await _kept_stop_token(server, out, requests[i][1], chunk.finish_reason, chunk.matched_stop)
-            out.add(
-                chunk.text + kept,
-                chunk.token_ids,
-                chunk.logprobs,
-                chunk.finish_reason,
-                chunk.matched_stop,
-                chunk.finish_detail,
-            )
-            payload = out.json(started)
-            if many:
-                payload["index"] = offsets[i] + chunk.index
-            yield f"data: {json.dumps(payload)}\n\n"
-            item = await anext(merged, None)
-        yield "data: [DONE]\n\n"
-        timer.done(200, totals[0], totals[1], totals[2])
-    except Exception as e:  # noqa: BLE001 - after the first event an error travels in the stream
-        timer.done(500)
-        yield error_event(e)
-    except BaseException:
-        timer.done(499)  # the HTTP client went away: closing the stream below aborts the request
-        raise
-    finally:
-        await close_stream(merged)
+
+    def __init__(self, server: ServerState, requests: list[_Request], many: bool, started: float) -> None:
+        self.server, self.requests, self.many, self.started = server, requests, many, started
+        self.offsets = [0]  # each request's first sequence index in the batch
+        for _, _, _, outs in requests[:-1]:
+            self.offsets.append(self.offsets[-1] + len(outs))
+        self.totals = [0, 0, 0]
+
+    async def item(self, item: tuple[int, Any]) -> list[str]:
+        i, chunk = item
+        _, params, _, outs = self.requests[i]
+        out = outs[chunk.index]
+        if chunk.prompt_logprobs is not None:
+            out.prompt_logprobs = chunk.prompt_logprobs
+        if chunk.usage is not None:  # the request's last chunk: every sequence of it has its usage
+            for o in outs:
+                o.usage = chunk.usage
+            self.totals = [a + b for a, b in zip(self.totals, chunk.usage)]
+        kept = await _kept_stop_token(self.server, out, params, chunk.finish_reason, chunk.matched_stop)
+        out.add(
+            chunk.text + kept,
+            chunk.token_ids,
+            chunk.logprobs,
+            chunk.finish_reason,
+            chunk.matched_stop,
+            chunk.finish_detail,
+        )
+        payload = out.json(self.started)
+        if self.many:
+            payload["index"] = self.offsets[i] + chunk.index
+        return [f"data: {json.dumps(payload)}\n\n"]
+
+    def end(self) -> list[str]:
+        return ["data: [DONE]\n\n"]
+
+    def error(self, e: BaseException) -> str:
+        return error_event(e)
+
+    def tokens(self) -> tuple[int, int, int]:
+        return self.totals[0], self.totals[1], self.totals[2]
 
 
 @router.get("/get_model_info", dependencies=[Depends(check_key)])

@@ -15,17 +15,17 @@ import json
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
 from minisgl.server.edge import MAX_CHARS_PER_TOKEN, OllamaEdgeRoute
 from minisgl.server.params import sampling_params_for
-from minisgl.server.state import ServerState, api_error, check_key, server_of
-from minisgl.server.streams import ClientDisconnected, close_stream, first_item, json_object, unless_disconnected
+from minisgl.server.state import ClientDisconnected, ServerState, api_error, check_key, server_of
+from minisgl.server.streams import StreamWriter, close_stream, json_object, streamed_response, unless_disconnected
 from minisgl.tokenizer import flatten_message
 
 # Ollama option -> SamplingParams field (num_predict apart: its negative values mean no limit)
@@ -199,9 +199,7 @@ async def _run(request: Request, prompt: Any, body: dict[str, Any], shape: _Shap
     clock = _Clock()
     base = {"model": body.get("model") or server.model_name}
     if body.get("stream", True):
-        stream = server.client.stream(prompt, **kwargs)
-        first, _ = await first_item(stream)  # an error before any output is an HTTP error, not a 200
-        return StreamingResponse(_lines(stream, first, base, shape, clock), media_type="application/x-ndjson")
+        return await streamed_response(server.client.stream(prompt, **kwargs), _Lines(base, shape, clock))
     # Streamed underneath too: the first chunk's time splits prompt evaluation from generation (eval_duration).
     whole = _gather(server.client.stream(prompt, **kwargs), clock)
     text, reasoning, calls, last = await unless_disconnected(request, whole)
@@ -209,24 +207,27 @@ async def _run(request: Request, prompt: Any, body: dict[str, Any], shape: _Shap
     return JSONResponse({**base, "created_at": _now(), **piece, **clock.stats(last.usage, last.finish_reason)})
 
 
-async def _lines(stream: Any, first: Any, base: dict[str, Any], shape: _Shape, clock: _Clock) -> AsyncIterator[bytes]:
+class _Lines(StreamWriter):
     """The NDJSON lines of a streamed answer; tool calls go out whole, on the last line (Ollama sends no fragments)."""
-    from minisgl.client import merge_tool_calls
 
-    chunk, calls = first, []
-    try:
-        while chunk is not None:
-            clock.token()
-            last = chunk.usage is not None
-            merge_tool_calls(calls, chunk.tool_calls or [])
-            piece = shape(chunk.text, chunk.reasoning, _tool_calls(calls) if last else None)
-            done = clock.stats(chunk.usage, chunk.finish_reason) if last else {"done": False}
-            yield (json.dumps({**base, "created_at": _now(), **piece, **done}) + "\n").encode()
-            chunk = await anext(stream, None)
-    except Exception as e:  # noqa: BLE001 - after the first line an error travels in the stream
-        yield (json.dumps({"error": str(api_error(e).message)}) + "\n").encode()
-    finally:
-        await close_stream(stream)
+    media_type = "application/x-ndjson"
+
+    def __init__(self, base: dict[str, Any], shape: _Shape, clock: _Clock) -> None:
+        self.base, self.shape, self.clock = base, shape, clock
+        self.calls: list[dict[str, Any]] = []
+
+    async def item(self, chunk: Any) -> list[str]:
+        from minisgl.client import merge_tool_calls
+
+        self.clock.token()
+        last = chunk.usage is not None
+        merge_tool_calls(self.calls, chunk.tool_calls or [])
+        piece = self.shape(chunk.text, chunk.reasoning, _tool_calls(self.calls) if last else None)
+        done = self.clock.stats(chunk.usage, chunk.finish_reason) if last else {"done": False}
+        return [json.dumps({**self.base, "created_at": _now(), **piece, **done}) + "\n"]
+
+    def error(self, e: BaseException) -> str:
+        return json.dumps({"error": str(api_error(e).message)}) + "\n"
 
 
 def _route(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:

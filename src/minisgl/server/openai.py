@@ -7,13 +7,12 @@ it they travel as an error event.
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, Sequence
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from minisgl.server.edge import EdgeRoute
-from minisgl.server.metrics import RequestTimer
 from minisgl.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -40,8 +39,8 @@ from minisgl.server.protocol import (
     new_id,
     now,
 )
-from minisgl.server.state import ServerState, api_error, check_key, error_event, fail, server_of, sse, sse_response
-from minisgl.server.streams import close_stream, first_item, gather_all, merge_streams, unless_disconnected
+from minisgl.server.state import check_key, error_event, fail, server_of, sse
+from minisgl.server.streams import StreamWriter, gather_all, merge_streams, streamed_response, unless_disconnected
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(check_key)], route_class=EdgeRoute)
 
@@ -144,8 +143,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         rid = new_id("chatcmpl")
         if body.stream:
             stream = server.client.stream(messages, rid=rid, **kwargs)
-            first = await first_item(stream)
-            return sse_response(_chat_events(server, body, rid, first, stream, timer))
+            return await streamed_response(stream, _ChatEvents(body, rid, server.model_name), timer)
         out = await unless_disconnected(request, server.client.generate(messages, rid=rid, **kwargs))
     except BaseException as e:
         return fail(timer, e)
@@ -193,8 +191,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         if body.stream:
             streams = [server.client.stream(p, rid=r, **kwargs) for p, r in zip(prompts, rids)]
             merged = merge_streams(streams)
-            first = await first_item(merged)
-            return sse_response(_completion_events(body, rid, server.model_name, first, merged, timer))
+            return await streamed_response(merged, _CompletionEvents(body, rid, server.model_name), timer)
         outs = await unless_disconnected(
             request, gather_all([server.client.generate(p, rid=r, **kwargs) for p, r in zip(prompts, rids)])
         )
@@ -272,110 +269,91 @@ def _completion_response(
     return CompletionResponse(id=rid, model=model, choices=choices, usage=usage)
 
 
-async def _chat_events(
-    server: ServerState,
-    body: ChatCompletionRequest,
-    rid: str,
-    first: tuple[Any, bool],
-    stream: AsyncIterator[Any],
-    timer: RequestTimer,
-) -> AsyncIterator[str]:
-    model, include_usage = server.model_name, body.include_usage
-    created = now()  # every chunk carries the stream's one timestamp, as OpenAI's
-    started: set[int] = set()
-    usage: Usage | None = None
-    status = 200
+class _OpenAIEvents(StreamWriter):
+    """OpenAI's SSE: an error travels as an event with OpenAI's error body, and [DONE] ends the stream either way."""
 
-    def event(choice: ChatChunkChoice) -> str:
-        piece = ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
-        return sse(_chunk_json(piece, include_usage))
+    trailer = sse("[DONE]")
 
-    try:
-        chunk, empty = first
-        while not empty:
-            timer.first_token()
-            index = int(chunk.index)
-            if index not in started:
-                started.add(index)
-                yield event(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
-            tool_deltas, finish = chunk.tool_calls, _chat_finish(chunk.finish_reason, body)
-            logprobs = chat_logprobs(chunk.logprobs) if body.logprobs else None
-            if chunk.text or chunk.reasoning or tool_deltas or logprobs or finish:
-                delta = DeltaMessage(
-                    content=chunk.text or None,
-                    tool_calls=tool_deltas or None,
-                    reasoning_content=chunk.reasoning or None,
-                )
-                yield event(ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish))
-            if chunk.usage is not None:
-                usage = _usage(chunk.usage)
-            try:
-                chunk = await stream.__anext__()
-            except StopAsyncIteration:
-                empty = True
-        if include_usage:
-            final = ChatCompletionChunk(
-                id=rid, created=created, model=model, choices=[], usage=usage or Usage.of(0, 0, 0)
+    def __init__(self, include_usage: bool) -> None:
+        self.include_usage, self.created = include_usage, now()  # every chunk carries the stream's one timestamp
+        self.usage: Usage | None = None
+
+    def error(self, e: BaseException) -> str:
+        return error_event(e)
+
+    def tokens(self) -> tuple[int, int, int]:
+        u = self.usage or Usage()
+        return u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens
+
+
+class _ChatEvents(_OpenAIEvents):
+    """/v1/chat/completions' chunks: a role delta when a choice starts, then its content, tool-call, reasoning and
+    logprob deltas, and with include_usage a last chunk of usage alone."""
+
+    def __init__(self, body: ChatCompletionRequest, rid: str, model: str) -> None:
+        super().__init__(body.include_usage)
+        self.body, self.rid, self.model = body, rid, model
+        self.started: set[int] = set()
+
+    def _event(self, choice: ChatChunkChoice) -> str:
+        piece = ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[choice])
+        return sse(_chunk_json(piece, self.include_usage))
+
+    async def item(self, chunk: Any) -> list[str]:
+        events, index, body = [], int(chunk.index), self.body
+        if index not in self.started:
+            self.started.add(index)
+            events.append(self._event(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))))
+        tool_deltas, finish = chunk.tool_calls, _chat_finish(chunk.finish_reason, body)
+        logprobs = chat_logprobs(chunk.logprobs) if body.logprobs else None
+        if chunk.text or chunk.reasoning or tool_deltas or logprobs or finish:
+            delta = DeltaMessage(
+                content=chunk.text or None, tool_calls=tool_deltas or None, reasoning_content=chunk.reasoning or None
             )
-            yield sse(_chunk_json(final, True))
-    except Exception as e:  # noqa: BLE001 - after the first byte an error can only travel in the stream
-        status = api_error(e).status
-        yield error_event(e)
-    except BaseException:
-        status = 499  # the HTTP client went away: closing the stream below aborts the request
-        raise
-    finally:
-        await close_stream(stream)
-        u = usage or Usage()
-        timer.done(status, u.prompt_tokens, u.completion_tokens, u.prompt_tokens_details.cached_tokens)
-    yield sse("[DONE]")
-
-
-async def _completion_events(
-    body: CompletionRequest,
-    rid: str,
-    model: str,
-    first: tuple[Any, bool],
-    merged: AsyncIterator[tuple[int, Any]],
-    timer: RequestTimer,
-) -> AsyncIterator[str]:
-    include_usage, created = body.include_usage, now()
-    usage = Usage.of(0, 0, 0)
-    offsets: dict[int, int] = {}
-    status = 200
-    try:
-        item, empty = first
-        while not empty:
-            timer.first_token()
-            p, chunk = item
-            index = p * body.n + int(chunk.index)
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = completion_logprobs(chunk.logprobs, offsets.get(index, 0))
-            offsets[index] = offsets.get(index, 0) + len(chunk.text)
-            if chunk.text or logprobs or chunk.finish_reason:
-                choice = CompletionChoice(
-                    index=index, text=chunk.text, logprobs=logprobs, finish_reason=chunk.finish_reason
-                )
-                piece = CompletionResponse(id=rid, created=created, model=model, choices=[choice])
-                yield sse(_chunk_json(piece, include_usage))
-            if chunk.usage is not None:
-                usage = usage + _usage(chunk.usage)
-            try:
-                item = await merged.__anext__()
-            except StopAsyncIteration:
-                empty = True
-        if include_usage:
-            yield sse(
-                _chunk_json(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage), True)
+            events.append(
+                self._event(ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish))
             )
-    except Exception as e:  # noqa: BLE001 - after the first byte an error can only travel in the stream
-        status = api_error(e).status
-        yield error_event(e)
-    except BaseException:
-        status = 499
-        raise
-    finally:
-        await close_stream(merged)
-        timer.done(status, usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens)
-    yield sse("[DONE]")
+        if chunk.usage is not None:
+            self.usage = _usage(chunk.usage)
+        return events
+
+    def end(self) -> list[str]:
+        if not self.include_usage:
+            return []
+        usage = self.usage or Usage.of(0, 0, 0)
+        final = ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage)
+        return [sse(_chunk_json(final, True))]
+
+
+class _CompletionEvents(_OpenAIEvents):
+    """/v1/completions' chunks over the merged streams of its prompts: choice index prompt * n + sample."""
+
+    def __init__(self, body: CompletionRequest, rid: str, model: str) -> None:
+        super().__init__(body.include_usage)
+        self.body, self.rid, self.model = body, rid, model
+        self.usage = Usage.of(0, 0, 0)
+        self.offsets: dict[int, int] = {}  # per choice, the characters streamed so far (logprobs' text_offset)
+
+    async def item(self, item: tuple[int, Any]) -> list[str]:
+        p, chunk = item
+        body, events = self.body, []
+        index = p * body.n + int(chunk.index)
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(chunk.logprobs, self.offsets.get(index, 0))
+        self.offsets[index] = self.offsets.get(index, 0) + len(chunk.text)
+        if chunk.text or logprobs or chunk.finish_reason:
+            choice = CompletionChoice(
+                index=index, text=chunk.text, logprobs=logprobs, finish_reason=chunk.finish_reason
+            )
+            piece = CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[choice])
+            events.append(sse(_chunk_json(piece, self.include_usage)))
+        if chunk.usage is not None:
+            self.usage = self.usage + _usage(chunk.usage)
+        return events
+
+    def end(self) -> list[str]:
+        if not self.include_usage:
+            return []
+        final = CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[], usage=self.usage)
+        return [sse(_chunk_json(final, True))]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,8 +23,8 @@ from minisgl.errors import InvalidRequestError
 from minisgl.server.edge import EdgeRoute
 from minisgl.server.params import sampling_params_from_openai
 from minisgl.server.protocol import _Request, now
-from minisgl.server.state import api_error, check_key, fail, server_of, sse_response
-from minisgl.server.streams import close_stream, first_item, unless_disconnected
+from minisgl.server.state import api_error, check_key, fail, server_of
+from minisgl.server.streams import StreamWriter, streamed_response, unless_disconnected
 from minisgl.structured.tools import normalize_tools, resolve_tool_choice
 
 _TOOL_CHOICES = '"auto", "none", "required", {"type": "function", "name": ...} or {"type": "allowed_tools", ...}'
@@ -268,8 +268,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
         messages = body.messages()
         if body.stream:
             stream = server.client.stream(messages, **kwargs)
-            first = await first_item(stream)
-            return sse_response(_events(shape, first, stream, timer))
+            return await streamed_response(stream, _StreamedItems(shape), timer)
         out = await unless_disconnected(request, server.client.generate(messages, **kwargs))
     except BaseException as e:
         return fail(timer, e)
@@ -285,9 +284,10 @@ def _error_fields(e: BaseException) -> dict[str, Any]:
     return {"code": err.code or err.type, "message": err.message, "param": err.param}
 
 
-class _StreamedItems:
+class _StreamedItems(StreamWriter):
     """A streamed response's output items, each opened when its first text or call piece arrives and closed when
-    the next item opens or the answer ends, written as OpenAI's events (sequence-numbered SSE)."""
+    the next item opens or the answer ends, written as OpenAI's events (sequence-numbered SSE, no [DONE]): created,
+    in_progress, each item's events, then the final response or an error event."""
 
     def __init__(self, shape: _Shape) -> None:
         self.shape, self.seq = shape, 0
@@ -295,6 +295,8 @@ class _StreamedItems:
         self.open: dict[str, Any] | None = None
         self.calls: dict[int, dict[str, Any]] = {}  # the daemon's tool-call index -> its item
         self.held = ""  # whitespace with no item open (between calls): sent only when text follows
+        self.usage: Any = None  # the client's Usage, on the last chunk
+        self.finish_reason: str | None = None
 
     def event(self, kind: str, **fields: Any) -> str:
         self.seq += 1
@@ -377,49 +379,33 @@ class _StreamedItems:
                 events.append(self._text_delta(self.held))
         return events + self.close(_item_status(finish))
 
+    def start(self) -> list[str]:
+        in_progress = self.shape.response("in_progress", [])
+        return [
+            self.event("response.created", response=in_progress),
+            self.event("response.in_progress", response=in_progress),
+        ]
 
-async def _events(
-    shape: _Shape,
-    first: tuple[Any, bool],
-    stream: AsyncIterator[Any],
-    timer: Any,
-) -> AsyncIterator[str]:
-    """The Responses API's event stream (no [DONE]): created, in_progress, each output item's events, then
-    response.completed, or response.incomplete when max_output_tokens cut the answer (as OpenAI's API ends it), or
-    an error event."""
-    out = _StreamedItems(shape)
-    status = 200
-    try:
-        yield out.event("response.created", response=shape.response("in_progress", []))
-        yield out.event("response.in_progress", response=shape.response("in_progress", []))
-        chunk, empty = first
-        usage = finish = None
-        while not empty:
-            timer.first_token()
-            calls = chunk.tool_calls or []
-            text_first = not calls or bool(calls[0].get("id"))  # a chunk's text precedes a call that starts in it
-            for piece in out.text(chunk.text) if chunk.text and text_first else []:
-                yield piece
-            for delta in calls:
-                for piece in out.call(delta):
-                    yield piece
-            for piece in out.text(chunk.text) if chunk.text and not text_first else []:
-                yield piece
-            usage, finish = chunk.usage or usage, chunk.finish_reason or finish
-            chunk = await anext(stream, None)
-            empty = chunk is None
-        for piece in out.finish(finish):
-            yield piece
-        final = shape.response("completed", out.items, usage, finish)
-        yield out.event(f"response.{final['status']}", response=final)
-        if usage is not None:
-            timer.done(200, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
-    except Exception as e:  # noqa: BLE001 - after the first byte an error travels as an event
-        status = 500
-        yield out.event("error", **_error_fields(e))
-    except BaseException:
-        status = 499  # the HTTP client went away: closing the stream below aborts the request
-        raise
-    finally:
-        await close_stream(stream)
-        timer.done(status)
+    async def item(self, chunk: Any) -> list[str]:
+        calls = chunk.tool_calls or []
+        text_first = not calls or bool(calls[0].get("id"))  # a chunk's text precedes a call that starts in it
+        events = self.text(chunk.text) if chunk.text and text_first else []
+        for delta in calls:
+            events += self.call(delta)
+        events += self.text(chunk.text) if chunk.text and not text_first else []
+        self.usage, self.finish_reason = chunk.usage or self.usage, chunk.finish_reason or self.finish_reason
+        return events
+
+    def end(self) -> list[str]:
+        """The open item's closing events, then response.completed, or response.incomplete when max_output_tokens
+        cut the answer (as OpenAI's API ends it)."""
+        events = self.finish(self.finish_reason)
+        final = self.shape.response("completed", self.items, self.usage, self.finish_reason)
+        return [*events, self.event(f"response.{final['status']}", response=final)]
+
+    def error(self, e: BaseException) -> str:
+        return self.event("error", **_error_fields(e))
+
+    def tokens(self) -> tuple[int, int, int]:
+        u = self.usage
+        return (0, 0, 0) if u is None else (u.prompt_tokens, u.completion_tokens, u.cached_tokens)

@@ -29,11 +29,14 @@ from minisgl.errors import (
 )
 from minisgl.server.metrics import RequestTimer, ServerMetrics
 from minisgl.server.protocol import ErrorInfo, ErrorResponse
-from minisgl.server.streams import ClientDisconnected
 
 logger = logging.getLogger("minisgl.server")
 
 _LOOPBACK_NAMES = ("localhost", "ip6-localhost")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
 
 
 class APIError(Exception):

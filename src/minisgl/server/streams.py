@@ -1,17 +1,22 @@
 """Client streams under an HTTP request, for every router of the server (OpenAI's, Ollama's, SGLang's):
-the first item read before any byte is sent, closing that aborts the request even while cancelled,
-several streams merged, several requests gathered, a watch that cancels work whose HTTP client went
-away; and the JSON-object body the hand-parsed routes read."""
+the first item read before any byte is sent, a streamed answer's events written by one loop (StreamWriter,
+streamed_response), closing that aborts the request even while cancelled, several streams merged, several
+requests gathered, a watch that cancels work whose HTTP client went away; and the JSON-object body the
+hand-parsed routes read."""
 
 from __future__ import annotations
 
+import abc
 import asyncio
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import anyio
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from minisgl.errors import InvalidRequestError
+from minisgl.server.metrics import RequestTimer
+from minisgl.server.state import ClientDisconnected, api_error, sse_response
 
 _T = TypeVar("_T")
 
@@ -27,10 +32,6 @@ async def json_object(request: Request) -> dict[str, Any]:
     return body
 
 
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its response was ready."""
-
-
 async def first_item(stream: AsyncIterator[_T]) -> tuple[_T | None, bool]:
     """The first item of a stream and whether the stream is already over, read before any byte is
     sent so that a failing request gets an HTTP error status; on error the stream is closed."""
@@ -41,6 +42,79 @@ async def first_item(stream: AsyncIterator[_T]) -> tuple[_T | None, bool]:
     except BaseException:
         await close_stream(stream)
         raise
+
+
+class StreamWriter(abc.ABC):
+    """What one API writes of a streamed answer, item by item; stream_events drives it and owns the rest (the
+    metrics' status and timing, errors after the first byte, closing the stream)."""
+
+    media_type = "text/event-stream"  # SSE; Ollama streams NDJSON lines
+    trailer = ""  # written after the end or an error event (OpenAI's "data: [DONE]"), not when the client left
+
+    def start(self) -> list[str]:
+        """Events before the first item (the Responses API's created and in_progress)."""
+        return []
+
+    @abc.abstractmethod
+    async def item(self, item: Any) -> list[str]:
+        """The events of one item of the stream (a Chunk, or (stream index, Chunk) of merged streams)."""
+
+    def end(self) -> list[str]:
+        """Events after the last item (a usage chunk, the final response, SGLang's [DONE])."""
+        return []
+
+    @abc.abstractmethod
+    def error(self, e: BaseException) -> str:
+        """The event that carries an error met after the first byte."""
+
+    def tokens(self) -> tuple[int, int, int]:
+        """(prompt, completion, cached) tokens of the answer so far, for the request's metrics."""
+        return 0, 0, 0
+
+
+async def streamed_response(
+    stream: AsyncIterator[Any], writer: StreamWriter, timer: RequestTimer | None = None
+) -> StreamingResponse:
+    """A streamed answer: its first item is read before any byte is sent (an error then is raised here, to be an
+    HTTP error status), then the writer's events go out as they come (stream_events)."""
+    first, _ = await first_item(stream)
+    events = stream_events(first, stream, writer, timer)
+    if writer.media_type == "text/event-stream":
+        return sse_response(events)
+    return StreamingResponse(events, media_type=writer.media_type)
+
+
+async def stream_events(
+    first: Any, stream: AsyncIterator[Any], writer: StreamWriter, timer: RequestTimer | None
+) -> AsyncIterator[str]:
+    """The writer's events for `first` (None: the stream was empty) and the rest of the stream. An error travels
+    as the writer's error event and counts in the metrics with its HTTP status; a client that went away counts
+    as 499; the stream is closed (its request aborted) whatever happens."""
+    status = 200
+    try:
+        for event in writer.start():
+            yield event
+        item = first
+        while item is not None:
+            if timer is not None:
+                timer.first_token()
+            for event in await writer.item(item):
+                yield event
+            item = await anext(stream, None)
+        for event in writer.end():
+            yield event
+    except Exception as e:  # noqa: BLE001 - after the first byte an error can only travel in the stream
+        status = api_error(e).status
+        yield writer.error(e)
+    except BaseException:
+        status = 499  # the HTTP client went away: closing the stream below aborts the request
+        raise
+    finally:
+        await close_stream(stream)
+        if timer is not None:
+            timer.done(status, *writer.tokens())
+    if writer.trailer:
+        yield writer.trailer
 
 
 async def close_stream(stream: Any) -> None:
