@@ -95,6 +95,7 @@ class EngineConfig:
     threads: int | None = None  # CPU threads of each computing process (torch.set_num_threads); None: torch's default
     # CPU: "fp16" or "int8" weights (faster decode); "fp8": weights rounded to FP8 at load (see QUANTIZATIONS)
     quantization: str | None = None
+    speculative: str | None = None  # "ngram": draft tokens from the request's own text and the prefix cache, verified
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -158,6 +159,8 @@ class EngineConfig:
             raise ConfigError(
                 f"unknown quantization {self.quantization!r}: use one of {', '.join(map(str, QUANTIZATIONS))}"
             )
+        if self.speculative not in (None, "ngram"):
+            raise ConfigError(f"unknown speculative decoding {self.speculative!r}: use 'ngram' (or leave it off)")
         if self.dtype not in (None, "float32", "bfloat16", "float16", "auto"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 

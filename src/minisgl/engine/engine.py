@@ -23,6 +23,7 @@ from minisgl.engine.device import resolve_device, resolve_dtype, set_threads
 from minisgl.engine.outputs import ForwardOutput, embeddings, prompt_logprobs
 from minisgl.engine.piecewise import PiecewiseGraphRunner, supports_piecewise
 from minisgl.engine.sampler import Sampler, SamplingInfo
+from minisgl.engine.verify import Verified, grammar_masks, positions, verify
 from minisgl.errors import ConfigError
 from minisgl.kvcache.pool import FP8_DTYPES, KVPool
 from minisgl.kvcache.table import TableManager
@@ -268,6 +269,25 @@ class Engine:
         if info is None:
             return ForwardOutput(None, None, prompt, embedded)
         return ForwardOutput(*self.sampler.sample(logits, sampled, info, bitmask_fn), prompt, embedded)
+
+    @torch.inference_mode()
+    def forward_and_verify(self, batch: Batch, drafts: list[list[int]], grammar_apply: Any = None) -> list[Verified]:
+        """Run a verify batch (row i extends by its last sampled token and drafts[i]), score every position and
+        choose each row's tokens (engine/verify.py); changes no request. grammar_apply(logits, [state]) masks one
+        row by one grammar state, or is None."""
+        ctx = get_context()
+        ctx.attn_backend, ctx.kv_pool = self.attn_backend, self.kv_pool
+        self.attn_backend.prepare(batch)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+            hidden = self.prefill_graphs.run(batch)
+        else:
+            with ctx.forward_batch(batch):
+                hidden = self.model(batch.input_ids, batch.positions)
+        rows = positions(batch.reqs, drafts)
+        logits = self.model.compute_logits(hidden)  # every token of a verify batch is a scored position
+        info = SamplingInfo.from_reqs(rows, self.model_config.vocab_size, self.device)
+        mask = grammar_masks(rows, drafts, grammar_apply) if grammar_apply is not None else None
+        return verify(logits, rows, drafts, info, mask, self.sampler.generator)
 
 
 def _min_over_ranks(n: int, device: torch.device) -> int:

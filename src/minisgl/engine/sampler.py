@@ -233,6 +233,11 @@ class Sampler:
         # and every TP rank (same seed, same calls) draws the same tokens.
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
 
+    @property
+    def generator(self) -> torch.Generator:
+        """The engine's own stream (unseeded rows); verification draws from it too (engine/verify.py)."""
+        return self._generator
+
     def _sample_fused(self, logits: torch.Tensor, reqs: list["Req"], info: SamplingInfo) -> torch.Tensor | None:
         if self._fused is None or info.min_p is not None or any(r.generator is not None for r in reqs):
             return None

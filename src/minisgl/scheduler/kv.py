@@ -62,6 +62,20 @@ class ReqKV:
         row = self.page_table[req.table_idx]
         return self.cache.slots_for_extend(row, req.cached_len, req.cached_len + extend) is not None
 
+    def reserve_after(self, req: Req, start: int, extra: int) -> bool:
+        """Slots for positions [start, start + extra) of req (a draft after its reserved next token)."""
+        row = self.page_table[req.table_idx]
+        return self.cache.slots_for_extend(row, start, start + extra) is not None
+
+    def shrink(self, req: Req, length: int, alloc_len: int) -> None:
+        """Keep the KV of req's first `length` positions; the pages past them (up to alloc_len, a verify step's
+        rejected draft) go back to the free list. The slots left in the last kept page are reused by the next step."""
+        ps = self.page_size
+        keep_end = -(-length // ps) * ps
+        if alloc_len > keep_end:
+            self.cache.free(self.page_table[req.table_idx, keep_end:alloc_len:ps] // ps)
+        req.cached_len = length
+
     def cache_prefix(self, req: Req) -> None:
         """Share the just-computed prompt KV (n > 1 siblings, other requests with this prefix)."""
         row = self.page_table[req.table_idx]
@@ -91,8 +105,9 @@ class ReqKV:
         """Pages owned by these requests (not by the cache)."""
         return sum(self.cache.req_pages(r.cached_len, r.matched_len) for r in reqs)
 
-    def make_batch(self, phase: Phase, chosen: list[tuple[Req, int]]) -> Batch:
-        """The batch computing `extend` tokens of each (req, extend), whose slots are reserved."""
+    def make_batch(self, phase: Phase, chosen: list[tuple[Req, int]], tokens: list[int] | None = None) -> Batch:
+        """The batch computing `extend` tokens of each (req, extend), whose slots are reserved. tokens: the prefill
+        rows' input ids, flat (default: each request's next `extend` tokens; a verify batch gives its drafts)."""
         reqs = [r for r, _ in chosen]
         rows = [r.table_idx for r in reqs]
         prefix_lens = [r.cached_len for r in reqs]
@@ -117,8 +132,8 @@ class ReqKV:
         if decode:  # the last sampled tokens, read on the device: they may not be on the host yet
             ids_d = self.last_tokens.index_select(0, rows_d)
         else:
-            input_ids: list[int] = []
-            for (req, extend), start in zip(chosen, prefix_lens):
+            input_ids: list[int] = [] if tokens is None else tokens
+            for (req, extend), start in zip(chosen, prefix_lens) if tokens is None else ():
                 input_ids.extend(req.input_ids[start : start + extend])
             ids_d = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         return Batch(

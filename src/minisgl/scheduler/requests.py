@@ -127,6 +127,18 @@ def stop_reason(req: Req, token: int, max_seq_len: int) -> tuple[str | None, Any
     return None, None
 
 
+class Finish(NamedTuple):
+    """What ends a sequence (Scheduler._finish): the reason, the stop that matched, the tokens and logprobs of its
+    last output, and for a failure the message and the minisgl.errors class name the client raises."""
+
+    reason: str  # "stop" | "length" | "abort"
+    matched: Any = None  # the stop string or token id
+    new_tokens: list[int] = []  # noqa: RUF012 - never mutated: a NamedTuple's default
+    new_logprobs: list[Any] | None = None
+    error: str | None = None
+    error_type: str | None = None
+
+
 def make_output(
     req: Req,
     new: list[int],

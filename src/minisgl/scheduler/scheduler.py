@@ -29,6 +29,7 @@ from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.kv import ReqKV
 from minisgl.scheduler.prefill import PrefillManager
 from minisgl.scheduler.requests import (
+    Finish,
     Grammars,
     GrammarWait,
     check_request,
@@ -38,6 +39,7 @@ from minisgl.scheduler.requests import (
     new_reqs,
     stop_reason,
 )
+from minisgl.scheduler.speculative import Speculator
 from minisgl.scheduler.step import LaunchedStep, copy_to_host, launch_observed, read_tokens, warmup
 
 logger = logging.getLogger("minisgl")
@@ -89,6 +91,8 @@ class Scheduler:
             self.device.type == "cuda" or bool(config.extra.get("overlap_on_cpu"))
         )
         self._inflight: LaunchedStep | None = None
+        # Speculative decoding needs each decode row's last token on the host: its steps are not overlapped.
+        self.spec = Speculator(self.kv, self.max_seq_len, self.device.type) if config.speculative == "ngram" else None
         warmup(config, self.engine, self.kv, self.eos_token_ids)
         logger.info(
             "scheduler ready: cache=%s page_size=%d pages=%d", config.cache, self.page_size, self.cache.num_pages
@@ -197,13 +201,13 @@ class Scheduler:
                 admitted.append(rid)
                 continue
             for req in wait.reqs:
-                self._finish(req, "abort", None, error=str(error), error_type=type(error).__name__)
+                self._finish(req, Finish("abort", error=str(error), error_type=type(error).__name__))
         return admitted
 
     def abort(self, rid: str) -> None:
         """Abort every sequence of a request; its pages are freed now, the output says "abort"."""
         for key in [k for k in self.reqs if k[0] == rid]:
-            self._finish(self.reqs[key], "abort", None)
+            self._finish(self.reqs[key], Finish("abort"))
 
     # ------------------------------------------------------------------ the loop
 
@@ -219,7 +223,7 @@ class Scheduler:
         if self.grammar_waiting and self.admit_in_step:
             self.admit_compiled()
         self.prefill_budget.step_started()
-        if self._inflight is not None and self._needs_host_state(self._inflight):
+        if self._inflight is not None and (self.spec is not None or self._needs_host_state(self._inflight)):
             # Grammar masks and penalties need the previous token on the host first (min_tokens
             # only needs the count, which num_sampled projects).
             previous, self._inflight = self._inflight, None
@@ -227,7 +231,13 @@ class Scheduler:
         started = time.perf_counter() if self._hook_launch else 0.0  # for minisgl_step_scheduled
         batch = self._schedule()
         launched = None
-        if batch is not None:
+        drafts = (
+            self.spec.drafts(batch.reqs) if self.spec is not None and batch is not None and batch.is_decode else None
+        )
+        if drafts is not None:
+            assert batch is not None
+            self._verify(batch, drafts)
+        elif batch is not None:
             try:
                 launched = launch_observed(self._launch, batch, started) if self._hook_launch else self._launch(batch)
             except Exception as e:  # noqa: BLE001 - the batch fails, the engine keeps serving
@@ -242,7 +252,7 @@ class Scheduler:
         elif launched is not None:
             self._process(launched)
         busy = self._inflight is not None or bool(self.running or self.waiting) or self.prefill.chunked is not None
-        timed = (launched.batch, launched.ready) if launched is not None else (None, None)
+        timed = (launched.batch, launched.ready) if launched is not None else (batch if drafts else None, None)
         self.prefill_budget.step_done(*timed, busy)
         outputs, self.pending_outputs = self.pending_outputs, []
         return outputs
@@ -305,28 +315,59 @@ class Scheduler:
                     req.tokens_in_flight -= 1
                     if req.finished:  # finished (stop, abort) while this step was in flight: drop its token
                         continue
-                    self._append_token(req, next_list[i], step.logprobs[i] if step.logprobs else None)
+                    self._append_tokens(req, [next_list[i]], [step.logprobs[i]] if step.logprobs else None)
             if self._hook_step:
                 plugins.get_plugin_manager().hook.minisgl_batch_step(batch=step.batch)
         except Exception as e:  # noqa: BLE001 - the batch fails, the engine keeps serving
             self._fail(step.batch.reqs, e)
 
-    def _append_token(self, req: Req, token: int, logprob: Any) -> None:
+    def _verify(self, batch: Batch, drafts: list[list[int]]) -> None:
+        """Run a decode batch with drafts as one verify forward, keep each row's accepted run (speculative.py)."""
+        assert self.spec is not None
+        verify, drafts = self.spec.verify_batch(batch, drafts)
+        # Positions with slots per row, until its KV is settled: what a failure frees.
+        ends = {id(r): r.cached_len + e for r, e in zip(verify.reqs, verify.extend_lens)}
+        try:
+            apply = self.grammars.backend().apply if any(r.grammar is not None for r in verify.reqs) else None
+            results = self.engine.forward_and_verify(verify, drafts, apply)
+            self.num_steps += 1
+            # Each row's last token on the device too: the next plain decode step reads it there (ReqKV.last_tokens).
+            last = torch.tensor([r.tokens[-1] for r in results], dtype=torch.int64).to(self.device, non_blocking=True)
+            self.kv.last_tokens.index_copy_(0, verify.table_rows, last)
+            for req, draft, result in zip(verify.reqs, drafts, results):
+                # The last sampled token and the accepted draft tokens have their KV now; the rest is given back.
+                self.kv.shrink(req, req.cached_len + 1 + result.accepted, ends.pop(id(req)))
+                self.spec.settle(req, len(draft), result.accepted)
+                self._append_tokens(req, result.tokens, result.logprobs)
+            if self._hook_step:
+                plugins.get_plugin_manager().hook.minisgl_batch_step(batch=verify)
+        except Exception as e:  # noqa: BLE001 - the batch fails, the engine keeps serving
+            self._fail(verify.reqs, e, [max(0, ends.get(id(r), r.cached_len) - r.cached_len) for r in verify.reqs])
+
+    def _append_tokens(self, req: Req, tokens: list[int], logprobs: list[Any] | None) -> None:
+        """Append a step's tokens to req (one, or a verified run) and report them together; a stop or the grammar
+        ends the run at its token, and the tokens after it are dropped."""
         if not req.output_ids:
             req.first_token_time = time.perf_counter()
-        req.output_ids.append(token)
-        req.input_ids.append(token)
-        if logprob is not None:
-            req.output_logprobs.append(logprob)
-        if not grammar_accepts(req, token):
-            self._finish(req, "abort", None, new_tokens=[token], error="the sampled token broke the grammar")
-            return
-        reason, matched = stop_reason(req, token, self.max_seq_len)
-        new_logprobs = [logprob] if logprob is not None else None
-        if reason is None:
-            self.pending_outputs.append(make_output(req, [token], new_logprobs, False))
-        else:
-            self._finish(req, reason, matched, new_tokens=[token], new_logprobs=new_logprobs)
+        for i, token in enumerate(tokens):
+            req.output_ids.append(token)
+            req.input_ids.append(token)
+            if logprobs is not None and logprobs[i] is not None:
+                req.output_logprobs.append(logprobs[i])
+            new_logprobs = logprobs[: i + 1] if logprobs is not None and logprobs[i] is not None else None
+            finish = None
+            if not grammar_accepts(req, token):
+                finish = Finish("abort", None, tokens[: i + 1], new_logprobs, "the sampled token broke the grammar")
+            else:
+                reason, matched = stop_reason(req, token, self.max_seq_len)
+                if reason is not None:
+                    finish = Finish(reason, matched, tokens[: i + 1], new_logprobs)
+            if finish is not None:
+                if req.cached_len > req.seq_len:  # a run cut short: the KV of its dropped tokens goes back
+                    self.kv.shrink(req, req.seq_len, req.cached_len)
+                self._finish(req, finish)
+                return
+        self.pending_outputs.append(make_output(req, tokens, logprobs if logprobs and logprobs[0] else None, False))
 
     # ------------------------------------------------------------------ requests out
 
@@ -347,24 +388,17 @@ class Scheduler:
         message = f"the forward pass of this request's batch failed ({type(exc).__name__}: {exc}); the engine goes on"
         rids = {r.rid for r in reqs}
         for key in [k for k in self.reqs if k[0] in rids]:  # with n > 1, the request's other sequences too
-            self._finish(self.reqs[key], "abort", None, error=message, error_type=EngineError.__name__)
+            self._finish(self.reqs[key], Finish("abort", error=message, error_type=EngineError.__name__))
 
     def _finish_pool_full(self, req: Req) -> None:
-        self._finish(req, "length", None, error="the KV pool is full")
+        self._finish(req, Finish("length", error="the KV pool is full"))
 
-    def _finish(
-        self,
-        req: Req,
-        reason: str,
-        matched: Any,
-        new_tokens: list[int] | None = None,
-        new_logprobs: Any = None,
-        error: str | None = None,
-        error_type: str | None = None,
-    ) -> None:
+    def _finish(self, req: Req, finish: Finish) -> None:
+        """End a sequence: out of every queue, its KV released (cached up to what was computed), reported."""
         if req.finished:
             return
-        req.finished, req.finish_reason, req.matched_stop = True, reason, matched
+        error, error_type = finish.error, finish.error_type
+        req.finished, req.finish_reason, req.matched_stop = True, finish.reason, finish.matched
         req.finish_time = time.perf_counter()
         if req in self.running:
             self.running.remove(req)
@@ -373,6 +407,8 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self.kv.release(req)
+        if self.spec is not None:
+            self.spec.finished(req)
         self.grammar_waiting.pop(req.rid, None)  # an abort while its grammar compiles
         if self.reqs.pop((req.rid, req.index), None) is not None:
             self._live[req.rid] -= 1
@@ -386,7 +422,7 @@ class Scheduler:
                 if error is None:
                     error = f"a plugin's minisgl_request_finished hook failed: {type(e).__name__}: {e}"
                     error_type = EngineError.__name__
-        self.pending_outputs.append(make_output(req, new_tokens or [], new_logprobs, True, error, error_type))
+        self.pending_outputs.append(make_output(req, finish.new_tokens, finish.new_logprobs, True, error, error_type))
 
     # ------------------------------------------------------------------ introspection
 
@@ -399,6 +435,7 @@ class Scheduler:
 
     def stats(self) -> dict[str, int]:
         return {
+            **(self.spec.stats() if self.spec is not None else {}),
             "total_pages": self.cache.num_pages,
             "free_pages": self.cache.free_pages,
             "cached_pages": self.cache.cached_pages,
@@ -419,4 +456,4 @@ class Scheduler:
 
     def shutdown(self) -> None:
         for key in list(self.reqs):
-            self._finish(self.reqs[key], "abort", None, error="the engine shut down")
+            self._finish(self.reqs[key], Finish("abort", error="the engine shut down"))

@@ -1,0 +1,119 @@
+"""N-gram speculative decoding: drafts against a brute-force matcher; outputs against HF and the engine without it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tests.test_llm import hf_greedy, make_prompts, trim_after_eos
+
+from minisgl import LLM, SamplingParams
+from minisgl.scheduler import ngram
+
+
+def brute_draft(tokens: list[int], shared: list[tuple[list[int], int]], k: int) -> list[int]:
+    """The longest context first (n = 4..1); the request's own most recent earlier occurrence, then the latest
+    finished sequence whose output continues it."""
+    for n in range(min(4, len(tokens)), 0, -1):
+        ctx = tokens[-n:]
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if tokens[end - n : end] == ctx:
+                return tokens[end : end + k]
+        for seq, start in reversed(shared):
+            for end in range(len(seq) - 1, max(start, n) - 1, -1):
+                if seq[end - n : end] == ctx:
+                    return seq[end : end + k]
+    return []
+
+
+def test_ngram_drafts_match_a_brute_force_matcher():
+    rng = random.Random(0)
+    shared_index = ngram.SharedNgrams()
+    shared: list[tuple[list[int], int]] = []
+    for trial in range(40):
+        vocab = rng.choice([3, 6, 20])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        own = ngram.NgramIndex(tokens)
+        for _ in range(40):
+            k = rng.randrange(1, 9)
+            assert ngram.propose(own, shared_index, k) == brute_draft(tokens, shared, k), (trial, tokens)
+            tokens.append(rng.randrange(vocab))  # the index follows the list it was given
+        if trial % 3 == 0:
+            start = rng.randrange(len(tokens))
+            shared_index.add(tokens, start)
+            shared.append((list(tokens), start))
+    assert ngram.propose(ngram.NgramIndex([1, 2, 3]), None, 4) == []  # nothing repeats: no draft
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def repetitive_prompts(vocab: int) -> list[list[int]]:
+    """Prompts that repeat their own phrases (drafts find matches) plus test_llm's mixed lengths and shared prefix."""
+    rng = random.Random(1)
+    phrase = [rng.randrange(10, vocab) for _ in range(6)]
+    return [phrase * 4, phrase * 2 + [rng.randrange(10, vocab)] + phrase] + make_prompts(vocab)
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [dict(page_size=1), dict(page_size=16, max_prefill_tokens=16), dict(cache="naive", page_size=4)],
+    ids=["radix-p1", "radix-p16-chunked", "naive-p4"],
+)
+def test_greedy_with_speculation_equals_hf_and_leaks_no_page(llama, engine_kwargs):
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(llama)).vocab_size
+    prompts = repetitive_prompts(vocab)
+    ref = hf_greedy(llama, prompts, 24)
+    llm = LLM(str(llama), speculative="ngram", **engine_kwargs)
+    for _ in range(2):  # the second time the prompts and the first outputs are cached and shared
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+        eos = set(llm.model_config.eos_token_ids)
+        assert [o.token_ids for o in outs] == [trim_after_eos(r, eos) for r in ref]
+        llm.check_integrity()
+    stats = llm.scheduler.stats()
+    assert stats["spec_accepted_tokens"] > 0 and stats["spec_drafted_tokens"] > stats["spec_accepted_tokens"]
+
+
+class OracleDrafts:
+    """Drafts from the reference outputs, wrong at every third token: accepted runs, rejections, all lengths."""
+
+    def __init__(self, prompts: list[list[int]], ref: list[list[int]]) -> None:
+        self.by_prompt = {tuple(p): r for p, r in zip(prompts, ref)}
+        self.calls = 0
+
+    def __call__(self, own, shared, k, min_n=1):
+        tokens = own.tokens
+        for plen in range(len(tokens), 0, -1):
+            ref = self.by_prompt.get(tuple(tokens[:plen]))
+            if ref is not None:
+                break
+        else:
+            return []
+        self.calls += 1
+        done = len(tokens) - plen
+        draft = list(ref[done : done + k])
+        if self.calls % 3 == 0 and draft:
+            draft[len(draft) // 2] = (draft[len(draft) // 2] + 1) % 100
+        return draft
+
+
+def test_forced_drafts_accept_and_reject_yet_outputs_equal_hf(llama, monkeypatch):
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(llama)).vocab_size
+    prompts = make_prompts(vocab)
+    ref = hf_greedy(llama, prompts, 20)
+    oracle = OracleDrafts(prompts, ref)
+    monkeypatch.setattr("minisgl.scheduler.speculative.propose", oracle)
+    llm = LLM(str(llama), speculative="ngram", page_size=4)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == ref
+    llm.check_integrity()
+    stats = llm.scheduler.stats()
+    # Most drafts are right, every third has a wrong token in its middle.
+    assert stats["spec_accepted_tokens"] >= 0.4 * sum(len(r) for r in ref)
+    assert stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
