@@ -14,28 +14,12 @@ for itself. Later steps let the model choose between another call and its answer
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 
+from calculator_tools import SYSTEM, TOOLS, parse_args, print_steps
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
-from langchain_core.tools import BaseTool, tool
-
-
-@tool
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers."""
-    return a * b
-
-
-@tool
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
-
-
-TOOLS: list[BaseTool] = [multiply, add]
-SYSTEM = "You are a calculator assistant. Use the tools for arithmetic, then state the result."
+from langchain_core.tools import BaseTool
 
 
 @dataclass
@@ -76,23 +60,11 @@ def run_agent(
 def main() -> None:
     from langchain_minisgl import ChatMiniSGL
 
-    parser = argparse.ArgumentParser(description="A LangChain tool-calling agent on minisgl.")
-    parser.add_argument("question", nargs="*", help='default: "What is 12 times 7?" (with --tool multiply)')
-    parser.add_argument("--tool", choices=[t.name for t in TOOLS], help="the tool the first step must call")
-    parser.add_argument("--model", default="smollm2", help="the model (default: smollm2)")
-    args = parser.parse_args()
-    question = " ".join(args.question) or "What is 12 times 7?"
-    first_tool = args.tool or (None if args.question else "multiply")
-    llm = ChatMiniSGL(model=args.model, temperature=0, max_tokens=64)
-    run = run_agent(llm, question, first_tool=first_tool)
-    for m in run.messages[1:]:
-        if isinstance(m, AIMessage) and m.tool_calls:
-            for call in m.tool_calls:
-                print(f"-> {call['name']}({call['args']})")
-        elif isinstance(m, ToolMessage):
-            print(f"<- {m.content}")
-        elif isinstance(m, HumanMessage):
-            print(f"Q: {m.text}")
+    ask = parse_args("A LangChain tool-calling agent on minisgl.")
+    llm = ChatMiniSGL(model=ask.model, temperature=0, max_tokens=64)
+    run = run_agent(llm, ask.question, first_tool=ask.first_tool)
+    print(f"Q: {ask.question}")
+    print_steps(run.messages)
     print(f"A: {run.answer.strip()}" if run.answer is not None else "A: (no answer within the step limit)")
     llm.close()
 
