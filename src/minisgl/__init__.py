@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from minisgl.core import CompletionOutput, SamplingParams
@@ -78,7 +79,5 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     # torch and zmq load only when the engine or the client is first used.
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'minisgl' has no attribute {name!r}")

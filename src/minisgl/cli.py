@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from minisgl import env
+from minisgl.bench import main as bench_main
 from minisgl.config import EngineConfig, default_of
 from minisgl.engine.threads import default_threads, set_wait_policy
-from minisgl.errors import MiniSGLError
+from minisgl.errors import ConfigError, MiniSGLError
+from minisgl.lifetime import die_with_parent
+from minisgl.llm import LLM
+from minisgl.runtime.addresses import default_address
+from minisgl.runtime.supervisor import port_taken
+from minisgl.server import DEFAULT_HTTP_PORT, HttpOptions
 from minisgl.server.params import sampling_params_for
+from minisgl.server.shell import run_shell
 
 logger = logging.getLogger("minisgl")
 
@@ -172,16 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from minisgl.runtime.daemon import DEFAULT_MAX_MESSAGE_BYTES, serve
+    from minisgl.runtime.daemon import DEFAULT_MAX_MESSAGE_BYTES, serve  # lazy: torch and zmq load for serve only
 
     config = engine_config(args)
     if config.node_rank > 0:  # multi-node TP: this node only runs its ranks; node 0 serves
-        from minisgl.runtime.ranks import run_node
+        from minisgl.runtime.ranks import run_node  # lazy: torch and zmq load for serve only
 
         return run_node(config)
     http = _http_options(args)
     if http is not None:
-        from minisgl.server.app import check_bind
+        from minisgl.server.app import check_bind  # lazy: FastAPI (the server extra)
 
         check_bind(args.host, http.api_key)  # refused before the model loads, not by the HTTP process after it
         _check_http_port(http)
@@ -203,8 +212,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _http_options(args: argparse.Namespace) -> Any:
     """The HTTP server's options, None with --no-http or --http-port 0. Its API key from --api-key, else
     --api-key-file, else $MINISGL_API_KEY."""
-    from minisgl.server import DEFAULT_HTTP_PORT, HttpOptions
-
     if args.no_http or args.http_port == 0:
         return None
     api_key = args.api_key
@@ -230,9 +237,6 @@ def _http_options(args: argparse.Namespace) -> Any:
 
 def _check_http_port(http: Any) -> None:
     """Refuse a taken HTTP port before the model loads, naming the process that holds it."""
-    from minisgl.errors import ConfigError
-    from minisgl.runtime.supervisor import port_taken
-
     taken = port_taken(http.host, http.port)
     if taken is not None:
         raise ConfigError(f"{taken}; stop it, or pass --http-port N for another port, or --no-http for ZeroMQ only")
@@ -240,8 +244,7 @@ def _check_http_port(http: Any) -> None:
 
 def _running_daemon(config: EngineConfig, address: str | None) -> str | None:
     """The address of a daemon that already answers where `serve` would bind, else None."""
-    from minisgl.runtime.addresses import default_address
-    from minisgl.runtime.launcher import ping
+    from minisgl.runtime.launcher import ping  # lazy: zmq
 
     url = address or default_address(config)
     try:
@@ -264,7 +267,7 @@ def _serve_http_only(address: str, http: Any, model: str) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from minisgl.runtime.launcher import running_daemons, stop_daemon
+    from minisgl.runtime.launcher import running_daemons, stop_daemon  # lazy: zmq
 
     if args.address:
         addresses = [args.address]
@@ -290,10 +293,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_ps(args: argparse.Namespace) -> int:
-    import json
-
-    from minisgl.runtime.auth import ClientCurve
-    from minisgl.runtime.launcher import daemon_status, running_daemons
+    from minisgl.runtime.auth import ClientCurve  # lazy: zmq
+    from minisgl.runtime.launcher import daemon_status, running_daemons  # lazy: zmq
 
     curve = ClientCurve.resolve(None, None)  # $MINISGL_CURVE_CLIENT_KEY/_SERVER_KEY, for CURVE daemons
     statuses = [daemon_status(r, curve) for r in sorted(running_daemons(), key=lambda r: r.started_at)]
@@ -342,8 +343,7 @@ def _given(**flags: Any) -> dict[str, Any]:
 
 
 def cmd_shell(args: argparse.Namespace) -> int:
-    from minisgl.client import Client
-    from minisgl.server.shell import run_shell
+    from minisgl.client import Client  # lazy: zmq
 
     with Client(
         args.model,
@@ -357,8 +357,6 @@ def cmd_shell(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from minisgl.llm import LLM
-
     llm = LLM(args.model, **engine_kwargs(args))
     given = _given(
         max_tokens=args.max_tokens,
@@ -378,9 +376,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from minisgl.runtime.auth import create_client_keys, curve_dir, ensure_server_keys
+    from minisgl.runtime.auth import create_client_keys, curve_dir, ensure_server_keys  # lazy: zmq
 
     directory = Path(args.curve_dir) if args.curve_dir else curve_dir()
     public, secret = ensure_server_keys(directory)
@@ -414,18 +410,14 @@ def _port(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minisgl.lifetime import die_with_parent
-
     die_with_parent()  # a command another minisgl command started (MINISGL_PARENT_PID) ends with it
     set_wait_policy()  # before anything loads torch: this process's and its children's OpenMP threads sleep
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
-        from minisgl.bench import main as bench_main
-
         bench_main(argv[1:])
         return 0
     args = build_parser().parse_args(argv)
-    from minisgl.runtime.transport import configure_logging
+    from minisgl.runtime.transport import configure_logging  # lazy: zmq
 
     configure_logging(args.log_level)
     try:

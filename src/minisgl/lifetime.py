@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -52,8 +53,6 @@ def die_with_parent(parent_pid: int | None = None, sig: int = signal.SIGKILL) ->
 
 
 def _expected_parent() -> int | None:
-    import multiprocessing
-
     parent = multiprocessing.parent_process()
     if parent is not None and parent.pid is not None:
         return parent.pid

@@ -105,11 +105,11 @@ class LLM:
             **engine_kwargs,
         )
         if tp > 1:
-            from minisgl.runtime.tp import TPScheduler
+            from minisgl.runtime.tp import TPScheduler  # lazy: torch, when an LLM is built
 
             self.scheduler: Any = TPScheduler(self.config)
         else:
-            from minisgl.scheduler.scheduler import Scheduler
+            from minisgl.scheduler.scheduler import Scheduler  # lazy: torch, when an LLM is built
 
             self.scheduler = Scheduler(self.config, model_source)
         self.tokenizer = self.scheduler.tokenizer
@@ -241,7 +241,7 @@ class LLM:
         remaining = {rid: p.n for rid, p in zip(rids, params_list)}
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # lazy: 0.3 s to import, for the progress bar only
 
             bar = tqdm(total=len(rids), desc="Generating", unit="req", dynamic_ncols=True)
         try:

@@ -9,7 +9,7 @@ from minisgl.errors import InvalidRequestError, ModelLoadError
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers' import takes seconds
 
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
@@ -124,11 +124,11 @@ def render_chat_template(
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     # Past tool calls and results need the tool-aware rendering even when this turn offers no tools.
     history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
-    from jinja2 import TemplateError
+    from jinja2 import TemplateError  # lazy: jinja2 comes with transformers' templates
 
     try:
         if tools or history:
-            from minisgl.structured.tools import render_tools_prompt
+            from minisgl.structured.tools import render_tools_prompt  # lazy: structured/ loads xgrammar and torch
 
             text = render_tools_prompt(
                 tokenizer,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from minisgl.attention.base import AttentionBackend
+from minisgl.distributed import get_tp_info
 
 if TYPE_CHECKING:
     from minisgl.core import Batch
@@ -56,9 +57,10 @@ class FlashInferBackend(AttentionBackend):
         device: torch.device | str,
         prefill_backend: str = "fa2",
     ) -> None:
-        from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
-
-        from minisgl.distributed import get_tp_info
+        from flashinfer import (  # lazy: flashinfer is GPU-only
+            BatchDecodeWithPagedKVCacheWrapper,
+            BatchPrefillWithPagedKVCacheWrapper,
+        )
 
         self.kv_pool = kv_pool
         self.page_table = page_table  # [rows, max_seq_len] int64 token slots, owned by the scheduler
@@ -211,7 +213,7 @@ class FlashInferBackend(AttentionBackend):
 
     def capture_metadata(self, bs: int) -> FlashInferMetadata:
         """A graph-mode decode wrapper for batch size bs, planned on bs one-token rows of the dummy page."""
-        from flashinfer import BatchDecodeWithPagedKVCacheWrapper
+        from flashinfer import BatchDecodeWithPagedKVCacheWrapper  # lazy: flashinfer is GPU-only
 
         assert self._graph_indptr is not None and self._graph_indices is not None
         assert self._graph_last_page_len is not None

@@ -23,7 +23,7 @@ BackendFactory = Callable[..., "AttentionBackend"]
 def _torch_backend(
     model_config: "ModelConfig", kv_pool: "KVPool", page_table: "torch.Tensor", device: Any
 ) -> "AttentionBackend":
-    from minisgl.attention.torch_native import TorchNativeBackend
+    from minisgl.attention.torch_native import TorchNativeBackend  # lazy: listing the backends loads none
 
     return TorchNativeBackend(model_config, kv_pool, page_table, device)
 
@@ -31,7 +31,7 @@ def _torch_backend(
 def _flashinfer_backend(
     model_config: "ModelConfig", kv_pool: "KVPool", page_table: "torch.Tensor", device: Any
 ) -> "AttentionBackend":
-    from minisgl.attention.flashinfer import FlashInferBackend
+    from minisgl.attention.flashinfer import FlashInferBackend  # lazy: listing the backends loads none
 
     return FlashInferBackend(model_config, kv_pool, page_table, device, prefill_backend="fa2")
 
@@ -40,7 +40,7 @@ def _fa3_backend(
     model_config: "ModelConfig", kv_pool: "KVPool", page_table: "torch.Tensor", device: Any
 ) -> "AttentionBackend":
     # FlashAttention-3 prefill (Hopper) through flashinfer; decode stays on flashinfer's tensor-core kernel.
-    from minisgl.attention.flashinfer import FlashInferBackend
+    from minisgl.attention.flashinfer import FlashInferBackend  # lazy: listing the backends loads none
 
     return FlashInferBackend(model_config, kv_pool, page_table, device, prefill_backend="fa3")
 
@@ -49,7 +49,7 @@ def _xqa_backend(
     model_config: "ModelConfig", kv_pool: "KVPool", page_table: "torch.Tensor", device: Any
 ) -> "AttentionBackend":
     # TensorRT-LLM's XQA decode kernel through flashinfer (decode only: the engine pairs it with a prefill backend).
-    from minisgl.attention.xqa import XqaBackend
+    from minisgl.attention.xqa import XqaBackend  # lazy: listing the backends loads none
 
     return XqaBackend(model_config, kv_pool, page_table, device)
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from minisgl.attention.base import AttentionBackend
+from minisgl.distributed import get_tp_info
 from minisgl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -72,10 +73,8 @@ class XqaBackend(AttentionBackend):
     def __init__(
         self, model_config: "ModelConfig", kv_pool: "KVPool", page_table: torch.Tensor, device: torch.device | str
     ) -> None:
-        from flashinfer.utils import get_device_sm_count
-        from flashinfer.xqa import get_xqa_module
-
-        from minisgl.distributed import get_tp_info
+        from flashinfer.utils import get_device_sm_count  # lazy: flashinfer is GPU-only
+        from flashinfer.xqa import get_xqa_module  # lazy: flashinfer is GPU-only
 
         self.device = torch.device(device)
         self.page_size = kv_pool.page_size

@@ -14,6 +14,8 @@ import json
 import sys
 from typing import Any
 
+from minisgl.lifetime import raise_on_sigterm
+
 SUBCOMMANDS = {  # name -> (module under minisgl.bench, or an adapter's dotted module, one-line help)
     "offline": ("offline", "offline throughput (LLM.generate), optionally vs HF generate"),
     "online": ("online", "Poisson arrivals against a daemon: TTFT, TPOT, throughput"),
@@ -53,8 +55,6 @@ def write_json(result: Any, path: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from minisgl.lifetime import raise_on_sigterm
-
     raise_on_sigterm()  # `timeout` or `kill`: the children a benchmark started are stopped on the way out
     argv = argv if argv is not None else sys.argv[1:]
     selected = next((arg for arg in argv if not arg.startswith("-")), None)

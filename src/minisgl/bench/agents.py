@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from minisgl.bench import write_json
+from minisgl.config import EngineConfig
+from minisgl.core import SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,8 +93,6 @@ class Stats:
 
 def run_workload(sched: Any, work: Workload) -> Stats:
     """Drive the agents through an in-process scheduler (same Scheduler the daemon runs)."""
-    from minisgl.core import SamplingParams
-
     params = SamplingParams(temperature=0, max_tokens=work.output_len, ignore_eos=True)
     agents = len(work.tool_results)
     context = [list(work.system) for _ in range(agents)]
@@ -161,9 +161,8 @@ def max_shared_prefix(prompt: list[int], earlier: list[list[int]]) -> int:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from minisgl.config import EngineConfig
-    from minisgl.runtime.tp import make_scheduler
-    from minisgl.scheduler import collector
+    from minisgl.runtime.tp import make_scheduler  # lazy: torch, when the benchmark runs
+    from minisgl.scheduler import collector  # lazy: torch, when the benchmark runs
 
     results: dict[str, Any] = {
         "model": args.model,

@@ -20,6 +20,7 @@ import statistics
 import time
 from typing import Any
 
+from minisgl import LLM, SamplingParams
 from minisgl.bench import write_json
 
 PROMPTS = [
@@ -75,8 +76,6 @@ def _tok_per_s(generate: Any, prompts: list[str], tokens: int) -> float:
 
 def agreement(llm: Any, prompt_ids: list[list[int]], reference: list[list[int]]) -> float:
     """Fraction of the reference continuations' tokens that are llm's top-1 when teacher-forced."""
-    from minisgl import SamplingParams
-
     seqs = [p + r for p, r in zip(prompt_ids, reference)]
     outs = llm.generate(seqs, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     hits = total = 0
@@ -90,8 +89,6 @@ def agreement(llm: Any, prompt_ids: list[list[int]], reference: list[list[int]])
 
 def chat_answers(llm: Any) -> list[list[int]]:
     """llm's greedy answers to CHAT, CHAT_TOKENS tokens each."""
-    from minisgl import SamplingParams
-
     params = SamplingParams(temperature=0, max_tokens=CHAT_TOKENS, ignore_eos=True)
     return [o.token_ids for o in llm.chat([[{"role": "user", "content": q}] for q in CHAT], params, use_tqdm=False)]
 
@@ -107,8 +104,8 @@ def greedy_agreement(llm: Any, reference: list[list[int]]) -> tuple[float, int]:
 
 
 def _hf_generate(model_dir: str, tokens: int) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # lazy: `minisgl bench --help` loads every benchmark
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers' import takes seconds
 
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -126,9 +123,7 @@ def _hf_generate(model_dir: str, tokens: int) -> Any:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    from minisgl import LLM, SamplingParams
+    import torch  # lazy: `minisgl bench --help` loads every benchmark
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import torch
 
+from minisgl import LLM, SamplingParams
 from minisgl.bench import write_json
 
 
@@ -69,8 +70,6 @@ def make_prompts(vocab_size: int, num: int, max_len: int, seed: int) -> list[lis
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from minisgl import LLM, SamplingParams
-
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -127,7 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def hf_generate(llm: Any, prompts: list[list[int]], output_len: int) -> Callable[[], Any]:
     """A call of HF transformers generate on the prompts (one left-padded batch, the engine's dtype and device),
     its model loaded and warmed up."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers' import takes seconds
 
     engine = llm.scheduler.engine
     model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=engine.dtype).to(engine.device).eval()

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from minisgl import LLM
 from minisgl.bench import write_json
 
 
@@ -54,7 +55,7 @@ async def _one(client: Any, prompt: list[int], params: Any, delay: float) -> dic
 
 
 async def _run_online(args: argparse.Namespace, prompts: list[list[int]], params: Any) -> dict[str, Any]:
-    from minisgl import AsyncClient
+    from minisgl import AsyncClient  # lazy: zmq, when the benchmark runs
 
     rng = np.random.default_rng(args.seed)
     gaps = (
@@ -83,7 +84,7 @@ async def _run_online(args: argparse.Namespace, prompts: list[list[int]], params
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from minisgl import Client, SamplingParams
+    from minisgl import Client, SamplingParams  # lazy: zmq, when the benchmark runs
 
     with Client(model=args.model, address=args.address) as c:
         info = c.model_info()
@@ -101,8 +102,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result.update(asyncio.run(_run_online(args, prompts, params)))
     print("online: " + json.dumps(result))
     if args.compare_offline:
-        from minisgl import LLM
-
         llm = LLM(args.model)
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
         t0 = time.perf_counter()

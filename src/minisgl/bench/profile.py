@@ -32,7 +32,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from minisgl import env
+from minisgl import LLM, SamplingParams, env
+from minisgl.bench.throughput import workload, write_model_dir
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # (in, out) features
 
@@ -68,11 +69,10 @@ def gemm(rows: list[int]) -> None:
 
 
 def step(model: str, replays: int, rebuild: bool) -> None:
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile  # lazy: torch, when the benchmark runs
 
-    from minisgl import LLM, SamplingParams
-    from minisgl.bench.offline import make_prompts
-    from minisgl.engine.engine import Engine
+    from minisgl.bench.offline import make_prompts  # lazy: torch, when the benchmark runs
+    from minisgl.engine.engine import Engine  # lazy: torch, when the benchmark runs
 
     decode_batches = []
     forward = Engine.forward
@@ -112,9 +112,6 @@ def step(model: str, replays: int, rebuild: bool) -> None:
 
 def _dummy_llm(args: argparse.Namespace) -> Any:
     """An LLM over the throughput bench's model shape with dummy weights, configured from the command line."""
-    from minisgl import LLM
-    from minisgl.bench.throughput import write_model_dir
-
     return LLM(
         str(write_model_dir(Path(args.tokenizer_dir), args.shape)),
         dtype="bfloat16",
@@ -129,9 +126,6 @@ def _dummy_llm(args: argparse.Namespace) -> Any:
 
 
 def gpu(args: argparse.Namespace) -> None:
-    from minisgl import SamplingParams
-    from minisgl.bench.throughput import workload
-
     llm = _dummy_llm(args)  # held for the whole run: it owns the engine the scheduler drives
     sched = llm.scheduler
     prompts, max_tokens = workload()

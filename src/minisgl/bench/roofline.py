@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl.bench.throughput import hbm_bandwidth
+
 # First match wins: the MoE kernels before the GEMMs (a grouped GEMM is an expert's), attention before the copies.
 KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("all-reduce", ("allreduce", "all_reduce", "AllReduce", "nccl", "cross_device", "oneshot", "twoshot")),
@@ -64,8 +66,6 @@ class Peaks:
 def peaks() -> Peaks:
     """This GPU's measured ceilings: copy bandwidth (bench/throughput.py's 4 GiB copy) and an 8192^3 bf16 matmul."""
     import torch  # lazy: `minisgl bench --help` loads every benchmark
-
-    from minisgl.bench.throughput import hbm_bandwidth
 
     bandwidth = hbm_bandwidth()
     n = 8192

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import random
 import shutil
 import subprocess
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from minisgl import env
+from minisgl import LLM, SamplingParams, env
 
 QWEN3_06B = dict(
     architectures=["Qwen3ForCausalLM"],
@@ -100,9 +101,7 @@ def write_model_dir(tokenizer_dir: Path, shape: str = "qwen3-0.6b") -> Path:
 
 
 def run_minisgl(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    from minisgl import LLM
+    import torch  # lazy: `minisgl bench --help` loads every benchmark
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -140,9 +139,7 @@ def timed_workload(llm: Any, sched: Any, work: tuple[list[list[int]], list[int]]
 
     sched: the scheduler whose steps are counted (rank 0's own with tensor parallelism).
     """
-    import torch
-
-    from minisgl import SamplingParams
+    import torch  # lazy: `minisgl bench --help` loads every benchmark
 
     prompts, max_tokens = work
     llm.generate([prompts[0]], SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True), use_tqdm=False)
@@ -203,8 +200,6 @@ class GcTimer:
 
 def decode_latency(llm: Any) -> dict[str, Any]:
     """ms per output token of one request (prompt 128), from the difference of two lengths (no TTFT)."""
-    from minisgl import SamplingParams
-
     prompt = [random.Random(1).randint(0, 10000) for _ in range(128)]
 
     def timed(n: int) -> float:
@@ -221,8 +216,8 @@ def decode_latency(llm: Any) -> dict[str, Any]:
 
 def run_hf(args: argparse.Namespace) -> dict[str, Any]:
     """HF transformers generate (SDPA, bf16) in static left-padded batches over the first requests."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import torch  # lazy: `minisgl bench --help` loads every benchmark
+    from transformers import AutoConfig, AutoModelForCausalLM  # lazy: transformers' import takes seconds
 
     config = AutoConfig.from_pretrained(args.model_dir)
     with torch.device("cuda"):
@@ -258,7 +253,7 @@ def run_hf(args: argparse.Namespace) -> dict[str, Any]:
 
 def hbm_bandwidth() -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write), over a 4 GiB buffer."""
-    import torch
+    import torch  # lazy: `minisgl bench --help` loads every benchmark
 
     n = 2 << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
@@ -333,7 +328,7 @@ def sub(model_dir: Path, *extra: str, timeout: int = 300) -> dict[str, Any]:
 
 
 def main_all(args: argparse.Namespace) -> None:
-    import torch
+    import torch  # lazy: `minisgl bench --help` loads every benchmark
 
     model_dir = write_model_dir(Path(args.tokenizer_dir), args.shape)
     results: dict[str, Any] = {
@@ -461,7 +456,6 @@ def run(args: argparse.Namespace) -> None:
     if args.mode == "all":
         main_all(args)
         return
-    import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     result = run_minisgl(args) if args.mode == "run" else run_hf(args)

@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from minisgl import LLM, SamplingParams
 from minisgl.bench.throughput import decode_latency, timed_workload, workload
+from minisgl.bench.tp_stages import cmd_all
 from minisgl.bench.tp_support import PARITY_ENGINE, agreement, kill_rank_check, parity_prompts, profile_steps
 from minisgl.env import TOKENIZER_DIR
 
@@ -41,8 +44,6 @@ __all__ = ["add_arguments", "agreement", "kill_rank_check", "parity_prompts", "r
 
 
 def cmd_gen(args: argparse.Namespace) -> None:
-    from minisgl import LLM, SamplingParams
-
     kw: dict[str, Any] = dict(PARITY_ENGINE, dtype=args.dtype, device=args.device, tp=args.tp, dist_timeout=90)
     if args.device == "cpu":
         kw.pop("cuda_graph_max_bs")
@@ -77,10 +78,6 @@ def cmd_gen(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    import logging
-
-    from minisgl import LLM
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     t0 = time.perf_counter()
     llm = LLM(
@@ -139,6 +136,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from minisgl.bench.tp_stages import cmd_all
-
     {"all": cmd_all, "gen": cmd_gen, "bench": cmd_bench}[args.mode](args)

@@ -458,7 +458,7 @@ def print_table(r: dict[str, Any]) -> None:
 
 
 def cmd_all(args: argparse.Namespace) -> None:
-    import torch
+    import torch  # lazy: `minisgl bench --help` loads every benchmark
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from minisgl import MiniSGLError, SamplingParams
 from minisgl.lifetime import parent_env
 
 VOCAB = 49152
@@ -35,8 +37,8 @@ def write_config_dir(config: dict[str, Any], tok_dir: Path, prefix: str) -> Path
 
 def write_hf_checkpoint(tok_dir: Path, prefix: str, device: str, **shape: Any) -> Path:
     """A Qwen3 checkpoint with HF's own random init (seed 0), saved in bf16 with the tokenizer files of tok_dir."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import torch  # lazy: `minisgl bench --help` loads every benchmark
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # lazy: transformers' import takes seconds
 
     out = Path(tempfile.mkdtemp(prefix=prefix))
     config = Qwen3Config(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -69,8 +71,6 @@ def profile_steps(llm: Any, out_dir: str, batch: int = 256, prompt_len: int = 12
     Each rank writes rank{R}.json / .txt / .trace.json.gz under out_dir (distributed/profile.py); returns the ranks'
     per-step figures without the per-step list.
     """
-    from minisgl import SamplingParams
-
     sched = llm.scheduler
     rng = random.Random(2)
     params = SamplingParams(temperature=0.6, max_tokens=steps + 16, ignore_eos=True)
@@ -85,7 +85,7 @@ def profile_steps(llm: Any, out_dir: str, batch: int = 256, prompt_len: int = 12
             sched.step()
         sched.profile("stop")
     else:  # one rank: the same figures, for the comparison
-        from minisgl.distributed.profile import RankProfiler
+        from minisgl.distributed.profile import RankProfiler  # lazy: torch, when the benchmark runs
 
         prof = RankProfiler(out_dir, 0)
         for _ in range(steps):
@@ -160,16 +160,14 @@ def run_child(
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def teacher_forced_hf(model_dir: Path, prompts: list[list[int]], outs: list[list[int]], device: str) -> list[Any]:
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # lazy: `minisgl bench --help` loads every benchmark
+    from transformers import AutoModelForCausalLM  # lazy: transformers' import takes seconds
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
     hf = hf.to(device).eval()
@@ -186,7 +184,7 @@ def teacher_forced_hf(model_dir: Path, prompts: list[list[int]], outs: list[list
 
 def agreement(ref32: list[Any], outs: list[list[int]], other: list[list[int]] | None = None) -> dict[str, float]:
     """Top-1 agreement of outs with other (default: fp32 HF's argmax), everywhere and at fp32-clear positions."""
-    import torch
+    import torch  # lazy: `minisgl bench --help` loads every benchmark
 
     hits = clear = clear_hits = total = 0
     for i, (logits, out) in enumerate(zip(ref32, outs)):
@@ -238,8 +236,8 @@ def kill_rank_check(
     stream's error and to the daemon's exit, and the processes of the daemon's session still alive after it.
     idle: kill rank 1 while nothing runs instead (no stream: the daemon must still stop on its own).
     """
-    from minisgl import Client, SamplingParams
-    from minisgl.runtime.launcher import wait_ready
+    from minisgl import Client, SamplingParams  # lazy: zmq, when the benchmark runs
+    from minisgl.runtime.launcher import wait_ready  # lazy: zmq, when the benchmark runs
 
     address = f"ipc://{tempfile.mkdtemp(prefix='msgl-kill-')}/d.sock"
     cmd = [
@@ -297,8 +295,6 @@ def kill_rank_check(
 
 def _kill_mid_stream(client: Any, rank_pid: int) -> dict[str, Any]:
     """Stream a long greedy generation, SIGKILL the rank after 16 tokens, read the stream to its end or error."""
-    from minisgl import MiniSGLError, SamplingParams
-
     r: dict[str, Any] = {}
     stream = client.stream([21, 22, 23], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
     got = 0

@@ -29,6 +29,7 @@ from minisgl.client.sync import Client, Stream
 from minisgl.core import CompletionOutput
 from minisgl.runtime.auth import ClientCurve
 from minisgl.runtime.launcher import PING_TIMEOUT_S
+from minisgl.runtime.launcher import ping as _ping
 from minisgl.runtime.protocol import Chunk, Pong, Usage
 
 __all__ = [
@@ -52,6 +53,4 @@ __all__ = [
 def ping(address: str, timeout: float = PING_TIMEOUT_S) -> Pong | None:
     """The Pong (state: "loading", "ready" or "stopping"; model; ...) of the daemon at address, or None
     when nothing answers. CURVE keys are found as a Client finds them; a refused handshake raises DaemonError."""
-    from minisgl.runtime.launcher import ping as _ping
-
     return _ping(address, timeout, ClientCurve.resolve(None, None))

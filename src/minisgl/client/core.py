@@ -30,6 +30,7 @@ from minisgl.core import SamplingParams
 from minisgl.errors import DaemonTimeoutError, InvalidRequestError
 from minisgl.runtime.auth import ClientCurve
 from minisgl.runtime.connection import as_exception
+from minisgl.runtime.launcher import locate_daemon
 from minisgl.runtime.protocol import (
     Abort,
     Chunk,
@@ -222,8 +223,6 @@ class ClientCore(ABC, Generic[_S]):
         """Set up the sockets' state (a Client also finds or starts its daemon here; an AsyncClient on connect)."""
 
     def _locate(self) -> str:
-        from minisgl.runtime.launcher import locate_daemon
-
         start_timeout = self.timeout if self.timeout is not None else 3600.0
         return locate_daemon(
             self.model,

@@ -36,8 +36,8 @@ _DTYPES = (torch.float16, torch.bfloat16)
 def _kernel() -> Any:
     """The Triton kernel, compiled on first use; None without Triton."""
     try:
-        import triton
-        import triton.language as tl
+        import triton  # lazy: triton is GPU-only
+        import triton.language as tl  # lazy: triton is GPU-only
     except ImportError:
         return None
 

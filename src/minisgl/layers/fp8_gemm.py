@@ -43,7 +43,7 @@ def weight_only_rows() -> int:
 @functools.cache
 def _kernels() -> dict[str, Any]:
     """The Triton kernels (layers/fp8_gemm_kernels.py), imported on first use: "quant_rows", "w8a16" and "gemv"."""
-    from minisgl.layers import fp8_gemm_kernels as k
+    from minisgl.layers import fp8_gemm_kernels as k  # lazy: the kernels' module imports triton (GPU-only)
 
     return {
         "quant_rows": k.quant_rows_kernel,

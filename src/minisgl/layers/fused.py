@@ -32,7 +32,7 @@ def fused_ops(x: torch.Tensor) -> Any:
     if not _checked:
         _checked = True
         try:
-            import flashinfer
+            import flashinfer  # lazy: flashinfer is GPU-only
 
             _flashinfer = flashinfer
         except ImportError:
@@ -43,7 +43,7 @@ def fused_ops(x: torch.Tensor) -> Any:
 def gdc() -> tuple[Any, Any]:
     """Triton's grid-dependency controls (gdc_wait, gdc_launch_dependents), Triton >= 3.4; (None, None) without them."""
     try:
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # lazy: triton is GPU-only
     except ImportError:
         return None, None
     return gdc_wait, gdc_launch_dependents

@@ -31,8 +31,8 @@ from minisgl.layers.activation import SiluAndMul
 
 @functools.cache
 def _route_kernel() -> Any:
-    import triton
-    import triton.language as tl
+    import triton  # lazy: triton is GPU-only
+    import triton.language as tl  # lazy: triton is GPU-only
 
     @triton.jit
     def route_kernel(
@@ -65,8 +65,8 @@ def _route_kernel() -> Any:
 
 @functools.cache
 def _gemm_kernel() -> Any:
-    import triton
-    import triton.language as tl
+    import triton  # lazy: triton is GPU-only
+    import triton.language as tl  # lazy: triton is GPU-only
 
     @triton.jit
     def gemm_kernel(
@@ -115,8 +115,8 @@ def _gemm_kernel() -> Any:
 
 @functools.cache
 def _grouping_kernels() -> tuple[Any, Any, Any]:
-    import triton
-    import triton.language as tl
+    import triton  # lazy: triton is GPU-only
+    import triton.language as tl  # lazy: triton is GPU-only
 
     @triton.jit
     def count_kernel(ids_ptr, counts_ptr, num_pairs, expert_offset, num_local, BLOCK: tl.constexpr):
@@ -157,8 +157,8 @@ def _grouping_kernels() -> tuple[Any, Any, Any]:
 @functools.cache
 def _local_pair_kernels() -> tuple[Any, Any]:
     """Expert parallelism's two passes over the (token, slot) pairs that touch only the pairs of local experts."""
-    import triton
-    import triton.language as tl
+    import triton  # lazy: triton is GPU-only
+    import triton.language as tl  # lazy: triton is GPU-only
 
     @triton.jit
     def silu_and_mul_kernel(
@@ -263,7 +263,7 @@ def _grouped_gemm(
     config: dict[str, int],
     b_scale: torch.Tensor | None = None,
 ) -> None:
-    import triton
+    import triton  # lazy: triton is GPU-only
 
     sorted_ids, block_expert, total = grouping
     n, k = b.shape[1], b.shape[2]

@@ -36,7 +36,7 @@ def _kernel() -> Any:
         import triton  # noqa: F401
     except ImportError:
         return None
-    from minisgl.layers.fused_qkv_kernel import qkv_kernel
+    from minisgl.layers.fused_qkv_kernel import qkv_kernel  # lazy: the kernel's module imports triton (GPU-only)
 
     return qkv_kernel
 

@@ -23,6 +23,7 @@ from torch import nn
 from minisgl.distributed import all_reduce, get_tp_info, partial_out
 from minisgl.errors import ConfigError, WeightsError
 from minisgl.layers.activation import SiluAndMul
+from minisgl.layers.fused_moe import fused_moe
 from minisgl.layers.linear import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
@@ -142,8 +143,6 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         router_logits = self.gate(x)
         if x.is_cuda:
-            from minisgl.layers.fused_moe import fused_moe
-
             # Partial sums the next norm reduces go straight into its buffer (tp_allreduce="fused").
             into = None if reduce or self.shared_expert is not None else partial_out(x.shape[0], x.shape[1], x.dtype)
             out = fused_moe(

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from minisgl import env
 from minisgl.errors import ModelLoadError, UnknownArchitectureError, UnknownModelError, WeightsError
@@ -80,7 +82,7 @@ def _alias_file(alias: str) -> Path:
 
 def _download(repo_id: str) -> Path:
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # lazy: only to download
 
         return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
     except Exception as e:  # network, auth, bad id: all mean the same thing to the user
@@ -116,8 +118,7 @@ def convert_gguf(gguf_path: Path) -> Path:
 
 def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     try:
-        from safetensors.torch import save_file
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers' import takes seconds
 
         folder, filename = str(gguf_path.parent), gguf_path.name
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
@@ -144,7 +145,7 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
 
 
 def _gguf_chat_template(gguf_path: Path) -> str | None:
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # lazy: gguf is optional
 
     field = GGUFReader(str(gguf_path)).fields.get("tokenizer.chat_template")
     if field is None:
@@ -154,8 +155,6 @@ def _gguf_chat_template(gguf_path: Path) -> str | None:
 
 def iter_weights(model_dir: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of a model.safetensors or a sharded index, on the CPU."""
-    from safetensors import safe_open
-
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -209,7 +208,7 @@ def load_model(
     load_format "dummy" skips the weights files and fills parameters with small random values
     (benchmarks). The returned config's dtype is the dtype the model was built in.
     """
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel  # lazy: transformers' import takes seconds
 
     if isinstance(model, PreTrainedModel):
         hf_config, generation_config = model.config, getattr(model, "generation_config", None)
@@ -248,7 +247,7 @@ def _fill_dummy(model: "nn.Module") -> None:
 
 
 def _read_configs(model_dir: Path) -> tuple[Any, Any]:
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig  # lazy: transformers' import takes seconds
 
     try:
         hf_config = AutoConfig.from_pretrained(model_dir)

@@ -61,8 +61,8 @@ def _hub_has(repo_id: str) -> bool | None:
     if not _hub_reachable():
         return False
     try:
-        from huggingface_hub import HfApi
-        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+        from huggingface_hub import HfApi  # lazy: only to ask the hub
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError  # lazy: only to ask the hub
 
         HfApi().model_info(repo_id, timeout=HUB_CHECK_TIMEOUT_S * 3)
         return True

@@ -27,6 +27,7 @@ from typing import Any
 
 import zmq
 
+from minisgl import __version__
 from minisgl.config import EngineConfig
 from minisgl.errors import ConfigError, DaemonError, MiniSGLError
 from minisgl.runtime.addresses import Address, default_address, parse_address
@@ -61,7 +62,9 @@ from minisgl.runtime.protocol import (
     error_reply,
 )
 from minisgl.runtime.registry import DaemonRecord, FileLock, Registry
+from minisgl.runtime.scheduler_worker import run_scheduler
 from minisgl.runtime.supervisor import HttpChild, HttpServer
+from minisgl.runtime.text_worker import run_text_worker
 from minisgl.runtime.transport import Endpoints, PrivateDir, pull, push, remove_stale_private_dirs, router_socket
 
 logger = logging.getLogger("minisgl")
@@ -190,9 +193,6 @@ class Daemon:
         logger.info("listening at %s%s; starting %s", self.address.url, auth, self.config.model)
 
     def _spawn_workers(self) -> None:
-        from minisgl.runtime.scheduler_worker import run_scheduler
-        from minisgl.runtime.text_worker import run_text_worker
-
         mp = multiprocessing.get_context("spawn")
         # With tp > 1 the scheduler process is rank 0 and starts the other ranks itself.
         args = (self.config, self.endpoints, self.log_level)
@@ -369,8 +369,6 @@ class Daemon:
             self.tokenizer.send(raw)
 
     def _pong(self, rid: str) -> Pong:
-        from minisgl import __version__
-
         return Pong(
             rid, self.state, os.getpid(), self.config.model, self.address.url, __version__, self.config.to_dict()
         )

@@ -55,7 +55,7 @@ class RequestState:
         if self.reasoning is None:
             return None
         if index not in self.reasoning_parsers:
-            from minisgl.structured.reasoning import ReasoningParser
+            from minisgl.structured.reasoning import ReasoningParser  # lazy: structured/ loads xgrammar and torch
 
             self.reasoning_parsers[index] = ReasoningParser(bool(self.reasoning))
         return self.reasoning_parsers[index]
@@ -64,7 +64,7 @@ class RequestState:
         if not self.tool_parser_name:
             return None
         if index not in self.tool_parsers:
-            from minisgl.structured.parsers import get_tool_parser
+            from minisgl.structured.parsers import get_tool_parser  # lazy: structured/ loads xgrammar and torch
 
             self.tool_parsers[index] = get_tool_parser(self.tool_parser_name)()
         return self.tool_parsers[index]
@@ -109,7 +109,7 @@ class Detokenizer:
         tool_calls = None
         parser = state.tool_parser(out.index)
         if parser is not None:
-            from minisgl.structured.parsers import split_deltas
+            from minisgl.structured.parsers import split_deltas  # lazy: structured/ loads xgrammar and torch
 
             text, tool_calls = split_deltas(parser.feed(text) + (parser.finish() if out.finished else []))
             if tool_calls and state.max_tool_calls is not None:  # the calls after the allowed ones are dropped

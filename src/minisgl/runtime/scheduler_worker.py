@@ -46,7 +46,7 @@ GRAMMAR_POLL_MS = 5  # how often a scheduler with nothing else to run checks on 
 def engine_facts(sched: "Scheduler") -> dict[str, Any]:
     """How the engine computes, for `minisgl ps`, /metrics and /v1/models: its weights' quantization ("none" when
     unquantized) and this process's CPU threads."""
-    import torch
+    import torch  # lazy: the daemon process itself never loads torch
 
     return {"quantization": sched.engine.config.quantization or "none", "threads": torch.get_num_threads()}
 
@@ -80,7 +80,7 @@ def run_scheduler(config: EngineConfig, endpoints: Endpoints, log_level: int) ->
     frontend = push(ctx, endpoints.frontend)
     try:
         t0 = time.perf_counter()
-        from minisgl.runtime.tp import make_scheduler
+        from minisgl.runtime.tp import make_scheduler  # lazy: torch, in the scheduler process only
 
         sched = make_scheduler(config)
     except BaseException as e:  # noqa: BLE001 - any start-up failure is reported to the daemon, then we exit

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import socket
 import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -36,8 +37,6 @@ class Restarts:
 def port_taken(host: str, port: int) -> str | None:
     """None when this process could bind host:port (then releases it); else a sentence naming the port and, where
     this user may see it, the process listening on it."""
-    import socket
-
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT does not count
         try:
@@ -52,7 +51,7 @@ def port_holder(port: int) -> str:
     """Who listens on a local TCP port: "held by NAME (pid N)", or that another user's process (invisible to this
     one) holds it."""
     try:
-        import psutil
+        import psutil  # lazy: psutil is optional
 
         holders = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid}
         names = []

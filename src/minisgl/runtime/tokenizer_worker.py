@@ -168,7 +168,7 @@ class RequestPreparer:
         # Chat answers of a thinking model: does the prompt leave the output inside <think>?
         reasoning = self._opens_in_reasoning(input_ids) if self.reasoning_parser and msg.messages else None
         if reasoning and params.has_grammar:  # as vLLM and SGLang: think freely, then answer in the grammar
-            from minisgl.structured.reasoning import END
+            from minisgl.structured.reasoning import END  # lazy: structured/ loads xgrammar and torch
 
             params = dataclasses.replace(params, grammar_after=END)
         detok = {
@@ -295,7 +295,7 @@ class RequestPreparer:
         return DetokenizeReply(msg.rid, self.tokenizer.decode(ids, skip_special_tokens=msg.skip_special_tokens))
 
     def _opens_in_reasoning(self, input_ids: list[int]) -> bool:
-        from minisgl.structured.reasoning import opens_in_reasoning
+        from minisgl.structured.reasoning import opens_in_reasoning  # lazy: structured/ loads xgrammar and torch
 
         return opens_in_reasoning(self.tokenizer.decode(input_ids[-16:], skip_special_tokens=False))
 
@@ -303,7 +303,7 @@ class RequestPreparer:
     def tool_format(self) -> str:
         """The tool-call format this model writes (and the detokenizer parses): "hermes" or "llama3_json"."""
         if self._tool_format is None:
-            from minisgl.structured.parsers import get_tool_parser
+            from minisgl.structured.parsers import get_tool_parser  # lazy: structured/ loads xgrammar and torch
 
             template = getattr(self.tokenizer, "chat_template", None)
             self._tool_format = get_tool_parser(
@@ -315,7 +315,11 @@ class RequestPreparer:
         """(the tools the model may call, the grammar fields that force a call or None)."""
         if msg.tools is None and msg.tool_choice in (None, "none", "auto"):
             return [], None
-        from minisgl.structured.tools import normalize_tools, resolve_tool_choice, tool_call_constraint
+        from minisgl.structured.tools import (  # lazy: xgrammar, torch
+            normalize_tools,
+            resolve_tool_choice,
+            tool_call_constraint,
+        )
 
         self.limits.check_tools(msg.tools)
         tools = normalize_tools(msg.tools)

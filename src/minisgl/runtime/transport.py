@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import zmq
 
+from minisgl.lifetime import die_with_parent
 from minisgl.runtime.protocol import Message, decode
 from minisgl.runtime.registry import FileLock, pid_alive
 
@@ -144,15 +145,11 @@ class ParentWatch:
         """For a worker whose main loop is not its own (uvicorn's): SIGTERM, not worker_setup's SIGKILL, once the
         daemon is gone (a killed daemon cannot stop its children), so that the worker ends its clients' streams with
         an error before it exits (uvicorn's graceful shutdown)."""
-        from minisgl.lifetime import die_with_parent
-
         die_with_parent(self.ppid, signal.SIGTERM)
 
 
 def worker_setup(log_level: int) -> None:
     """A worker leaves Ctrl-C to the daemon process, which shuts everything down in order, and ends with it."""
-    from minisgl.lifetime import die_with_parent
-
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(log_level)

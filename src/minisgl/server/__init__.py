@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, NamedTuple
 
 __all__ = ["DEFAULT_HTTP_PORT", "HttpOptions", "create_app", "run_http_server", "run_shell"]
@@ -24,9 +25,9 @@ class HttpOptions(NamedTuple):
 
     def run(self, address: str, model: str, log_level: int) -> None:
         """Process entry of the HTTP server: one more client of the daemon at address."""
-        from minisgl.runtime.transport import ParentWatch, worker_setup
-        from minisgl.server.app import run_http_server
-        from minisgl.server.guard import GuardOptions
+        from minisgl.runtime.transport import ParentWatch, worker_setup  # lazy: zmq, in the server process
+        from minisgl.server.app import run_http_server  # lazy: the daemon imports HttpOptions without FastAPI
+        from minisgl.server.guard import GuardOptions  # lazy: the daemon imports HttpOptions without FastAPI
 
         worker_setup(log_level)
         ParentWatch().terminate_when_gone()  # a killed daemon leaves no server holding the port
@@ -53,7 +54,5 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     # The shell must not pay for importing FastAPI.
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'minisgl.server' has no attribute {name!r}")

@@ -10,6 +10,7 @@ import asyncio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from minisgl import __version__
 from minisgl.errors import MiniSGLError
 from minisgl.server.edge import EdgeRoute
 from minisgl.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
@@ -21,8 +22,6 @@ admin = APIRouter(dependencies=[Depends(check_admin)], route_class=EdgeRoute)
 
 
 def version_string() -> str:
-    from minisgl import __version__
-
     return __version__
 
 

@@ -12,8 +12,10 @@ import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable, Sequence
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -63,8 +65,6 @@ def create_app(
     guard = (guard or GuardOptions())._replace(api_key=api_key)
     app.add_middleware(RequestGuard, options=guard)
     if guard.allowed_origins:  # outermost: it answers the CORS preflights of the origins allowed
-        from fastapi.middleware.cors import CORSMiddleware
-
         app.add_middleware(
             CORSMiddleware, allow_origins=list(guard.allowed_origins), allow_methods=["*"], allow_headers=["*"]
         )
@@ -116,7 +116,6 @@ def run_http_server(
     unauthenticated remote access.
     """
     check_bind(host, api_key)
-    import uvicorn
 
     guard = (guard or GuardOptions())._replace(bound_host=host)
     app = create_app(

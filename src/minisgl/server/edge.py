@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Coroutine, NamedTuple
 
+import anyio.to_thread
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
@@ -93,7 +94,6 @@ async def _parse(request: Request, body: bytes) -> _Parsed:
         check_shape(shape, facts)
     if len(body) < PARSE_IN_THREAD_BYTES:
         return parse_and_check(body, facts, request.url.path)
-    import anyio.to_thread
 
     return await anyio.to_thread.run_sync(parse_and_check, body, facts, request.url.path)
 

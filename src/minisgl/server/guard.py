@@ -25,6 +25,8 @@ import threading
 from typing import Any, Awaitable, Callable, NamedTuple
 from urllib.parse import urlsplit
 
+import anyio.to_thread
+
 from minisgl.server.bodyscan import is_utf8_json, scan
 from minisgl.server.edge import BODY_SHAPE
 from minisgl.server.state import is_loopback
@@ -167,8 +169,6 @@ async def _scan(body: bytes, scope: Scope) -> tuple[int, str, str] | None:
     if len(body) < SCAN_IN_THREAD_BYTES:
         shape = scan(body)
     else:
-        import anyio.to_thread
-
         shape = await anyio.to_thread.run_sync(scan, body)
     if shape.depth > MAX_JSON_DEPTH:
         return 400, f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep", "json_too_deep"
@@ -191,8 +191,6 @@ async def release_memory() -> None:
     if not _releasing.acquire(blocking=False):
         return
     try:
-        import anyio.to_thread
-
         await anyio.to_thread.run_sync(_trim)
     finally:
         _releasing.release()

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from minisgl import __version__
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
 from minisgl.server.edge import EdgeRoute
@@ -323,8 +324,6 @@ async def get_model_info(request: Request) -> Response:
 
 @router.get("/get_server_info", dependencies=[Depends(check_key)])
 async def get_server_info(request: Request) -> Response:
-    from minisgl import __version__
-
     server = server_of(request)
     info = await server.info()
     stats = await server.client.stats()

@@ -20,6 +20,8 @@ from typing import Any, Awaitable, Callable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from minisgl import __version__
+from minisgl.client import merge_tool_calls
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
 from minisgl.server.edge import MAX_CHARS_PER_TOKEN, OllamaEdgeRoute
@@ -140,8 +142,6 @@ class _Clock:
 
 async def _gather(stream: Any, clock: _Clock) -> tuple[str, str, list[dict[str, Any]], Any]:
     """A whole answer from its stream: text, reasoning, tool calls and the last chunk (usage, finish_reason)."""
-    from minisgl.client import merge_tool_calls
-
     text, reasoning, calls, chunk = "", "", [], None
     try:
         async for chunk in stream:
@@ -217,8 +217,6 @@ class _Lines(StreamWriter):
         self.calls: list[dict[str, Any]] = []
 
     async def item(self, chunk: Any) -> list[str]:
-        from minisgl.client import merge_tool_calls
-
         self.clock.token()
         last = chunk.usage is not None
         merge_tool_calls(self.calls, chunk.tool_calls or [])
@@ -411,6 +409,4 @@ async def show(request: Request) -> Response:
 
 @router.get("/version")
 async def version() -> Response:
-    from minisgl import __version__
-
     return JSONResponse({"version": __version__})

@@ -7,6 +7,8 @@ it they travel as an error event.
 
 from __future__ import annotations
 
+import base64
+import struct
 from typing import Any, Sequence
 
 from fastapi import APIRouter, Depends, Request
@@ -210,9 +212,6 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 def _base64_floats(values: list[float]) -> str:
     """OpenAI's encoding_format="base64": the vector as little-endian float32 bytes, base64-encoded."""
-    import base64
-    import struct
-
     return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
 
 

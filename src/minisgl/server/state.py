@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Callable, NamedTuple, Sequence
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from minisgl.client import AsyncClient
 from minisgl.errors import (
     ConfigError,
     DaemonError,
@@ -149,8 +150,6 @@ class ServerState:
         if self._client_factory is not None:
             self.client = self._client_factory()
         else:
-            from minisgl.client import AsyncClient
-
             self.client = AsyncClient(model=self.model, address=self.client_address, auto_start=False)
 
     async def close(self) -> None:

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+import jsonschema
 import torch
 import xgrammar as xgr
 
@@ -110,8 +111,6 @@ def compile_timeout_error(timeout: float) -> GrammarError:
 
 def check_json_schema(schema: Any) -> None:
     """Raise GrammarError unless schema is valid under its JSON Schema meta-schema (default 2020-12)."""
-    import jsonschema
-
     if not isinstance(schema, (dict, bool)):
         raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
     try:

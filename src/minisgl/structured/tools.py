@@ -14,6 +14,7 @@ import re
 from typing import Any, Literal, NamedTuple, Sequence
 
 from minisgl.errors import GrammarError, InvalidRequestError
+from minisgl.structured.grammar import check_json_schema
 
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
@@ -49,8 +50,6 @@ def normalize_tools(tools: Sequence[Any] | None) -> list[dict[str, Any]]:
     Bare function dicts ({"name": ..., "parameters": ...}) are accepted and wrapped. A missing
     parameters schema means "no arguments". Raises InvalidRequestError on malformed tools.
     """
-    from minisgl.structured.grammar import check_json_schema
-
     if tools is None:
         return []
     if not isinstance(tools, (list, tuple)):
@@ -147,7 +146,7 @@ def tool_call_constraint(
     separated by newlines; llama3_json: {"name": N, "parameters": ARGS} separated by "; ". ARGS
     follows the tool's parameters schema. Built from an xgrammar structural tag.
     """
-    import xgrammar as xgr
+    import xgrammar as xgr  # lazy: xgrammar loads torch
 
     tools = normalize_tools(tools)
     choice = tool_choice if isinstance(tool_choice, ToolChoice) else resolve_tool_choice(tool_choice, tools)
