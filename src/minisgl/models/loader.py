@@ -208,9 +208,11 @@ def load_model(
     load_format "dummy" skips the weights files and fills parameters with small random values
     (benchmarks). The returned config's dtype is the dtype the model was built in.
     """
-    from transformers import PreTrainedModel  # lazy: transformers' import takes seconds
+    if not isinstance(model, (str, os.PathLike)):  # a live model: only then import transformers' modeling (seconds)
+        from transformers import PreTrainedModel  # lazy: its import takes seconds
 
-    if isinstance(model, PreTrainedModel):
+        if not isinstance(model, PreTrainedModel):
+            raise ModelLoadError(f"model must be a path, an alias, a hub id or a PreTrainedModel, got {type(model)}")
         hf_config, generation_config = model.config, getattr(model, "generation_config", None)
         architecture = (getattr(hf_config, "architectures", None) or [type(model).__name__])[0]
         weights: Any = model.state_dict().items()

@@ -248,6 +248,14 @@ class WorkerInit(NamedTuple):
     tokenizer_dir: str  # where the scheduler loaded its tokenizer from: the workers load the same files
 
 
+@_message("tokenizer_dir")
+class TokenizerDir(NamedTuple):
+    """Where the model's tokenizer is, sent by the scheduler before it loads the weights: the text worker reads the
+    tokenizer meanwhile (WorkerInit follows with the same directory once the model is up)."""
+
+    tokenizer_dir: str
+
+
 @_message("scheduler_ready")
 class SchedulerReady(NamedTuple):
     model_info: dict[str, Any]
@@ -289,6 +297,7 @@ Message = Union[
     RequestMeta,
     TokenOutputs,
     WorkerInit,
+    TokenizerDir,
     SchedulerReady,
     WorkerReady,
     WorkerFailed,

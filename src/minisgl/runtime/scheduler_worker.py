@@ -25,6 +25,7 @@ from minisgl.runtime.protocol import (
     SchedulerReady,
     Shutdown,
     StatsReply,
+    TokenizerDir,
     TokenOutputs,
     WorkerFailed,
     WorkerInit,
@@ -78,19 +79,23 @@ def run_scheduler(config: EngineConfig, endpoints: Endpoints, log_level: int) ->
     worker_setup(log_level)
     ctx = zmq.Context()
     frontend = push(ctx, endpoints.frontend)
+    detokenizer = push(ctx, endpoints.detokenizer)
     try:
         t0 = time.perf_counter()
+        from minisgl.models.loader import resolve_model  # lazy: torch, in the scheduler process only
         from minisgl.runtime.tp import make_scheduler  # lazy: torch, in the scheduler process only
 
+        # The text worker reads the tokenizer while the weights load (the same directory the engine resolves).
+        detokenizer.send(encode(TokenizerDir(str(resolve_model(config.model)))))
         sched = make_scheduler(config)
     except BaseException as e:  # noqa: BLE001 - any start-up failure is reported to the daemon, then we exit
         logger.error("scheduler failed to start: %s: %s", type(e).__name__, e)
         frontend.send(encode(WorkerFailed("scheduler", type(e).__name__, str(e))))
         frontend.close()
+        detokenizer.close(linger=0)
         ctx.term()
         sys.exit(1)
     inbox = pull(ctx, endpoints.scheduler)
-    detokenizer = push(ctx, endpoints.detokenizer)
     info = model_info(sched, config)
     detokenizer.send(encode(WorkerInit(info, str(sched.engine.model_dir))))
     frontend.send(encode(SchedulerReady(info, sched.stats())))

@@ -44,6 +44,7 @@ from minisgl.runtime.protocol import (
     RequestMeta,
     Shutdown,
     Tokenize,
+    TokenizerDir,
     TokenOutputs,
     WorkerInit,
     WorkerReady,
@@ -153,6 +154,7 @@ class TextWorker:
         self.frontend = frontend
         self.preparer: RequestPreparer | None = None
         self.detokenizer: Detokenizer | None = None
+        self.early_tokenizer: tuple[str, Any] | None = None  # (directory, tokenizer) read before WorkerInit
         self.stopping = False  # Shutdown went to the scheduler; wait for it to come back on the outputs
         self.parent = ParentWatch()
         self.pool = PreparePool(PREPARE_THREADS)
@@ -278,8 +280,16 @@ class TextWorker:
         elif isinstance(msg, RequestMeta):
             assert self.detokenizer is not None, "the scheduler sends WorkerInit first"
             self.detokenizer.add_request(msg.rid, msg.detok)
+        elif isinstance(msg, TokenizerDir):
+            try:
+                self.early_tokenizer = (msg.tokenizer_dir, load_tokenizer(msg.tokenizer_dir))
+            except Exception:  # noqa: BLE001 - the scheduler's start-up reports a bad model; WorkerInit retries
+                self.early_tokenizer = None
         elif isinstance(msg, WorkerInit):
-            tokenizer = load_tokenizer(msg.tokenizer_dir)
+            early, self.early_tokenizer = self.early_tokenizer, None
+            tokenizer = (
+                early[1] if early is not None and early[0] == msg.tokenizer_dir else load_tokenizer(msg.tokenizer_dir)
+            )
             self.preparer = RequestPreparer(tokenizer, msg.model_info)
             self.detokenizer = Detokenizer(tokenizer)
             gc.collect()
