@@ -67,11 +67,12 @@ class SharedNgrams:
         return seq[end : end + k]
 
 
-def propose(own: NgramIndex, shared: SharedNgrams | None, k: int, min_n: int = 1) -> list[int]:
-    """Up to k draft tokens for the sequence of `own`: its last n tokens (n from MAX_N down to min_n) matched in
-    its own earlier tokens, then in the shared index; [] when nothing matches."""
+def propose(own: NgramIndex, shared: SharedNgrams | None, k: int, min_n: int = 1) -> tuple[list[int], int]:
+    """Up to k draft tokens for the sequence of `own` and the length of the context they continue: its last n tokens
+    (n from MAX_N down to min_n) matched in its own earlier tokens, then in the shared index; ([], 0) when nothing
+    matches."""
     if k <= 0:
-        return []
+        return [], 0
     own.sync()
     tokens = own.tokens
     for n in range(min(MAX_N, len(tokens)), min_n - 1, -1):
@@ -80,5 +81,5 @@ def propose(own: NgramIndex, shared: SharedNgrams | None, k: int, min_n: int = 1
         if not draft and shared is not None:
             draft = shared.continuation(context, k)
         if draft:
-            return draft
-    return []
+            return draft, n
+    return [], 0

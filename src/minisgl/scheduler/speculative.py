@@ -5,9 +5,11 @@ token followed by its k draft tokens, on KV slots reserved for all k + 1, and th
 (engine/verify.py). The accepted tokens' KV stays, the rejected ones' pages go back (ReqKV.shrink), and the radix
 cache only ever sees the kept tokens (a request's KV is cached from its tokens up to cached_len).
 
-k adapts per request: it grows while whole drafts are accepted and falls to what was accepted after a miss; a request
-whose drafts keep failing stops drafting for a while (longer after each failure), so a text that repeats nothing
-costs almost nothing. A batch large enough to be compute-bound is not speculated at all.
+k adapts per request: the chance that a draft token is accepted is estimated from the request's recent drafts over
+the acceptance of every request's drafts of the same context length (a 4-token context repeats a copied passage, a
+1-token one rarely predicts prose), and the draft is cut to the length whose expected tokens best beat its cost; a
+step speculates only when its rows' expected gains beat the extend path's own cost. A text that repeats nothing is
+then decoded plainly, and a batch large enough to be compute-bound is never speculated.
 """
 
 from __future__ import annotations
@@ -17,42 +19,67 @@ from typing import Any
 
 from minisgl.core import Batch, Phase, Req
 from minisgl.scheduler.kv import ReqKV
-from minisgl.scheduler.ngram import NgramIndex, SharedNgrams, propose
+from minisgl.scheduler.ngram import MAX_N, NgramIndex, SharedNgrams, propose
 
 MAX_DRAFT = 8  # draft tokens per row and step, at most
-FIRST_DRAFT = 4  # a request's first drafts
-BACKOFF_FIRST, BACKOFF_MAX = 2, 64  # decode steps a failing request skips drafting: doubled per failure up to this
-# Above these a decode batch is compute-bound (verifying costs as much as it saves): rows per batch, draft tokens per
-# step. Measured on the CPU with SmolLM2-135M (docs/benchmarks.md); a GPU stays memory-bound far longer.
-MAX_ROWS = {"cpu": 16, "cuda": 64}
-MAX_DRAFT_TOKENS = {"cpu": 48, "cuda": 512}
+# A verify step's cost relative to a plain decode step of the same rows: 1 + SWITCH + TOKEN / sqrt(rows) per draft
+# token (the extend path's fixed overhead; each draft token's share of the weights' pass, larger per row as the batch
+# nears compute-bound). CPU: measured with SmolLM2-135M at batch 1, 4 and 16 (docs/benchmarks.md); the GPU's are
+# estimates (memory-bound far longer), not measured.
+COST = {"cpu": (0.15, 0.1), "cuda": (0.05, 0.02)}
+MARGIN = 0.05  # the gain a step must promise over its cost to speculate (noise in the estimates)
+MAX_ROWS = {"cpu": 32, "cuda": 128}  # beyond these a batch is compute-bound: never speculated (no drafting work)
+PRIOR = 2.0  # pseudo-trials of the context length's acceptance behind a request's own
+DECAY = 0.8  # a request's own evidence fades: a copied passage ends, a new one starts
+
+
+class Acceptance:
+    """Decayed counts of draft tokens accepted (successes) out of those tried before the first rejection."""
+
+    __slots__ = ("successes", "trials")
+
+    def __init__(self, successes: float = 1.0, trials: float = 2.0) -> None:
+        self.successes, self.trials = successes, trials
+
+    def add(self, drafted: int, accepted: int, decay: float) -> None:
+        self.successes = self.successes * decay + accepted
+        self.trials = self.trials * decay + accepted + (accepted < drafted)
+
+    @property
+    def rate(self) -> float:
+        return self.successes / self.trials if self.trials > 0 else 0.0
 
 
 class SpecState:
-    """One sequence's drafting state: its n-gram index, its next draft length, its back-off, its counts."""
+    """One sequence's drafting state: its n-gram index, its acceptance, the context length of its last draft."""
 
-    __slots__ = ("index", "k", "skip", "backoff", "drafted", "accepted")
+    __slots__ = ("index", "own", "n", "drafted", "accepted")
 
     def __init__(self, tokens: list[int]) -> None:
         self.index = NgramIndex(tokens)
-        self.k = FIRST_DRAFT
-        self.skip = 0  # decode steps left without drafting
-        self.backoff = BACKOFF_FIRST
+        self.own = Acceptance(0.0, 0.0)
+        self.n = 0
         self.drafted = 0
         self.accepted = 0
 
-    def settle(self, drafted: int, accepted: int) -> None:
-        """Adapt to a verify step's outcome."""
-        self.drafted += drafted
-        self.accepted += accepted
-        if accepted == drafted:
-            self.k = min(MAX_DRAFT, self.k + 2)
-        else:
-            self.k = max(1, accepted + 1)
-        if accepted == 0:  # a wasted verify: pause drafting, longer each time in a row
-            self.skip, self.backoff = self.backoff, min(BACKOFF_MAX, self.backoff * 2)
-        else:
-            self.backoff = BACKOFF_FIRST
+    def rate(self, prior: float) -> float:
+        """The chance the next draft token is accepted: this request's record over its context length's."""
+        return (self.own.successes + PRIOR * prior) / (self.own.trials + PRIOR)
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a verified row emits on average with a k-token draft: accepted drafts (until the first miss) + 1."""
+    return sum(rate**i for i in range(k + 1))
+
+
+def best_draft(rate: float, available: int, token_cost: float) -> tuple[int, float]:
+    """(draft length, expected extra tokens net of its cost) that pays most; (0, 0.0) when none pays."""
+    best, gain = 0, 0.0
+    for k in range(1, available + 1):
+        g = expected_tokens(rate, k) - 1 - token_cost * k
+        if g > gain:
+            best, gain = k, g
+    return best, gain
 
 
 class Speculator:
@@ -61,46 +88,56 @@ class Speculator:
         self.max_seq_len = max_seq_len
         self.shared = SharedNgrams()
         self.max_rows = MAX_ROWS.get(device_type, MAX_ROWS["cuda"])
-        self.max_draft_tokens = MAX_DRAFT_TOKENS.get(device_type, MAX_DRAFT_TOKENS["cuda"])
+        self.switch_cost, self.token_cost = COST.get(device_type, COST["cuda"])
         self.states: weakref.WeakKeyDictionary[Req, SpecState] = weakref.WeakKeyDictionary()
+        self.by_context = [Acceptance() for _ in range(MAX_N + 1)]  # every request's, per matched context length
         self.drafted = 0  # draft tokens verified, over every request (the Prometheus counters)
         self.accepted = 0
         self.verify_rows = 0  # rows verified with a draft (accepted / verify_rows: the mean accepted length - 1)
 
     def drafts(self, reqs: list[Req]) -> list[list[int]] | None:
-        """Each row's draft for the next step ([] for none); None when no row has one (a plain decode step)."""
+        """Each row's draft for the next step ([] for none); None when no draft pays for the step (plain decode).
+
+        A row's draft pays when its expected extra tokens beat its share of the step's cost (best_draft); the step
+        speculates when the rows' gains together beat the extend path's fixed cost for the whole batch."""
         if len(reqs) > self.max_rows:
             return None
-        budget = self.max_draft_tokens
+        per_token = self.token_cost * len(reqs) ** 0.5  # a draft token's cost in plain rows' tokens
         out: list[list[int]] = []
+        total = 0.0
         for req in reqs:
-            draft = self._draft(req, budget) if budget > 0 else []
-            budget -= len(draft)
+            draft, gain = self._draft(req, per_token)
             out.append(draft)
-        return out if any(out) else None
+            total += gain
+        if total < len(reqs) * (self.switch_cost + MARGIN):
+            for req, draft in zip(reqs, out):
+                if draft:
+                    self.states[req].own.add(0, 0, DECAY)  # not tried: the request's record fades to its prior
+            return None
+        return out
 
-    def _draft(self, req: Req, budget: int) -> list[int]:
+    def _draft(self, req: Req, per_token: float) -> tuple[list[int], float]:
         state = self.states.get(req)
         if state is None:
             state = self.states[req] = SpecState(req.input_ids)
-        if state.skip > 0:
-            state.skip -= 1
-            return []
         p = req.sampling_params
         # Every emitted token must fit max_tokens and the context window: the draft, then the target's own token.
-        k = min(state.k, budget, p.max_tokens - req.num_output - 1, self.max_seq_len - req.seq_len - 1)
+        k = min(MAX_DRAFT, p.max_tokens - req.num_output - 1, self.max_seq_len - req.seq_len - 1)
         if k <= 0 or req.grammar_gate is not None:
-            return []
+            return [], 0.0
         # A seeded request drafts from its own tokens only: its output must not depend on other requests.
-        draft = propose(state.index, self.shared if req.seed is None else None, k)
+        draft, state.n = propose(state.index, self.shared if req.seed is None else None, k)
+        if not draft:
+            return [], 0.0
         stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | req.eos_token_ids
         for i, token in enumerate(draft):
             if token in stops:  # nothing follows a stop token
                 draft = draft[: i + 1]
                 break
-        if req.grammar is not None and draft:
+        if req.grammar is not None:
             draft = _grammar_prefix(req.grammar, draft)
-        return draft
+        k, gain = best_draft(state.rate(self.by_context[state.n].rate), len(draft), per_token)
+        return draft[:k], gain
 
     def verify_batch(self, batch: Batch, drafts: list[list[int]]) -> tuple[Batch, list[list[int]]]:
         """The decode batch as an extend batch of each row's last token and draft, slots reserved for the drafts (a
@@ -121,13 +158,16 @@ class Speculator:
         return verify, kept
 
     def settle(self, req: Req, drafted: int, accepted: int) -> None:
-        """Count a row's verify outcome and adapt its next drafts (its KV: ReqKV.shrink)."""
+        """Count a row's verify outcome and learn from it (its KV: ReqKV.shrink)."""
         self.drafted += drafted
         self.accepted += accepted
         self.verify_rows += drafted > 0
         state = self.states.get(req)
-        if state is not None:
-            state.settle(drafted, accepted)
+        if state is not None and drafted:
+            state.drafted += drafted
+            state.accepted += accepted
+            state.own.add(drafted, accepted, DECAY)
+            self.by_context[state.n].add(drafted, accepted, 0.99)
 
     def finished(self, req: Req) -> None:
         """A sequence ended: its output's contexts become drafts for the others (not an aborted one's)."""
