@@ -13,10 +13,12 @@ batch's new tokens, so it appends them (`--rebuild`: every replay rebuilds the c
 as the first step after the batch changed does).
 
 `gpu` runs the 256-request workload of `minisgl bench throughput` (a dummy model of its `--shape`, Qwen3-0.6B's by
-default, bf16 or `--quantization fp8`) step by step and reports the whole run's time by forward kind (prefill;
-decode by batch size), wall time per step and the time the host waits for the GPU (event syncs) over stretches of
-the run, the GPU kernels by total time over 20 steps at batch ~256 and 20 steps of the tail (torch.profiler), the
-host's Python hot spots (cProfile), and with `--whole-run` every kernel of a second, profiled pass.
+default, bf16 or `--quantization fp8`; `--batch-one`: one request instead) step by step and reports the whole run's
+time by forward kind (prefill; decode by batch size), wall time per step and the time the host waits for the GPU
+(event syncs) over stretches of the run, the GPU kernels by total time over 20 steps at batch ~256 and 20 steps of
+the tail (torch.profiler), the host's Python hot spots (cProfile), a roofline of each profiled decode window
+(bench/roofline.py: per kernel class the GPU time, launches, bytes and FLOPs against the measured copy bandwidth and
+bf16 rate), and with `--whole-run` every kernel of a second, profiled pass.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ import io
 import pstats
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from minisgl import LLM, SamplingParams, env
+from minisgl.bench import roofline
+from minisgl.bench.throughput import SHAPES as MODEL_SHAPES
 from minisgl.bench.throughput import workload, write_model_dir
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # (in, out) features
@@ -126,9 +130,11 @@ def _dummy_llm(args: argparse.Namespace) -> Any:
 
 
 def gpu(args: argparse.Namespace) -> None:
+    peak = roofline.peaks()  # before the engine sizes its KV pool from the free memory
     llm = _dummy_llm(args)  # held for the whole run: it owns the engine the scheduler drives
     sched = llm.scheduler
-    prompts, max_tokens = workload()
+    # --batch-one: one request (a 128-token prompt, 512 new tokens), so that every decode step has batch 1
+    prompts, max_tokens = ([list(range(1000, 1128))], [512]) if args.batch_one else workload()
 
     def submit(tag: str) -> None:
         for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
@@ -159,7 +165,8 @@ def gpu(args: argparse.Namespace) -> None:
     sched.engine.forward_and_sample = recording_launch  # type: ignore[method-assign]
     torch.cuda.Event.synchronize = timed_sync  # type: ignore[method-assign]
     submit("r")
-    walls, waits, sizes, kinds, spans, windows = [], [], [], [], [], {}
+    walls, waits, sizes, kinds, spans, windows, kv_tokens = [], [], [], [], [], {}, []
+    starts: dict[str, int] = {}
     num_steps, tail_at = 0, None
     t_start = time.perf_counter()
     while sched.has_work:
@@ -173,6 +180,7 @@ def gpu(args: argparse.Namespace) -> None:
         ):
             if begin is not None and num_steps in (begin, begin + length):
                 if num_steps == begin:
+                    starts[name] = begin
                     windows[name] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                     windows[name].__enter__()
                 else:
@@ -188,15 +196,48 @@ def gpu(args: argparse.Namespace) -> None:
         walls.append(time.perf_counter() - t0)
         waits.append(waited[0])
         sizes.append(len(sched.running))
+        kv_tokens.append(sum(req.seq_len for req in sched.running))
         kinds.append(kind[0])
         spans.append(events[0])
     total = time.perf_counter() - t_start
     torch.cuda.Event.synchronize = sync  # type: ignore[method-assign]
 
-    _report_steps(num_steps, total, walls, waits, sizes, kinds, spans)
+    gpu_s = _report_steps(num_steps, total, walls, waits, sizes, kinds, spans)
     _report_profiles(windows, cpu)
+    steps = _StepRecord(kinds, kv_tokens, walls, gpu_s)
+    _report_rooflines(starts, windows, steps, MODEL_SHAPES[args.shape], peak, args.quantization == "fp8")
     if args.whole_run:  # the same workload again (prefix cache emptied first), every kernel of it profiled
         _profile_whole_run(sched, submit)
+
+
+class _StepRecord(NamedTuple):
+    """Per step (0-based): the forward's kind, the running requests' KV tokens, wall and GPU seconds."""
+
+    kinds: list[tuple[bool, int] | None]
+    kv_tokens: list[int]
+    walls: list[float]
+    gpu_s: list[float]
+
+
+def _report_rooflines(
+    starts: dict[str, int], windows: dict[str, Any], steps: _StepRecord, shape: dict, peak: roofline.Peaks, fp8: bool
+) -> None:
+    """bench/roofline.py's table for each profiled window of decode steps (steps begin .. begin + 19, 1-based)."""
+    for name, begin in starts.items():
+        if name.startswith("prefill"):
+            continue
+        span = slice(begin - 1, begin + 19)
+        rows = [kind[1] for kind in steps.kinds[span] if kind is not None and not kind[0]]
+        window = roofline.Window(
+            name,
+            windows[name],
+            steps=20,
+            batch=sum(rows) / max(1, len(rows)),
+            kv_tokens=sum(steps.kv_tokens[span]) / 20,
+            wall_s=sum(steps.walls[span]) / 20,
+            gpu_s=sum(steps.gpu_s[span]) / 20,
+        )
+        roofline.report(window, shape, peak, fp8)
 
 
 def _report_steps(
@@ -207,8 +248,9 @@ def _report_steps(
     sizes: list[int],
     kinds: list[tuple[bool, int] | None],
     spans: list[tuple[torch.cuda.Event, torch.cuda.Event] | None],
-) -> None:
-    """Per-step wall, host waits and GPU time, bucketed by the forward's kind and batch size."""
+) -> list[float]:
+    """Per-step wall, host waits and GPU time, bucketed by the forward's kind and batch size; each step's GPU
+    seconds."""
     # Steps whose launch ran a forward; the step's wall is the host loop's, with overlap about the previous
     # step's GPU time. Buckets by the batch size of the forward (decode) or "prefill".
     print(f"\n{num_steps} steps in {total:.2f}s")
@@ -247,6 +289,7 @@ def _report_steps(
                 f"steps {lo}-{hi}: running ~{sizes[lo]:3d}, wall {1000 * sum(w) / len(w):6.2f} ms/step, "
                 f"waiting for the GPU {1000 * sum(s) / len(s):6.2f} ms/step"
             )
+    return gpu_s
 
 
 def _report_profiles(windows: dict[str, Any], cpu: cProfile.Profile) -> None:
@@ -291,6 +334,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", help="gpu")
     p.add_argument("--page-size", type=int, default=None, help="default: 16 with FlashInfer on a GPU, else 1")
     p.add_argument("--whole-run", action="store_true", help="gpu: then the whole workload again under torch.profiler")
+    p.add_argument("--batch-one", action="store_true", help="gpu: one request, every decode step at batch 1")
     p.set_defaults(func=run)
 
 
