@@ -18,6 +18,8 @@ from minisgl.bench.throughput import QWEN3_06B, QWEN3_30B_A3B
         ("void flashinfer::BatchDecodeWithPagedKVCacheKernel<...>", "attention"),
         ("void flashinfer::BatchPrefillWithPagedKVCacheKernel<...>", "attention"),
         ("fused_moe_kernel", "moe experts"),
+        ("gemm_kernel", "moe experts"),  # layers/fused_moe.py's grouped GEMM (Triton)
+        ("route_kernel", "moe experts"),
         ("void flashinfer::norm::RMSNormKernel<8u, __nv_bfloat16>", "norm"),
         ("void flashinfer::BatchQKApplyRotaryPosIdsCosSinCacheKernel<...>", "rope"),
         ("void flashinfer::activation::act_and_mul_kernel<__nv_bfloat16, &silu>", "activation"),

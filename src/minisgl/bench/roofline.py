@@ -52,8 +52,17 @@ KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
 OTHER = "other (elementwise, reductions)"
 
 
+# layers/fused_moe.py's Triton kernels, by their function names (routing, grouping by expert, grouped GEMMs, combine)
+MOE_KERNELS = frozenset(
+    ("route_kernel", "count_kernel", "layout_kernel", "scatter_kernel", "gemm_kernel", "silu_and_mul_kernel")
+    + ("combine_kernel",)
+)
+
+
 def kernel_class(name: str) -> str:
     """The class of a CUDA kernel by its name."""
+    if name in MOE_KERNELS:
+        return "moe experts"
     return next((cls for cls, keys in KERNEL_CLASSES if any(k in name for k in keys)), OTHER)
 
 
