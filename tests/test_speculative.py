@@ -8,7 +8,7 @@ import pytest
 from tests.test_llm import hf_greedy, make_prompts, trim_after_eos
 
 from minisgl import LLM, SamplingParams
-from minisgl.scheduler import ngram
+from minisgl.scheduler import ngram, speculative
 
 
 def brute_draft(tokens: list[int], shared: list[tuple[list[int], int]], k: int) -> list[int]:
@@ -117,3 +117,84 @@ def test_forced_drafts_accept_and_reject_yet_outputs_equal_hf(llama, monkeypatch
     # Most drafts are right, every third has a wrong token in its middle.
     assert stats["spec_accepted_tokens"] >= 0.4 * sum(len(r) for r in ref)
     assert stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
+
+
+def test_a_verify_step_that_fails_frees_every_page_and_the_engine_goes_on(llama, monkeypatch):
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(llama)).vocab_size
+    prompts = make_prompts(vocab)[:3]
+    ref = hf_greedy(llama, prompts, 12)
+    monkeypatch.setattr("minisgl.scheduler.speculative.propose", OracleDrafts(prompts, ref))
+    llm = LLM(str(llama), speculative="ngram", page_size=4)
+    engine = llm.scheduler.engine
+    real = engine.forward_and_verify
+    calls = []
+
+    def failing(batch, drafts, apply=None):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("verify kernel failed")
+        return real(batch, drafts, apply)
+
+    monkeypatch.setattr(engine, "forward_and_verify", failing)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with pytest.raises(Exception, match="verify kernel failed"):
+        llm.generate(prompts, params, use_tqdm=False)
+    llm.check_integrity()
+    assert llm.scheduler.stats()["req_pages"] == 0 and not llm.scheduler.has_work
+    outs = llm.generate(prompts, params, use_tqdm=False)  # the engine goes on, speculating, and is still exact
+    assert [o.token_ids for o in outs] == ref and len(calls) > 2
+    llm.check_integrity()
+
+
+@pytest.fixture
+def always_draft(monkeypatch):
+    """Speculate whatever the expected gain: these tests check what verification emits, not when it pays."""
+    monkeypatch.setitem(speculative.COST, "cpu", (0.0, 0.0))
+    monkeypatch.setattr(speculative, "MARGIN", 0.0)
+
+
+BIAS = {t: 100.0 for t in range(100, 106)}  # the mass on six tokens: drafts are often right and often wrong
+
+
+def test_seeded_sampling_with_speculation_is_the_same_draw_as_without(llama, always_draft):
+    """Verification draws each position's token as plain sampling does, and a seeded generator is rewound to the
+    emitted tokens' draws: with a penalty, top-p and a bias, a seeded request gives the tokens it gives without."""
+    bias = BIAS
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.3, logit_bias=bias, max_tokens=16, seed=s)
+        for s in range(6)
+    ]
+    prompt = list(range(100, 106)) * 3
+    off = LLM(str(llama), page_size=1).generate([prompt] * 6, params, use_tqdm=False)
+    llm = LLM(str(llama), page_size=1, speculative="ngram", max_running_requests=1)
+    on = llm.generate([prompt] * 6, params, use_tqdm=False)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert llm.scheduler.stats()["spec_accepted_tokens"] > 0
+    llm.check_integrity()
+
+
+def test_sampled_tokens_with_speculation_have_the_plain_distribution(llama, always_draft):
+    """Chi-square: the tokens of unseeded requests (temperature 1, top-p 0.9, a repetition penalty; a bias puts the
+    mass on six tokens so the drafts are often right and often wrong) are distributed as without speculation."""
+    from scipy.stats import chi2_contingency
+
+    bias = BIAS
+    params = SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.3, logit_bias=bias, max_tokens=6)
+    prompt = list(range(100, 106)) * 3
+    counts = []
+    for spec in (None, "ngram"):
+        llm = LLM(str(llama), page_size=1, speculative=spec, max_running_requests=16, seed=1 if spec else 2)
+        outs = llm.generate([prompt] * 240, params, use_tqdm=False)
+        counts.append([o.token_ids[1:] for o in outs])  # the first token comes from the prefill: never verified
+        if spec:
+            stats = llm.scheduler.stats()
+            assert stats["spec_accepted_tokens"] > 60 and stats["spec_drafted_tokens"] > stats["spec_accepted_tokens"]
+    for pos in range(4):
+        seen = sorted({o[pos] for c in counts for o in c if len(o) > pos})
+        table = [[sum(1 for o in c if len(o) > pos and o[pos] == t) for t in seen] for c in counts]
+        keep = [j for j in range(len(seen)) if table[0][j] + table[1][j] >= 10]  # rare tokens pooled
+        rest = [sum(row[j] for j in range(len(seen)) if j not in keep) for row in table]
+        table = [[row[j] for j in keep] + ([r] if any(rest) else []) for row, r in zip(table, rest)]
+        assert chi2_contingency(table)[1] > 0.001, (pos, table)
