@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Install everything (CPU), check lint and format, then run the test suite.
+# Two pytest workers, each taking whole test files (a module's shared daemons stay in one process): while one
+# waits on a daemon or a subprocess, the other computes. `bash scripts/test.sh -n 0` runs in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 python -m ruff check .
 python -m ruff format --check .
-python -m pytest -q -p no:cacheprovider tests "$@"
+python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests "$@"
