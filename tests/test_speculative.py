@@ -198,3 +198,80 @@ def test_sampled_tokens_with_speculation_have_the_plain_distribution(llama, alwa
         rest = [sum(row[j] for j in range(len(seen)) if j not in keep) for row in table]
         table = [[row[j] for j in keep] + ([r] if any(rest) else []) for row, r in zip(table, rest)]
         assert chi2_contingency(table)[1] > 0.001, (pos, table)
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair(smollm2_dir):
+    """SmolLM2 without speculation (the reference) and with it."""
+    return LLM("smollm2"), LLM("smollm2", speculative="ngram")
+
+
+def copy_with_edit() -> list[dict[str, str]]:
+    from minisgl.bench.spec import workloads
+
+    return workloads(1)["copy-with-edit"][0]
+
+
+def test_smollm2_copy_with_edit_is_token_identical_and_mostly_drafted(smollm2_pair):
+    off, on = smollm2_pair
+    params = SamplingParams(temperature=0, max_tokens=96)
+    ref = off.chat(copy_with_edit(), params, use_tqdm=False)
+    before = on.scheduler.stats()["spec_accepted_tokens"]
+    out = on.chat(copy_with_edit(), params, use_tqdm=False)
+    assert out.token_ids == ref.token_ids and out.text == ref.text
+    assert on.scheduler.stats()["spec_accepted_tokens"] - before > len(ref.token_ids) // 2  # most tokens were drafts
+    on.check_integrity()
+
+
+def test_stops_max_tokens_logprobs_and_n_inside_accepted_runs_equal_no_speculation(smollm2_pair):
+    off, on = smollm2_pair
+    free = off.chat(copy_with_edit(), SamplingParams(temperature=0, max_tokens=80), use_tqdm=False)
+    # A stop string and a stop token from the middle of the copied code: inside an accepted run.
+    stop_text = free.text[len(free.text) * 2 // 3 :].split()[0]
+    stop_token = free.token_ids[50]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=80, stop=[stop_text]),
+        SamplingParams(temperature=0, max_tokens=80, stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0, max_tokens=37),
+        SamplingParams(temperature=0, max_tokens=40, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=30, n=2),
+    ]
+    for params in cases:
+        want = off.chat(copy_with_edit(), params, use_tqdm=False)
+        got = on.chat(copy_with_edit(), params, use_tqdm=False)
+        assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs], params
+        assert [(o.text, o.finish_reason, o.matched_stop) for o in got.outputs] == [
+            (o.text, o.finish_reason, o.matched_stop) for o in want.outputs
+        ]
+        if params.logprobs:
+            (g,), (w,) = [[o.logprobs for o in r.outputs] for r in (got, want)]
+            assert len(g) == len(got.token_ids)
+            for (lp_g, alts_g), (lp_w, alts_w) in zip(g, w):
+                assert lp_g == pytest.approx(lp_w, abs=1e-3)
+                assert [t for t, _ in alts_g] == [t for t, _ in alts_w]
+    assert len(on.chat(copy_with_edit(), cases[2], use_tqdm=False).token_ids) == 37
+    on.check_integrity()
+
+
+def test_json_schema_output_with_speculation_equals_without(smollm2_pair):
+    from minisgl.bench.spec import workloads
+
+    off, on = smollm2_pair
+    schema = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "name": {"type": "string"},
+            "email": {"type": "string"},
+            "city": {"type": "string"},
+        },
+        "required": ["id", "name", "email", "city"],
+    }
+    params = SamplingParams(temperature=0, max_tokens=80, json_schema=schema)
+    conv = workloads(1)["tool-call"][0]
+    want = off.chat(conv, params, use_tqdm=False)
+    before = on.scheduler.stats()["spec_accepted_tokens"]
+    got = on.chat(conv, params, use_tqdm=False)
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+    assert on.scheduler.stats()["spec_accepted_tokens"] > before  # the grammar let drafts through
+    on.check_integrity()
