@@ -275,3 +275,14 @@ def test_json_schema_output_with_speculation_equals_without(smollm2_pair):
     assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
     assert on.scheduler.stats()["spec_accepted_tokens"] > before  # the grammar let drafts through
     on.check_integrity()
+
+
+def test_prometheus_counts_the_daemons_drafted_and_accepted_tokens():
+    from minisgl.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    for drafted, accepted in ((10, 7), (15, 9), (4, 1)):  # the last: a restarted daemon counts from zero
+        metrics.set_daemon_stats({"spec_drafted_tokens": drafted, "spec_accepted_tokens": accepted})
+    text = metrics.render().decode()
+    assert 'minisgl_spec_decode_num_draft_tokens_total{model_name="m"} 19.0' in text
+    assert 'minisgl_spec_decode_num_accepted_tokens_total{model_name="m"} 10.0' in text

@@ -23,6 +23,11 @@ _DAEMON_GAUGES = {
     "minisgl_kv_cache_cached_pages": ("KV pages owned by the prefix cache", lambda s: s["cached_pages"]),
     "minisgl_threads": ("CPU threads of the daemon's computing process", lambda s: s["threads"]),
 }
+# Daemon totals (speculative decoding's, reported since its start) exported as counters: name -> (help, stats key).
+_DAEMON_COUNTERS = {
+    "minisgl_spec_decode_num_draft_tokens": ("Draft tokens verified (--speculative)", "spec_drafted_tokens"),
+    "minisgl_spec_decode_num_accepted_tokens": ("Draft tokens accepted (--speculative)", "spec_accepted_tokens"),
+}
 
 
 class ServerMetrics:
@@ -64,6 +69,8 @@ class ServerMetrics:
             m,
             registry=r,
         )
+        self.daemon_totals = {name: Counter(name, text, m, registry=r) for name, (text, _) in _DAEMON_COUNTERS.items()}
+        self._seen_totals: dict[str, int] = {}
         self.model_name = model_name
         self._prompt_total = self._cached_total = 0
 
@@ -78,6 +85,13 @@ class ServerMetrics:
                 pass  # a daemon of another version: export what it reports
         if isinstance(stats.get("quantization"), str):
             self.quantization.labels(self.model_name, stats["quantization"]).set(1)
+        for name, (_, key) in _DAEMON_COUNTERS.items():
+            total = stats.get(key)
+            if isinstance(total, int):
+                seen = self._seen_totals.get(key, 0)
+                # A smaller total is a restarted daemon counting from zero again.
+                self.daemon_totals[name].labels(self.model_name).inc(total - seen if total >= seen else total)
+                self._seen_totals[key] = total
 
     def count_tokens(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         name = self.model_name
