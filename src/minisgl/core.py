@@ -264,6 +264,7 @@ class TokenOutput(NamedTuple):
     # (None for the first token, which nothing predicts).
     prompt_logprobs: list[Any] | None = None
     embedding: list[float] | None = None  # an embedding request's vector, on its first (and last) output
+    spec_accepted_tokens: int = 0  # of completion_tokens, draft tokens accepted (speculative decoding)
 
 
 class Phase(enum.Enum):

@@ -25,6 +25,7 @@ class RequestOutput(FirstOutputShortcuts):
     error: str | None = None
     # With SamplingParams.prompt_logprobs: per prompt token (logprob, [(token_id, logprob), ...top-k]), None first.
     prompt_logprobs: list[Any] | None = None
+    spec_accepted_tokens: int = 0  # of completion_tokens, draft tokens accepted (speculative="ngram")
 
     @property
     def logprobs(self) -> list[Any] | None:
@@ -305,6 +306,7 @@ class LLM:
             completion_tokens=sum(per_index[i].last.completion_tokens for i in range(params.n)),
             error=last.error,
             prompt_logprobs=per_index[0].prompt_logprobs,
+            spec_accepted_tokens=sum(per_index[i].last.spec_accepted_tokens for i in range(params.n)),
         )
 
     # ------------------------------------------------------------------ step by step (as vLLM's LLMEngine)

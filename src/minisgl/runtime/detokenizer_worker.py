@@ -42,6 +42,7 @@ class RequestState:
         self.called: set[int] = set()  # indices that produced a tool call
         self.finished: set[int] = set()
         self.completion_tokens = 0
+        self.spec_accepted_tokens = 0  # the finished samples' accepted draft tokens
         self.cached_tokens = 0  # sample 0's prefix hit: the later samples read the prompt sample 0 computed
 
     def detok(self, index: int) -> IncrementalDetokenizer:
@@ -128,9 +129,12 @@ class Detokenizer:
         if out.finished:
             state.finished.add(out.index)
             state.completion_tokens += out.completion_tokens
+            state.spec_accepted_tokens += out.spec_accepted_tokens
             if len(state.finished) == state.n:
                 done = True
-                usage = Usage(out.prompt_tokens, state.completion_tokens, state.cached_tokens)
+                usage = Usage(
+                    out.prompt_tokens, state.completion_tokens, state.cached_tokens, state.spec_accepted_tokens
+                )
                 del self.states[out.rid]
         logprobs = self._logprobs(out.new_token_ids, out.new_logprobs) if out.new_logprobs else None
         prompt_logprobs = None

@@ -17,7 +17,9 @@ from minisgl import errors
 from minisgl.core import TokenOutput, describe_int, int64_overflow
 from minisgl.errors import DaemonError
 
-PROTOCOL_VERSION = 3  # 2: embed, tokenize, detokenize, flush_cache; 3: Chunk.finish_detail
+PROTOCOL_VERSION = (
+    4  # 2: embed, tokenize, detokenize, flush_cache; 3: Chunk.finish_detail; 4: Usage.spec_accepted_tokens
+)
 
 _BY_TAG: dict[str, type] = {}
 _T = TypeVar("_T")
@@ -120,6 +122,7 @@ class Usage(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
+    spec_accepted_tokens: int = 0  # of completion_tokens, draft tokens accepted (--speculative)
 
 
 class Chunk(NamedTuple):

@@ -367,7 +367,10 @@ class Scheduler:
                     self.kv.shrink(req, req.seq_len, req.cached_len)
                 self._finish(req, finish)
                 return
-        self.pending_outputs.append(make_output(req, tokens, logprobs if logprobs and logprobs[0] else None, False))
+        accepted = self.spec.accepted_of(req) if self.spec is not None else 0
+        self.pending_outputs.append(
+            make_output(req, tokens, logprobs if logprobs and logprobs[0] else None, False, spec_accepted=accepted)
+        )
 
     # ------------------------------------------------------------------ requests out
 
@@ -422,7 +425,9 @@ class Scheduler:
                 if error is None:
                     error = f"a plugin's minisgl_request_finished hook failed: {type(e).__name__}: {e}"
                     error_type = EngineError.__name__
-        self.pending_outputs.append(make_output(req, finish.new_tokens, finish.new_logprobs, True, error, error_type))
+        accepted = self.spec.accepted_of(req) if self.spec is not None else 0
+        out = make_output(req, finish.new_tokens, finish.new_logprobs, True, error, error_type, accepted)
+        self.pending_outputs.append(out)
 
     # ------------------------------------------------------------------ introspection
 

@@ -169,6 +169,11 @@ class Speculator:
             state.own.add(drafted, accepted, DECAY)
             self.by_context[state.n].add(drafted, accepted, 0.99)
 
+    def accepted_of(self, req: Req) -> int:
+        """Draft tokens of req accepted so far (its usage reports them)."""
+        state = self.states.get(req)
+        return state.accepted if state is not None else 0
+
     def finished(self, req: Req) -> None:
         """A sequence ended: its output's contexts become drafts for the others (not an aborted one's)."""
         if req.finish_reason in ("stop", "length") and req.num_output > 1:

@@ -51,7 +51,7 @@ def _usage(u: Any) -> Usage:
     """The OpenAI usage of a client Usage (prompt/completion/cached tokens); zeros when absent."""
     if u is None:
         return Usage.of(0, 0, 0)
-    return Usage.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+    return Usage.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens, getattr(u, "spec_accepted_tokens", 0))
 
 
 def _utf8(token: str) -> list[int]:

@@ -181,26 +181,38 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = 0  # OpenAI's name; here the speculative drafts accepted (--speculative)
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails | None = None  # only from a daemon that speculates
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> "Usage":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int, accepted: int = 0) -> "Usage":
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            completion_tokens_details=CompletionTokensDetails(accepted_prediction_tokens=accepted)
+            if accepted
+            else None,
         )
 
     def __add__(self, other: "Usage") -> "Usage":
+        accepted = [
+            u.completion_tokens_details.accepted_prediction_tokens for u in (self, other) if u.completion_tokens_details
+        ]
         return Usage.of(
             self.prompt_tokens + other.prompt_tokens,
             self.completion_tokens + other.completion_tokens,
             self.prompt_tokens_details.cached_tokens + other.prompt_tokens_details.cached_tokens,
+            sum(accepted),
         )
 
 
