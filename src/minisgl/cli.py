@@ -38,6 +38,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
         "max_decode_gap": "seconds a decoding request may wait between tokens while prompts prefill (unset: 1 on "
         "the CPU, 0.1 on a GPU; 0: unbounded); ",
         "quantization": "fp8 (any device), fp16 or int8 (CPU float32 only); ",
+        "speculative": "ngram: draft tokens from the request's own text and finished answers, verified in one "
+        "forward (outputs as without it; faster where the answer repeats its context); ",
         "moe_parallel": "MoE under --tp: ep (whole experts per rank), tp (each expert split across the ranks) or "
         "auto (ep where the ranks divide the experts); ",
     }
