@@ -210,6 +210,13 @@ TP_VOCAB_SAMPLING = _declare(
     "TP on CUDA: the decode graphs sample each rank's vocabulary shard and gather only the winners, not the logits "
     "(`EngineConfig.tp_vocab_sampling`; 1.02x on average over four paired runs on 2x H200); 0 gathers the logits",
 )
+GEMV = _declare(
+    "MINISGL_GEMV",
+    "bool",
+    True,
+    _bool,
+    "CUDA: 0 keeps cuBLAS for one-row GEMMs (no GEMV timing at start-up, layers/gemv.py)",
+)
 ONEDNN = _declare(
     "MINISGL_ONEDNN",
     "bool",

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minisgl import plugins
+from minisgl import env, plugins
 from minisgl.attention.choice import AttentionTarget, backend_names, make_backend, page_size_for
 from minisgl.config import EngineConfig
 from minisgl.core import Batch, Req
@@ -27,6 +27,7 @@ from minisgl.engine.verify import Verified, grammar_masks, positions, verify
 from minisgl.errors import ConfigError
 from minisgl.kvcache.pool import FP8_DTYPES, KVPool
 from minisgl.kvcache.table import TableManager
+from minisgl.layers import gemv
 from minisgl.layers.context import get_context
 from minisgl.layers.fp8 import checkpoint_quantization, with_fp8_weights
 from minisgl.layers.quantize import check_quantization, is_fp8_on_gpu, quantize_model
@@ -51,6 +52,9 @@ class Engine:
         # ---- model: weights (quantized as asked) and tokenizer ----
         plugins.get_plugin_manager()  # the plugins' architectures and backends added before any is looked up
         self._load_model(model_source)
+        if self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16) and env.GEMV.get():
+            tuned = gemv.tune(self.model)  # before the KV pool takes the free memory and before any graph capture
+            logger.info("one-row GEMMs: %d linears take the GEMV (layers/gemv.py)", tuned)
         mc = self.model_config
         self.max_seq_len = min(config.max_seq_len or mc.max_position_embeddings, mc.max_position_embeddings)
 
