@@ -42,9 +42,10 @@ def words(n: int, seed: int = 0, vocabulary: list[str] = WORDS) -> str:
     import random
 
     rng = random.Random(seed)
+    mean = sum(map(len, vocabulary)) / len(vocabulary) + 1
     out, size = [], 0
-    while size < n:
-        out.append(rng.choice(vocabulary) + " ")
+    while size < n:  # words drawn in bulk: 30 MB one at a time takes seconds
+        out.append(" ".join(rng.choices(vocabulary, k=int((n - size) / mean) + 16)) + " ")
         size += len(out[-1])
     return "".join(out)[:n]
 
