@@ -288,3 +288,29 @@ def test_prometheus_counts_the_daemons_drafted_and_accepted_tokens():
     text = metrics.render().decode()
     assert 'minisgl_spec_decode_num_draft_tokens_total{model_name="m"} 19.0' in text
     assert 'minisgl_spec_decode_num_accepted_tokens_total{model_name="m"} 10.0' in text
+
+
+def test_drafting_follows_acceptance_and_stops_where_it_is_a_loss():
+    from minisgl.core import Req
+
+    spec = speculative.Speculator(kv=None, max_seq_len=4096, device_type="cpu")  # drafts() never touches the KV
+
+    def req(tokens: list[int]) -> Req:
+        return Req("r", list(tokens), SamplingParams(temperature=0, max_tokens=100), len(tokens))
+
+    assert spec.drafts([req([1, 2, 3, 4, 5])]) is None  # nothing repeats: no draft
+    copying = req(list(range(10, 30)) + list(range(10, 14)))
+    (first,) = spec.drafts([copying])
+    assert first and first == list(range(14, 14 + len(first)))  # the 4-token context's continuation
+    for _ in range(6):  # every draft accepted: the drafts grow to the most that pays
+        (draft,) = spec.drafts([copying])
+        spec.settle(copying, len(draft), len(draft))
+    assert len(spec.drafts([copying])[0]) == speculative.MAX_DRAFT
+    wrong = req(list(range(40, 60)) + list(range(40, 44)))
+    for _ in range(8):  # every draft rejected: drafting stops, the request decodes plainly
+        drafts = spec.drafts([wrong])
+        if drafts is None:
+            break
+        spec.settle(wrong, len(drafts[0]), 0)
+    assert spec.drafts([wrong]) is None
+    assert spec.drafts([req(list(range(10, 30)) + list(range(10, 14))) for _ in range(64)]) is None  # compute-bound

@@ -30,7 +30,8 @@ COST = {"cpu": (0.15, 0.1), "cuda": (0.05, 0.02)}
 MARGIN = 0.05  # the gain a step must promise over its cost to speculate (noise in the estimates)
 MAX_ROWS = {"cpu": 32, "cuda": 128}  # beyond these a batch is compute-bound: never speculated (no drafting work)
 PRIOR = 2.0  # pseudo-trials of the context length's acceptance behind a request's own
-DECAY = 0.8  # a request's own evidence fades: a copied passage ends, a new one starts
+DECAY = 0.9  # a request's own evidence fades with each verify: a copied passage ends, a new one starts
+FADE = 0.95  # and with each step it does not draft, so that a request that stopped drafting tries again later
 
 
 class Acceptance:
@@ -112,7 +113,7 @@ class Speculator:
         if total < len(reqs) * (self.switch_cost + MARGIN):
             for req, draft in zip(reqs, out):
                 if draft:
-                    self.states[req].own.add(0, 0, DECAY)  # not tried: the request's record fades to its prior
+                    self.states[req].own.add(0, 0, FADE)  # not tried: the request's record fades to its prior
             return None
         return out
 
