@@ -4,6 +4,9 @@
 # waits on a daemon or a subprocess, the other computes. `bash scripts/test.sh -n 0` runs in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One OpenMP thread per process unless told otherwise: with two workers and their daemons on a few cores, a
+# forward's threads mostly wait for each other (a test's prompt-size daemons: 200 s with two, 125 s with one).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 bash scripts/install.sh
 python -m ruff check .
 python -m ruff format --check .

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from typing import Iterator
 
 import pytest
 import torch
@@ -63,7 +64,16 @@ def test_int8_gemm_is_the_product_of_int8_weights_and_float32_inputs(rows, k):
     assert not torch.allclose(y, (x @ w.T + b).double(), rtol=1e-5, atol=1e-5)  # it really runs on int8 weights
 
 
-def test_the_int8_kernel_builds_here_and_agrees_with_torch_at_each_row_count():
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def omp_threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch's OpenMP threads (the kernel splits channels over them), whatever OMP_NUM_THREADS the run has."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_the_int8_kernel_builds_here_and_agrees_with_torch_at_each_row_count(omp_threads):
     """The machine's C compiler builds int8_gemm.c for this CPU; at 1..MAX_ROWS rows it computes the product of
     the int8 weights to float32 precision (where the fp16-widened path is only within 2^-11)."""
     kernel = cpu_kernel.load()
