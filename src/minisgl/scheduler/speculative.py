@@ -19,7 +19,7 @@ from typing import Any
 
 from minisgl.core import Batch, Phase, Req
 from minisgl.scheduler.kv import ReqKV
-from minisgl.scheduler.ngram import MAX_N, NgramIndex, SharedNgrams, propose
+from minisgl.scheduler.ngram import NgramIndex, SharedNgrams, propose
 
 MAX_DRAFT = 8  # draft tokens per row and step, at most
 # A verify step's cost relative to a plain decode step of the same rows: 1 + SWITCH + TOKEN / sqrt(rows) per draft
@@ -29,8 +29,10 @@ MAX_DRAFT = 8  # draft tokens per row and step, at most
 COST = {"cpu": (0.15, 0.1), "cuda": (0.05, 0.02)}
 MARGIN = 0.05  # the gain a step must promise over its cost to speculate (noise in the estimates)
 MAX_ROWS = {"cpu": 32, "cuda": 128}  # beyond these a batch is compute-bound: never speculated (no drafting work)
+FIRST_RATES = (0.0, 0.25, 0.4, 0.6, 0.8)  # per context length 0..MAX_N, until drafts of that length were verified
 PRIOR = 2.0  # pseudo-trials of the context length's acceptance behind a request's own
 DECAY = 0.9  # a request's own evidence fades with each verify: a copied passage ends, a new one starts
+BACKOFF_FIRST, BACKOFF_MAX = 1, 32  # steps a request skips drafting after a wholly rejected draft, doubled each time
 FADE = 0.95  # and with each step it does not draft, so that a request that stopped drafting tries again later
 
 
@@ -54,12 +56,14 @@ class Acceptance:
 class SpecState:
     """One sequence's drafting state: its n-gram index, its acceptance, the context length of its last draft."""
 
-    __slots__ = ("index", "own", "n", "drafted", "accepted")
+    __slots__ = ("index", "own", "n", "skip", "backoff", "drafted", "accepted")
 
     def __init__(self, tokens: list[int]) -> None:
         self.index = NgramIndex(tokens)
         self.own = Acceptance(0.0, 0.0)
         self.n = 0
+        self.skip = 0  # decode steps left without drafting, after a draft of which nothing was accepted
+        self.backoff = BACKOFF_FIRST
         self.drafted = 0
         self.accepted = 0
 
@@ -91,7 +95,8 @@ class Speculator:
         self.max_rows = MAX_ROWS.get(device_type, MAX_ROWS["cuda"])
         self.switch_cost, self.token_cost = COST.get(device_type, COST["cuda"])
         self.states: weakref.WeakKeyDictionary[Req, SpecState] = weakref.WeakKeyDictionary()
-        self.by_context = [Acceptance() for _ in range(MAX_N + 1)]  # every request's, per matched context length
+        # Every request's acceptance per matched context length, from a prior: longer contexts predict better.
+        self.by_context = [Acceptance(2.0 * rate, 2.0) for rate in FIRST_RATES]
         self.drafted = 0  # draft tokens verified, over every request (the Prometheus counters)
         self.accepted = 0
         self.verify_rows = 0  # rows verified with a draft (accepted / verify_rows: the mean accepted length - 1)
@@ -121,6 +126,9 @@ class Speculator:
         state = self.states.get(req)
         if state is None:
             state = self.states[req] = SpecState(req.input_ids)
+        if state.skip > 0:
+            state.skip -= 1
+            return [], 0.0
         p = req.sampling_params
         # Every emitted token must fit max_tokens and the context window: the draft, then the target's own token.
         k = min(MAX_DRAFT, p.max_tokens - req.num_output - 1, self.max_seq_len - req.seq_len - 1)
@@ -168,6 +176,10 @@ class Speculator:
             state.drafted += drafted
             state.accepted += accepted
             state.own.add(drafted, accepted, DECAY)
+            if accepted:
+                state.backoff = BACKOFF_FIRST
+            else:
+                state.skip, state.backoff = state.backoff, min(BACKOFF_MAX, state.backoff * 2)
             self.by_context[state.n].add(drafted, accepted, 0.99)
 
     def accepted_of(self, req: Req) -> int:
