@@ -514,7 +514,8 @@ def test_typed_errors_surface_from_the_daemon_and_the_client(llm):
         nowhere.invoke("Hi")
 
 
-def test_agent_example_runs_tools_until_it_answers(langchain_daemon):
+def test_agent_example_runs_tools_until_it_answers(langchain_daemon, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))  # its calculator_tools, as running the script finds them
     example = runpy.run_path(str(EXAMPLE), run_name="langchain_agent")
     llm = ChatMiniSGL(model="smollm2", address=langchain_daemon, temperature=0, max_tokens=48)
     run = example["run_agent"](llm, "What is 12 times 7?", max_steps=3)

@@ -64,7 +64,7 @@ def server(daemon_runtime_dir: Any) -> Any:
     )
     try:
         wait_ready(address, START_TIMEOUT_S, proc=proc, log_path=log_path)
-        base = wait_http(port, proc, log_path, timeout=60)
+        base = wait_http(port, proc, log_path, timeout=START_TIMEOUT_S)  # its HTTP process starts after the daemon
         with Client("smollm2", address, auto_start=False, timeout=600) as client:
             yield SimpleNamespace(base=f"{base}/v1", client=client)
     finally:
