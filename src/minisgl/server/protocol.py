@@ -12,7 +12,7 @@ import typing
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from minisgl.core import SamplingParams
 from minisgl.errors import InvalidRequestError
@@ -191,6 +191,14 @@ class Usage(BaseModel):
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     completion_tokens_details: CompletionTokensDetails | None = None  # only from a daemon that speculates
+
+    @model_serializer(mode="wrap")
+    def _without_empty_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The usage object OpenAI sends: completion_tokens_details only where there is something to say."""
+        out = handler(self)
+        if out.get("completion_tokens_details") is None:
+            out.pop("completion_tokens_details", None)
+        return out
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int, accepted: int = 0) -> "Usage":
