@@ -195,9 +195,9 @@ def test_a_killed_daemon_ends_http_streams_with_error_events_and_ps_removes_what
 
 
 def test_an_http_server_whose_port_is_taken_at_its_restart_stops_the_daemon_loudly(launched):
-    """The HTTP process is killed and another process takes its port before the restart: the restarted server
-    cannot bind, and the daemon stops at once (exit 1) naming the port and its holder, rather than restarting into
-    a taken port (the back-off and its limit: test_restarts_back_off_and_give_up_after_failures_in_a_row)."""
+    """The HTTP process is killed and another process takes its port before the restart: the daemon stops at once
+    (exit 1) naming the port and its holder, rather than restarting into a taken port again and again (the back-off
+    and its limit: test_restarts_back_off_and_give_up_after_failures_in_a_row)."""
     d = ready(launched.looping)
     taken = socket.socket()
     try:
@@ -215,7 +215,9 @@ def test_an_http_server_whose_port_is_taken_at_its_restart_stops_the_daemon_loud
     finally:
         taken.close()
     log = d.log.read_text()
-    assert log.count(f"starting it again on http://127.0.0.1:{d.port}") == 1, log[-3000:]
+    # At most one restart: the supervisor either finds the port taken before it restarts (the port check) or
+    # restarts once and the new server cannot bind; it never restarts into the taken port again.
+    assert log.count(f"starting it again on http://127.0.0.1:{d.port}") <= 1, log[-3000:]
     assert f"HTTP port {d.port} on 127.0.0.1 is taken" in log and f"(pid {os.getpid()})" in log, log[-3000:]
     assert "stopping the daemon" in log, log[-3000:]
     assert wait_gone(list(d.workers.values()), 30) == []
