@@ -228,12 +228,7 @@ class Engine:
         ctx.attn_backend, ctx.kv_pool = self.attn_backend, self.kv_pool  # several engines may share a process
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch, temperatures), None
-        self.attn_backend.prepare(batch)
-        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
-            hidden = self.prefill_graphs.run(batch)
-        else:
-            with ctx.forward_batch(batch):
-                hidden = self.model(batch.input_ids, batch.positions)
+        hidden = self._run_model(batch)
         if batch.is_decode:  # one token per request, every one sampled
             return self.model.compute_logits(hidden), None
         # Index of each sampled request's last token, built on the host: no device sync.
@@ -274,6 +269,14 @@ class Engine:
             return ForwardOutput(None, None, prompt, embedded)
         return ForwardOutput(*self.sampler.sample(logits, sampled, info, bitmask_fn), prompt, embedded)
 
+    def _run_model(self, batch: Batch) -> torch.Tensor:
+        """The model's hidden states for a batch outside the decode graphs: piecewise prefill graphs, or eager."""
+        self.attn_backend.prepare(batch)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+            return self.prefill_graphs.run(batch)
+        with get_context().forward_batch(batch):
+            return self.model(batch.input_ids, batch.positions)
+
     @torch.inference_mode()
     def forward_and_verify(self, batch: Batch, drafts: list[list[int]], grammar_apply: Any = None) -> list[Verified]:
         """Run a verify batch (row i extends by its last sampled token and drafts[i]), score every position and
@@ -281,12 +284,7 @@ class Engine:
         row by one grammar state, or is None."""
         ctx = get_context()
         ctx.attn_backend, ctx.kv_pool = self.attn_backend, self.kv_pool
-        self.attn_backend.prepare(batch)
-        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
-            hidden = self.prefill_graphs.run(batch)
-        else:
-            with ctx.forward_batch(batch):
-                hidden = self.model(batch.input_ids, batch.positions)
+        hidden = self._run_model(batch)
         rows = positions(batch.reqs, drafts)
         logits = self.model.compute_logits(hidden)  # every token of a verify batch is a scored position
         info = SamplingInfo.from_reqs(rows, self.model_config.vocab_size, self.device)
