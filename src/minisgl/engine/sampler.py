@@ -222,6 +222,21 @@ def _flashinfer_sampling() -> Any:
     return flashinfer.sampling
 
 
+def processed_logits(logits: torch.Tensor, rows: list[Any], info: SamplingInfo, mask: Any) -> torch.Tensor:
+    """The logits the sampler draws from, per row (a request, or a verify position): float32, with penalties,
+    logit_bias, stops before min_tokens and the grammar mask applied."""
+    logits = logits.float()
+    if info.penalties:
+        logits = apply_penalties(logits, rows)
+    if info.logit_bias:
+        logits = apply_logit_bias(logits, rows)
+    if info.min_tokens:
+        logits = mask_stops_before_min_tokens(logits, rows)
+    if mask is not None:
+        mask(logits)
+    return logits
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
         self.vocab_size = vocab_size
@@ -280,14 +295,7 @@ class Sampler:
         logits = logits.float()
         if logits.is_inference() and not torch.is_inference_mode_enabled():
             logits = logits.clone()  # masks below write in place
-        if info.penalties:
-            logits = apply_penalties(logits, reqs)
-        if info.logit_bias:
-            logits = apply_logit_bias(logits, reqs)
-        if info.min_tokens:
-            logits = mask_stops_before_min_tokens(logits, reqs)
-        if bitmask_fn is not None:
-            bitmask_fn(logits)
+        logits = processed_logits(logits, reqs, info, bitmask_fn)
         if info.greedy:
             next_ids = logits.argmax(dim=-1)
         else:

@@ -20,10 +20,8 @@ import torch
 from minisgl.engine.sampler import (
     SamplingInfo,
     _filter_probs,
-    apply_logit_bias,
-    apply_penalties,
     compute_logprobs,
-    mask_stops_before_min_tokens,
+    processed_logits,
 )
 
 
@@ -89,20 +87,6 @@ def grammar_masks(rows: list[Position], drafts: Sequence[list[int]], apply: Call
             i += len(draft) + 1
 
     return mask
-
-
-def processed_logits(logits: torch.Tensor, rows: list[Position], info: SamplingInfo, mask: Any) -> torch.Tensor:
-    """The logits the sampler would draw from at each position (float32; penalties, bias, stops, grammar)."""
-    logits = logits.float()
-    if info.penalties:
-        logits = apply_penalties(logits, rows)
-    if info.logit_bias:
-        logits = apply_logit_bias(logits, rows)
-    if info.min_tokens:
-        logits = mask_stops_before_min_tokens(logits, rows)
-    if mask is not None:
-        mask(logits)
-    return logits
 
 
 def verify(
