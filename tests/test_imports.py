@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "tensor-parallel group, grammars",
-        ("minisgl.distributed", "minisgl.structured", "minisgl.tokenizer", "minisgl.limits"),
+        ("minisgl.distributed", "minisgl.structured", "minisgl.tokenizer", "minisgl.hf_records", "minisgl.limits"),
     ),
     ("kvcache", ("minisgl.kvcache",)),
     ("layers", ("minisgl.layers",)),

@@ -82,7 +82,7 @@ CACHE_DIR = _declare(
     "path",
     None,
     _path,
-    "cache root: GGUF models converted once go to `<dir>/models` (else `~/.cache/minisgl/models`)",
+    "cache root: GGUF models converted once go to `<dir>/models`, resolved configs to `<dir>/configs` (else under `~/.cache/minisgl`)",
 )
 CURVE_DIR = _declare(
     "MINISGL_CURVE_DIR",

@@ -2,19 +2,107 @@
 
 from __future__ import annotations
 
+import importlib
+import json
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
 from minisgl.errors import InvalidRequestError, ModelLoadError
+from minisgl.hf_records import ConfigView, read_configs, read_record, record_path, write_record
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
+    """AutoTokenizer's tokenizer for a model directory.
+
+    AutoTokenizer's own import takes 2-3 s (it imports torch and the config classes), and it resolves config.json
+    only to pick the tokenizer's class. The class it picks is recorded (minisgl/hf_records.py), and a later load of
+    the same files builds that class directly; the first load takes the model's config from the same cache.
+    """
+    directory = Path(model_dir)
+    record = record_path(directory, ("tokenizer_config.json", "config.json"), "tokenizer")
+    cls = _recorded_class(read_record(record))
+    try:
+        if cls is not None:
+            return cls.from_pretrained(str(directory))
+        tokenizer = _auto_tokenizer(directory)
+    except Exception as e:  # noqa: BLE001 - any tokenizer failure is a load failure for the user
+        raise ModelLoadError(f"could not load a tokenizer from {model_dir}: {e}") from e
+    kind = type(tokenizer)
+    if kind.__module__.startswith("transformers."):  # never a class of the model's own (remote) code
+        write_record(record, {"module": kind.__module__, "name": kind.__qualname__})
+    return tokenizer
+
+
+def _auto_tokenizer(directory: Path) -> Any:
     from transformers import AutoTokenizer  # lazy: transformers' import takes seconds
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:  # noqa: BLE001 - any tokenizer failure is a load failure for the user
-        raise ModelLoadError(f"could not load a tokenizer from {model_dir}: {e}") from e
+        config, _ = read_configs(directory)
+    except Exception:  # noqa: BLE001 - no readable config: AutoTokenizer decides as it always does
+        config = None
+    if isinstance(config, ConfigView) and not _names_tokenizer_class(directory):
+        config = None  # AutoTokenizer would pick the class by the config's type
+    return AutoTokenizer.from_pretrained(str(directory), config=config)
+
+
+def _recorded_class(record: dict[str, Any] | None) -> Any:
+    if record is None:
+        return None
+    try:
+        return getattr(importlib.import_module(record["module"]), record["name"])
+    except (ImportError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def _names_tokenizer_class(model_dir: Path) -> bool:
+    try:
+        return bool(json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+class TokenizerLoad:
+    """A model directory's tokenizer, loaded on first use (`get`) or ahead of it on a thread (`start`).
+
+    A daemon's scheduler needs a tokenizer only for stop strings and grammars, and transformers' import takes
+    seconds: it starts serving first and loads the tokenizer in the background. One load runs at a time (a
+    `get` during the thread's load waits for it); a failed load raises ModelLoadError at every `get`.
+    """
+
+    def __init__(self, model_dir: str | Path | None, loaded: Any = None) -> None:
+        self.model_dir = model_dir
+        self._tokenizer = loaded
+        self._lock = threading.Lock()
+
+    def get(self) -> Any:
+        """The tokenizer (None for a model given without a directory or a tokenizer)."""
+        with self._lock:
+            if self._tokenizer is None and self.model_dir is not None:
+                self._tokenizer = load_tokenizer(self.model_dir)
+            return self._tokenizer
+
+    def start(self) -> None:
+        threading.Thread(target=self._load_quietly, name="tokenizer-load", daemon=True).start()
+
+    def _load_quietly(self) -> None:
+        try:
+            self.get()
+        except ModelLoadError:
+            pass  # the next get() raises it where a request needs the tokenizer
+
+
+def has_chat_template(model_dir: str | Path) -> bool:
+    """Whether a model directory ships a chat template (where AutoTokenizer reads one), read without transformers."""
+    directory = Path(model_dir)
+    if (directory / "chat_template.jinja").is_file() or (directory / "chat_template.json").is_file():
+        return True
+    if (directory / "additional_chat_templates").is_dir():
+        return True
+    try:
+        return bool(json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def check_message(message: Any, i: int) -> None:

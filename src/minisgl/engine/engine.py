@@ -32,7 +32,7 @@ from minisgl.layers.context import get_context
 from minisgl.layers.fp8 import checkpoint_quantization, with_fp8_weights
 from minisgl.layers.quantize import check_quantization, is_fp8_on_gpu, quantize_model
 from minisgl.models.loader import load_model, resolve_model
-from minisgl.tokenizer import load_tokenizer
+from minisgl.tokenizer import TokenizerLoad
 
 logger = logging.getLogger("minisgl")
 
@@ -117,9 +117,7 @@ class Engine:
                 source, dtype=self.dtype, device=self.device, load_format=self.config.load_format
             )
         self._quantize()
-        self.tokenizer = getattr(model_source, "_minisgl_tokenizer", None) or (
-            load_tokenizer(self.model_dir) if self.model_dir is not None else None
-        )
+        self.tokenizer_load = TokenizerLoad(self.model_dir, getattr(model_source, "_minisgl_tokenizer", None))
         quantized = f", {self.config.quantization} weights" if self.config.quantization else ""
         threads = f", {torch.get_num_threads()} threads" if self.device.type == "cpu" else ""
         logger.info(
@@ -132,6 +130,11 @@ class Engine:
             threads,
             time.perf_counter() - t0,
         )
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (None for a live model given without one), loaded on first use."""
+        return self.tokenizer_load.get()
 
     def load_weights(self, weights: Any) -> None:
         """(HF name, tensor) pairs into the running model: FP8 ones dequantized, quantization='fp8' applied again."""

@@ -24,7 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from minisgl import env
-from minisgl.errors import ModelLoadError, UnknownArchitectureError, UnknownModelError, WeightsError
+from minisgl.errors import ModelLoadError, UnknownModelError, WeightsError
+from minisgl.hf_records import read_configs
 from minisgl.layers.fp8 import checkpoint_quantization, with_fp8_weights
 from minisgl.models.config import ModelConfig, architecture_of
 from minisgl.models.names import ALIASES, check_model_name, looks_like_path
@@ -218,7 +219,7 @@ def load_model(
         weights: Any = model.state_dict().items()
     else:
         model_dir = resolve_model(model)
-        hf_config, generation_config = _read_configs(model_dir)
+        hf_config, generation_config = read_configs(model_dir)
         architecture = None
         weights = iter_weights(model_dir)
     architecture = architecture or architecture_of(hf_config)
@@ -246,16 +247,3 @@ def _fill_dummy(model: "nn.Module") -> None:
                 param.fill_(1.0)
             else:
                 param.uniform_(-0.02, 0.02)  # small: keeps activations finite through any depth
-
-
-def _read_configs(model_dir: Path) -> tuple[Any, Any]:
-    from transformers import AutoConfig, GenerationConfig  # lazy: transformers' import takes seconds
-
-    try:
-        hf_config = AutoConfig.from_pretrained(model_dir)
-    except (ValueError, KeyError) as e:  # unknown model_type
-        raise UnknownArchitectureError(f"{model_dir}/config.json: {e}") from e
-    generation_config = None
-    if (model_dir / "generation_config.json").is_file():
-        generation_config = GenerationConfig.from_pretrained(model_dir)
-    return hf_config, generation_config

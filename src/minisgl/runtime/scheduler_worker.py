@@ -34,6 +34,7 @@ from minisgl.runtime.protocol import (
 )
 from minisgl.runtime.transport import Endpoints, ParentWatch, pull, push, recv_ready, worker_setup
 from minisgl.scheduler import collector
+from minisgl.tokenizer import has_chat_template
 
 if TYPE_CHECKING:
     from minisgl.scheduler.scheduler import Scheduler
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("minisgl")
 
 IDLE_POLL_MS = 500  # how long an idle scheduler waits for a message before checking on its parent
+# The tokenizer (stop strings, grammars) loads once the scheduler has been idle this long: during start-up its
+# import would take a core from the text worker, which the first answer waits for.
+TOKENIZER_AFTER_IDLE_S = 2.0
 GRAMMAR_POLL_MS = 5  # how often a scheduler with nothing else to run checks on a grammar being compiled
 
 
@@ -68,7 +72,9 @@ def model_info(sched: "Scheduler", config: EngineConfig) -> dict[str, Any]:
         "tp": config.tp,
         "page_size": sched.page_size,
         "total_pages": sched.stats()["total_pages"],
-        "has_chat_template": getattr(sched.tokenizer, "chat_template", None) is not None,
+        "has_chat_template": has_chat_template(engine.model_dir)
+        if engine.model_dir is not None
+        else getattr(sched.tokenizer, "chat_template", None) is not None,
         **engine_facts(sched),
         "config": config.to_dict(),
     }
@@ -128,6 +134,8 @@ class SchedulerLoop:
         self.frontend = frontend
         self.parent = ParentWatch()
         self.facts = engine_facts(sched)  # sent with every GetStats reply: `minisgl ps` and /metrics show them
+        self.busy_at = time.monotonic()
+        self.tokenizer_started = False
         sched.defer_grammars = True  # a grammar compiles off this loop; the other requests keep decoding
 
     def _poll_ms(self) -> int:
@@ -146,12 +154,16 @@ class SchedulerLoop:
                 outputs = self.sched.step()
                 if outputs:
                     self._send_detok(TokenOutputs(outputs))
+                self.busy_at = time.monotonic()
             elif self.parent.gone:
                 logger.error("the daemon process is gone; scheduler exiting")
                 return
             else:
                 self.sched.check_alive()  # a TP rank that died while idle stops the daemon now, not at the next request
                 collector.collect_due()
+                if not self.tokenizer_started and time.monotonic() - self.busy_at > TOKENIZER_AFTER_IDLE_S:
+                    self.tokenizer_started = True
+                    self.sched.engine.tokenizer_load.start()  # a request that needs it first loads it itself
 
     def _apply(self, msg: Any) -> None:
         if isinstance(msg, AddRequest):

@@ -64,7 +64,6 @@ class TPScheduler(RankGroup):
             self.sched = Scheduler(config)
         except Exception as e:
             raise self._start_failed(e) from e
-        self.tokenizer = self.sched.tokenizer
         self.model_config = self.sched.model_config
         self.device = self.sched.device
         self.engine = self.sched.engine
@@ -73,6 +72,10 @@ class TPScheduler(RankGroup):
         self.eos_token_ids = self.sched.eos_token_ids
         # Every rank must queue a request at the same step: rank 0 decides when its grammar is ready (step()).
         self.sched.admit_in_step = False
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.sched.tokenizer
 
     @property
     def has_work(self) -> bool:

@@ -84,17 +84,18 @@ def new_reqs(
     return new
 
 
-def init_req_state(req: Req, device: torch.device, tokenizer: Any, grammar: Callable[[], Any]) -> None:
-    """The request's sampling state: its generator, stop-string checker and grammar matcher."""
+def init_req_state(req: Req, device: torch.device, tokenizer: Callable[[], Any], grammar: Callable[[], Any]) -> None:
+    """The request's sampling state: its generator, stop-string checker and grammar matcher (tokenizer and grammar
+    give the model's, loaded on first use)."""
     p = req.sampling_params
     if req.seed is not None:
         req.generator = torch.Generator(device=device).manual_seed(req.seed)
     if p.stop:
-        req.stop_checker = IncrementalDetokenizer(tokenizer, p.stop, p.skip_special_tokens, p.min_tokens)
+        req.stop_checker = IncrementalDetokenizer(tokenizer(), p.stop, p.skip_special_tokens, p.min_tokens)
     if p.has_grammar:
         req.grammar = grammar().new_state(p, stop_token_ids=sorted(req.eos_token_ids))
     if p.grammar_after is not None:
-        req.grammar_gate = IncrementalDetokenizer(tokenizer, [p.grammar_after], skip_special_tokens=False)
+        req.grammar_gate = IncrementalDetokenizer(tokenizer(), [p.grammar_after], skip_special_tokens=False)
 
 
 def grammar_accepts(req: Req, token: int) -> bool:
@@ -171,8 +172,8 @@ def make_output(
 class Grammars:
     """The grammar backend of structured outputs, built on first use."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, config: EngineConfig) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, config: EngineConfig) -> None:
+        self.tokenizer = tokenizer  # the model's, loaded on first use
         self.vocab_size = vocab_size
         self.config = config
         self._backend: Any = None
@@ -183,7 +184,7 @@ class Grammars:
 
             c = self.config
             self._backend = GrammarBackend(
-                self.tokenizer,
+                self.tokenizer(),
                 self.vocab_size,
                 max_whitespace_cnt=12,  # bounded whitespace: weak models otherwise loop on blanks inside JSON
                 max_bytes=c.max_grammar_bytes,

@@ -52,7 +52,6 @@ class Scheduler:
 
         self.config = config
         self.engine = Engine(config, model_source)
-        self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.device = self.engine.device
         self.page_size = self.engine.page_size
@@ -73,7 +72,7 @@ class Scheduler:
         self.reqs: dict[tuple[str, int], Req] = {}
         self._live: dict[str, int] = {}  # rid -> its sequences in self.reqs (with n > 1 some may have ended already)
         self.pending_outputs: list[TokenOutput] = []
-        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, config)
+        self.grammars = Grammars(self.engine.tokenizer_load.get, self.model_config.vocab_size, config)
         self.limits = RequestLimits.from_config(config)
         # Daemon: a request whose grammar is compiling waits here, off the loop, while the others decode
         # (offline the caller waits for the compile: its own requests have nothing else to run).
@@ -97,6 +96,11 @@ class Scheduler:
         logger.info(
             "scheduler ready: cache=%s page_size=%d pages=%d", config.cache, self.page_size, self.cache.num_pages
         )
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, loaded when a request first needs it (stop strings, grammars)."""
+        return self.engine.tokenizer
 
     @property
     def waiting(self) -> deque[Req]:
@@ -183,7 +187,7 @@ class Scheduler:
 
     def _enqueue(self, reqs: list[Req]) -> None:
         for req in reqs:
-            init_req_state(req, self.device, self.tokenizer, self.grammars.backend)
+            init_req_state(req, self.device, self.engine.tokenizer_load.get, self.grammars.backend)
             self.waiting.append(req)
 
     def admit_compiled(self) -> list[str]:
