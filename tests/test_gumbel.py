@@ -17,7 +17,9 @@ import torch
 from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
 
 CHI2_LIMIT = {7: 29.9, 15: 42.0}  # chi-square quantiles at p = 1e-4 (degrees of freedom -> limit)
-ROWS = {"cuda": 4000, "cpu": 600}  # draws per distribution (the interpreter runs a program in milliseconds)
+# Draws per distribution. The interpreter runs a program in ~20 ms: 300 draws keep the wrong temperature's
+# chi-square near 90 (0.31 per draw) against a limit of 29.9, so the tests that check it still fail it.
+ROWS = {"cuda": 4000, "cpu": 300}
 LOGITS = [1.0, 0.2, -0.5, 2.0, 0.0, 1.5, -1.0, 0.7]
 
 
