@@ -27,7 +27,8 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
 
 
 def _transformers_configs(model_dir: Path):
-    generation = GenerationConfig.from_pretrained(model_dir) if (model_dir / "generation_config.json").is_file() else None
+    has_generation = (model_dir / "generation_config.json").is_file()
+    generation = GenerationConfig.from_pretrained(model_dir) if has_generation else None
     return AutoConfig.from_pretrained(model_dir), generation
 
 

@@ -101,7 +101,8 @@ class OracleDrafts:
         return draft, 4
 
 
-def test_forced_drafts_accept_and_reject_yet_outputs_equal_hf(llama, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True], ids=["step-by-step", "overlap"])
+def test_forced_drafts_accept_and_reject_yet_outputs_equal_hf(llama, monkeypatch, overlap):
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(str(llama)).vocab_size
@@ -109,7 +110,7 @@ def test_forced_drafts_accept_and_reject_yet_outputs_equal_hf(llama, monkeypatch
     ref = hf_greedy(llama, prompts, 20)
     oracle = OracleDrafts(prompts, ref)
     monkeypatch.setattr("minisgl.scheduler.speculative.propose", oracle)
-    llm = LLM(str(llama), speculative="ngram", page_size=4)
+    llm = LLM(str(llama), speculative="ngram", page_size=4, extra={"overlap_on_cpu": overlap})
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in outs] == ref
     llm.check_integrity()
@@ -117,6 +118,32 @@ def test_forced_drafts_accept_and_reject_yet_outputs_equal_hf(llama, monkeypatch
     # Most drafts are right, every third has a wrong token in its middle.
     assert stats["spec_accepted_tokens"] >= 0.4 * sum(len(r) for r in ref)
     assert stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
+
+
+def test_under_overlap_a_step_that_cannot_draft_does_not_wait_for_its_tokens(llama, monkeypatch):
+    """Overlap scheduling stays on for the steps of rows that repeat nothing: only a step that may speculate
+    reads its previous tokens before it is scheduled."""
+    from transformers import AutoConfig
+
+    from minisgl.scheduler.scheduler import Scheduler
+
+    in_flight_at_schedule: list[bool] = []
+    schedule = Scheduler._schedule
+
+    def spy(self):
+        in_flight_at_schedule.append(self._inflight is not None)
+        return schedule(self)
+
+    monkeypatch.setattr(Scheduler, "_schedule", spy)
+    monkeypatch.setattr("minisgl.scheduler.speculative.propose", lambda *args, **kwargs: ([], 0))
+    vocab = AutoConfig.from_pretrained(str(llama)).vocab_size
+    prompts = make_prompts(vocab)[:2]
+    ref = hf_greedy(llama, prompts, 20)
+    llm = LLM(str(llama), speculative="ngram", page_size=4, extra={"overlap_on_cpu": True})
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == ref
+    assert llm.scheduler.overlap and sum(in_flight_at_schedule) >= 0.8 * len(in_flight_at_schedule)
+    llm.check_integrity()
 
 
 def test_a_verify_step_that_fails_frees_every_page_and_the_engine_goes_on(llama, monkeypatch):

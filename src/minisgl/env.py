@@ -82,7 +82,8 @@ CACHE_DIR = _declare(
     "path",
     None,
     _path,
-    "cache root: GGUF models converted once go to `<dir>/models`, resolved configs to `<dir>/configs` (else under `~/.cache/minisgl`)",
+    "cache root: GGUF models converted once go to `<dir>/models`, resolved configs to `<dir>/configs` "
+    "(else under `~/.cache/minisgl`)",
 )
 CURVE_DIR = _declare(
     "MINISGL_CURVE_DIR",

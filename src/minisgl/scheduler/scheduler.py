@@ -90,7 +90,8 @@ class Scheduler:
             self.device.type == "cuda" or bool(config.extra.get("overlap_on_cpu"))
         )
         self._inflight: LaunchedStep | None = None
-        # Speculative decoding needs each decode row's last token on the host: its steps are not overlapped.
+        # Speculative decoding drafts from the tokens on the host: a step that may speculate waits for the previous
+        # step's tokens, any other overlaps (Speculator.may_draft).
         self.spec = Speculator(self.kv, self.max_seq_len, self.device.type) if config.speculative == "ngram" else None
         warmup(config, self.engine, self.kv, self.eos_token_ids)
         logger.info(
@@ -227,16 +228,18 @@ class Scheduler:
         if self.grammar_waiting and self.admit_in_step:
             self.admit_compiled()
         self.prefill_budget.step_started()
-        if self._inflight is not None and (self.spec is not None or self._needs_host_state(self._inflight)):
+        if self._inflight is not None and (self._needs_host_state(self._inflight) or self._may_draft()):
             # Grammar masks and penalties need the previous token on the host first (min_tokens
-            # only needs the count, which num_sampled projects).
+            # only needs the count, which num_sampled projects), and so do drafts.
             previous, self._inflight = self._inflight, None
             self._process(previous)
         started = time.perf_counter() if self._hook_launch else 0.0  # for minisgl_step_scheduled
         batch = self._schedule()
         launched = None
         drafts = (
-            self.spec.drafts(batch.reqs) if self.spec is not None and batch is not None and batch.is_decode else None
+            self.spec.drafts(batch.reqs)
+            if self.spec is not None and batch is not None and batch.is_decode and self._inflight is None
+            else None
         )
         if drafts is not None:
             assert batch is not None
@@ -276,6 +279,10 @@ class Scheduler:
                 batch = self.prefill.schedule(self.running, allowance)
         self.prefill_budget.scheduled(batch, allowance)
         return batch
+
+    def _may_draft(self) -> bool:
+        """Whether the next decode step could speculate (speculative.py), judged before its tokens are read."""
+        return self.spec is not None and self.spec.may_draft(self.running)
 
     def _needs_host_state(self, step: LaunchedStep) -> bool:
         return any(not r.finished and (r.grammar is not None or r.sampling_params.has_penalties) for r in step.sampled)

@@ -122,6 +122,26 @@ class Speculator:
             return None
         return out
 
+    def may_draft(self, reqs: list[Req]) -> bool:
+        """Whether a decode step of reqs could speculate, judged on the tokens the host has: under overlap scheduling
+        each row's last one is still on the device. Only a step that could waits for them (drafts() then decides
+        on all of them); any other keeps overlapping. A row whose known context continues somewhere is likely
+        still in the passage it repeats, so the lagged judgement seldom differs from the full one."""
+        if len(reqs) > self.max_rows:
+            return False
+        per_token = self.token_cost * len(reqs) ** 0.5
+        total = 0.0
+        for req in reqs:
+            state = self.states.get(req)
+            if state is None:
+                state = self.states[req] = SpecState(req.input_ids)
+            if state.skip > 0 or req.grammar_gate is not None:
+                continue
+            draft, n = propose(state.index, self.shared if req.seed is None else None, MAX_DRAFT)
+            if draft:
+                total += best_draft(state.rate(self.by_context[n].rate), len(draft), per_token)[1]
+        return total >= len(reqs) * (self.switch_cost + MARGIN)
+
     def _draft(self, req: Req, per_token: float) -> tuple[list[int], float]:
         state = self.states.get(req)
         if state is None:
