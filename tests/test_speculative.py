@@ -146,6 +146,25 @@ def test_under_overlap_a_step_that_cannot_draft_does_not_wait_for_its_tokens(lla
     llm.check_integrity()
 
 
+def test_a_replayed_acceptance_pattern_accepts_exactly_what_it_says(llama):
+    """bench spec-replay's drafts: each recorded step drafts k tokens of the known output with token a made wrong;
+    the verifier accepts exactly a of them and the output is the plain one."""
+    from minisgl.bench.spec_replay import ReplayedDrafts
+
+    prompt = list(range(5, 37))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    reference = LLM(str(llama)).generate([prompt], params, use_tqdm=False)[0].token_ids
+    steps = [[1, 4, 4], [6, 6, 2], [9, 3, 0], [12, 8, 5], [20, 2, 2]]  # each step starts where the last one ended
+    on = LLM(str(llama), speculative="ngram")
+    replay = ReplayedDrafts(reference, steps, on.model_config.vocab_size)
+    on.scheduler.spec.drafts, on.scheduler.spec.may_draft = replay.drafts, replay.may_draft
+    out = on.generate([prompt], params, use_tqdm=False)[0]
+    assert out.token_ids == reference
+    stats = on.scheduler.stats()
+    assert (stats["spec_drafted_tokens"], stats["spec_accepted_tokens"]) == (23, 13)
+    on.check_integrity()
+
+
 def test_a_verify_step_that_fails_frees_every_page_and_the_engine_goes_on(llama, monkeypatch):
     from transformers import AutoConfig
 

@@ -30,6 +30,7 @@ SUBCOMMANDS = {  # name -> (module under minisgl.bench, or an adapter's dotted m
     "cpu": ("cpu", "CPU decode: HF generate vs minisgl fp32, fp16 and int8 weights (1 and 32 requests)"),
     "profile": ("profile", "where the time goes: CPU GEMMs, a CPU decode step, GPU decode steps"),
     "spec": ("spec", "n-gram speculative decoding on/off: copy-with-edit, tool call, prose at batch 1 and 16"),
+    "spec-replay": ("spec_replay", "GPU: n-gram speculation at the acceptance `bench spec --record-pattern` recorded"),
 }
 
 

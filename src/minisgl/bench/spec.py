@@ -1,6 +1,7 @@
 """N-gram speculative decoding on and off, on three agent-like workloads, at batch 1 and 16.
 
     minisgl bench spec [--model smollm2] [--threads 2] [--tokens 160] [--batches 1,16] [--reps 3]
+                       [--record-pattern pattern.json]
 
 Workloads: copy-with-edit (rewrite a code block with a rename), a tool call whose JSON arguments repeat values of a
 tool result, and free prose. For each: greedy decode tokens per second with speculation off and on (the median of
@@ -91,7 +92,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default="copy-with-edit,tool-call,prose")
     p.add_argument("--reps", type=int, default=3, help="timed runs per engine and case (the median is shown)")
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument(
+        "--record-pattern",
+        help="write each workload's acceptance at batch 1 here (prompt and output lengths, each verify step's "
+        "position, drafted and accepted tokens), for `minisgl bench spec-replay` on a GPU",
+    )
     p.set_defaults(func=run)
+
+
+def record_pattern(llm: Any, convs: list[Any], params: Any) -> dict[str, Any]:
+    """One run of a batch-1 workload with speculation: its lengths and [output position, drafted, accepted] of every
+    verify step (bench/spec_replay.py replays them)."""
+    spec = llm.scheduler.spec
+    steps: list[list[int]] = []
+    settle = spec.settle
+
+    def recording(req: Any, drafted: int, accepted: int) -> None:
+        if drafted:
+            steps.append([len(req.output_ids), drafted, accepted])
+        settle(req, drafted, accepted)
+
+    spec.settle = recording
+    try:
+        out = llm.chat(convs[0], params, use_tqdm=False)
+    finally:
+        del spec.settle
+    return {"prompt_len": out.prompt_tokens, "output_len": len(out.token_ids), "steps": steps}
 
 
 def _timed(llm: Any, convs: list[Any], params: Any) -> tuple[float, list[list[int]], dict[str, int]]:
@@ -158,3 +184,7 @@ def run(args: argparse.Namespace) -> None:
                 flush=True,
             )
     write_json({"model": args.model, "threads": threads, "results": results}, args.json)
+    if args.record_pattern:
+        cases = workloads(1)
+        recorded = {name: record_pattern(engines["on"], cases[name], params) for name in args.workloads.split(",")}
+        write_json({"model": args.model, "workloads": recorded}, args.record_pattern)

@@ -1,0 +1,109 @@
+"""N-gram speculation on a GPU at the acceptance a trained model shows: a pattern recorded on the CPU, replayed.
+
+    minisgl bench spec --batches 1 --record-pattern pattern.json          # the default model, on the CPU
+    minisgl bench spec-replay --pattern pattern.json [--shape qwen3-0.6b] [--reps 3]  # a GPU, dummy weights
+
+Random weights accept nothing meaningful, so the GPU's figure comes from the default model's behaviour: `bench spec
+--record-pattern` writes, per workload at batch 1, the prompt's and the output's lengths and each verify step (the
+output position it started at, the tokens drafted and accepted). Here a model of a real shape with dummy weights
+first decodes greedily without speculation (output O), then again with drafts taken from O and made wrong at the
+recorded position of each step, so every step drafts and accepts exactly what the default model did; the output
+must equal O (verification is exact whatever the drafts). Reported: tokens per second off and on (the median of
+--reps, engines interleaved), the speed-up and the mean accepted length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from minisgl import env
+from minisgl.bench import write_json
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pattern", required=True, help="the JSON `bench spec --record-pattern` wrote")
+    p.add_argument("--shape", default="qwen3-0.6b", help="the model shape (bench/throughput.py SHAPES)")
+    p.add_argument("--tokenizer-dir", default=str(env.TOKENIZER_DIR.get() or "tok"), help="the model's tokenizer")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--json", help="also write the figures here")
+    p.set_defaults(func=run)
+
+
+class ReplayedDrafts:
+    """Drafts from a known output, accepted as a recorded pattern says: at output position p the pattern's step
+    (k drafted, a accepted) drafts output[p : p + k] with its token a made wrong (when a < k). Used in place of a
+    Speculator's drafts() and may_draft()."""
+
+    def __init__(self, output: list[int], steps: list[list[int]], vocab: int) -> None:
+        self.output = output
+        self.steps = {p: (k, a) for p, k, a in steps}
+        self.vocab = vocab
+
+    def draft(self, position: int) -> list[int]:
+        k, a = self.steps.get(position, (0, 0))
+        draft = list(self.output[position : position + k])
+        if a < len(draft):
+            draft[a] = (draft[a] + 1) % self.vocab  # the target chose output[position + a]: this one is rejected
+        return draft
+
+    def drafts(self, reqs: list[Any]) -> list[list[int]] | None:
+        out = [self.draft(len(r.output_ids)) for r in reqs]
+        return out if any(out) else None
+
+    def may_draft(self, reqs: list[Any]) -> bool:
+        # The host may lack each row's last token: a step at the next position may draft too.
+        return any(len(r.output_ids) + lag in self.steps for r in reqs for lag in (0, 1))
+
+
+def _timed(llm: Any, prompt: list[int], params: Any) -> tuple[float, list[int]]:
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    return time.perf_counter() - t0, out.token_ids
+
+
+def run(args: argparse.Namespace) -> None:
+    from minisgl import LLM, SamplingParams
+    from minisgl.bench.throughput import write_model_dir
+
+    pattern = json.loads(Path(args.pattern).read_text())
+    model_dir = write_model_dir(Path(args.tokenizer_dir), args.shape)
+    off = LLM(str(model_dir), load_format="dummy")
+    on = LLM(str(model_dir), load_format="dummy", speculative="ngram")
+    vocab = off.model_config.vocab_size
+    print(f"# {args.shape} (dummy weights), acceptance replayed from {pattern.get('model', '?')}")
+    print(f"{'workload':<16}{'off tok/s':>12}{'on tok/s':>12}{'speedup':>9}{'accept':>8}  identical")
+    results: dict[str, Any] = {}
+    for name, case in pattern["workloads"].items():
+        prompt = [1000 + i % 5000 for i in range(case["prompt_len"])]
+        params = SamplingParams(temperature=0, max_tokens=case["output_len"], ignore_eos=True)
+        _, reference = _timed(off, prompt, params)  # also the warm-up: the prompt is cached from now on
+        replay = ReplayedDrafts(reference, case["steps"], vocab)
+        on.scheduler.spec.drafts, on.scheduler.spec.may_draft = replay.drafts, replay.may_draft
+        _timed(on, prompt, params)
+        rates: dict[str, list[float]] = {"off": [], "on": []}
+        identical = True
+        for _ in range(args.reps):
+            for mode, llm in (("off", off), ("on", on)):
+                seconds, tokens = _timed(llm, prompt, params)
+                rates[mode].append(len(tokens) / seconds)
+                identical &= tokens == reference
+        steps = [s for s in case["steps"] if s[1] > 0]
+        r = {mode: {"tok_s": statistics.median(v), "min": min(v), "max": max(v)} for mode, v in rates.items()}
+        r.update(
+            speedup=r["on"]["tok_s"] / r["off"]["tok_s"],
+            accept_len=1 + sum(s[2] for s in steps) / len(steps) if steps else 1.0,
+            identical=identical,
+        )
+        results[name] = r
+        spread = f"({r['off']['min']:.0f}-{r['off']['max']:.0f} | {r['on']['min']:.0f}-{r['on']['max']:.0f})"
+        print(
+            f"{name:<16}{r['off']['tok_s']:>12.1f}{r['on']['tok_s']:>12.1f}{r['speedup']:>8.2f}x"
+            f"{r['accept_len']:>8.2f}  {identical}  {spread}",
+            flush=True,
+        )
+    write_json({"shape": args.shape, "pattern": args.pattern, "results": results}, args.json)
