@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from minisgl.bench import write_json
+from minisgl.scheduler.ngram import SharedNgrams
 
 CODE = '''def compute_total(items, tax_rate):
     """The price of every item with its quantity, plus tax."""
@@ -104,6 +105,7 @@ def record_pattern(llm: Any, convs: list[Any], params: Any) -> dict[str, Any]:
     """One run of a batch-1 workload with speculation: its lengths and [output position, drafted, accepted] of every
     verify step (bench/spec_replay.py replays them)."""
     spec = llm.scheduler.spec
+    spec.shared = SharedNgrams()  # as in a timed run: drafts from this run's text only
     steps: list[list[int]] = []
     settle = spec.settle
 
@@ -125,8 +127,6 @@ def _timed(llm: Any, convs: list[Any], params: Any) -> tuple[float, list[list[in
     spec = llm.scheduler.spec
     before = dict(spec.stats()) if spec is not None else {}
     if spec is not None:
-        from minisgl.scheduler.ngram import SharedNgrams
-
         spec.shared = SharedNgrams()  # drafts from this run's text only
     t0 = time.perf_counter()
     outs = llm.chat(convs, params, use_tqdm=False)
