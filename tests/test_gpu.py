@@ -348,6 +348,37 @@ def test_bf16_parity_with_hf_transformers_on_a_trained_model(copier_dir):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
+def test_ngram_speculation_equals_plain_decoding_and_verifies_in_the_decode_graphs(copier_dir, page_size):
+    """The copier continues cycles, so n-gram drafts are mostly right. Greedy outputs with speculation equal those
+    without, at batch 1 (its verify steps replay the decode graphs: no extend forward after the prompt's) and at
+    batch 8 (72 verify rows exceed the graphs' 32: the extend path)."""
+    from minisgl import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(5)
+    bases = torch.randint(COPY_LO, COPY_HI, (8, LAG), generator=g)
+    prompts = [periodic(b[None], 30 + 5 * i)[0].tolist() for i, b in enumerate(bases)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    outs: dict[Any, list[list[list[int]]]] = {}
+    for spec in (None, "ngram"):
+        llm = LLM(str(copier_dir), speculative=spec, page_size=page_size, **ENGINE)
+        engine = llm.scheduler.engine
+        extend_forwards: list[int] = []
+        engine._run_model = lambda batch, run=engine._run_model: extend_forwards.append(batch.size) or run(batch)
+        one = [o.token_ids for o in llm.generate(prompts[:1], params, use_tqdm=False)]
+        forwards_at_batch_1 = len(extend_forwards)
+        outs[spec] = [one, [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]]
+        llm.check_integrity()
+        if spec is not None:
+            stats = llm.scheduler.stats()
+            report(f"spec_gpu_accepted_of_48x9_page{page_size}", stats["spec_accepted_tokens"])
+            assert engine.graph_runner is not None and forwards_at_batch_1 == 1  # the prompt's only
+            assert stats["spec_accepted_tokens"] > 0.5 * 48 * 9
+        del llm, engine
+        release_gpu()
+    assert outs["ngram"] == outs[None]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
 def test_fp8_kv_cache_on_a_trained_model(copier_dir, page_size):
     """A confident model keeps its predictions with an fp8 KV cache: FlashInfer's fp8 decode (pages of 1) and, on
     Hopper, XQA's fp8 kernel (pages of 16: queries and softmax weights rounded to fp8 too). Teacher-forced top-1

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from minisgl import env, plugins
 from minisgl.attention.choice import AttentionTarget, backend_names, make_backend, page_size_for
 from minisgl.config import EngineConfig
-from minisgl.core import Batch, Req
+from minisgl.core import Batch, Phase, Req
 from minisgl.distributed import get_tp_info
 from minisgl.engine.cuda_graph import CudaGraphRunner
 from minisgl.engine.device import resolve_device, resolve_dtype, set_threads
@@ -287,12 +287,47 @@ class Engine:
         row by one grammar state, or is None."""
         ctx = get_context()
         ctx.attn_backend, ctx.kv_pool = self.attn_backend, self.kv_pool
-        hidden = self._run_model(batch)
         rows = positions(batch.reqs, drafts)
-        logits = self.model.compute_logits(hidden)  # every token of a verify batch is a scored position
+        logits = self._verify_logits(batch)
         info = SamplingInfo.from_reqs(rows, self.model_config.vocab_size, self.device)
         mask = grammar_masks(rows, drafts, grammar_apply) if grammar_apply is not None else None
         return verify(logits, rows, drafts, info, mask, self.sampler.generator)
+
+    def _verify_logits(self, batch: Batch) -> torch.Tensor:
+        """float32 logits at every token of a verify batch (each one is a scored position).
+
+        Where the decode graphs fit, each token runs as a decode row of its own (decode_rows): one graph replay, as a
+        decode step costs, and the decode kernels' numerics, as plain decoding has. Else the extend path runs it."""
+        if self.graph_runner is not None:
+            rows = decode_rows(batch)
+            if self.graph_runner.can_run(rows):
+                return self.graph_runner.run(rows).float()
+        return self.model.compute_logits(self._run_model(batch))
+
+
+def decode_rows(batch: Batch) -> Batch:
+    """An extend batch as a decode batch of one row per token: the row of a request's token at position p reads the
+    request's page-table row up to p. Its KV before p is cached or written by the same layer's store, which runs
+    before its attention reads, so every row sees what the extend path's causal mask shows it."""
+    reqs: list[Any] = []
+    prefix_lens: list[int] = []
+    for req, start, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+        reqs.extend([req] * extend)
+        prefix_lens.extend(range(start, start + extend))
+    tokens = len(reqs)
+    counts = torch.tensor(batch.extend_lens, dtype=torch.int64).to(batch.table_rows.device, non_blocking=True)
+    return Batch(
+        reqs=reqs,
+        phase=Phase.DECODE,
+        input_ids=batch.input_ids,
+        positions=batch.positions,
+        out_loc=batch.out_loc,
+        table_rows=torch.repeat_interleave(batch.table_rows, counts, output_size=tokens),
+        prefix_lens=prefix_lens,
+        extend_lens=[1] * tokens,
+        seq_lens=[p + 1 for p in prefix_lens],
+        sample_mask=[True] * tokens,
+    )
 
 
 def _min_over_ranks(n: int, device: torch.device) -> int:
