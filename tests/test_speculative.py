@@ -78,6 +78,21 @@ def test_greedy_with_speculation_equals_hf_and_leaks_no_page(llama, engine_kwarg
     assert stats["spec_drafted_tokens"] > 0
 
 
+def test_tp2_with_speculation_equals_tp1_without(llama):
+    """Tensor parallelism (gloo): every rank drafts the same tokens, a function of the requests' tokens and of the
+    finished sequences, which all ranks share step by step, and verifies them in the same collective forward."""
+    from transformers import AutoConfig
+
+    prompts = repetitive_prompts(AutoConfig.from_pretrained(str(llama)).vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(str(llama)).generate(prompts, params, use_tqdm=False)]
+    with LLM(str(llama), tp=2, speculative="ngram", max_running_requests=2, dist_timeout=60) as llm:
+        for _ in range(2):  # the second time the first outputs are drafts too
+            assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+        llm.check_integrity()
+        assert llm.scheduler.stats()["spec_drafted_tokens"] > 0
+
+
 class OracleDrafts:
     """Drafts from the reference outputs, wrong at every third token: accepted runs, rejections, all lengths."""
 

@@ -9,6 +9,10 @@ A draft is a guess only: verification (engine/verify.py) keeps what the model it
 
 from __future__ import annotations
 
+from collections import deque
+
+import numpy as np
+
 MAX_N = 4  # the longest context matched; longer contexts are tried first
 
 
@@ -41,30 +45,78 @@ class NgramIndex:
 class SharedNgrams:
     """N-gram contexts of finished sequences -> their continuations, for every request to draft from.
 
-    Bounded: past max_entries the index starts over (drafts are guesses; losing old ones costs speed, not output).
+    A finished sequence is filed when drafts are next looked up, not when it ends (a large batch, which never
+    drafts, pays nothing for it; of the sequences that finish meanwhile the last max_pending are kept), and filed
+    in bulk: each context is keyed by a 64-bit polynomial hash computed for all of a sequence's n-grams at once
+    (numpy), so filing costs well under a microsecond per output token. Two contexts of one hash share an entry:
+    a wrong draft, which verification rejects. Bounded: past max_entries the index starts over (drafts are
+    guesses; losing old ones costs speed, not output).
     """
 
-    def __init__(self, max_entries: int = 1 << 20) -> None:
+    def __init__(self, max_entries: int = 1 << 20, max_pending: int = 64) -> None:
         self.max_entries = max_entries
-        self._ends: dict[tuple[int, ...], tuple[list[int], int]] = {}
+        self._ends: dict[int, int] = {}  # context hash -> sequence number << 32 | end of that occurrence
+        self._seqs: list[list[int]] = []
+        self._pending: deque[tuple[list[int], int]] = deque(maxlen=max_pending)
 
     def add(self, tokens: list[int], start: int) -> None:
-        """File the contexts whose continuation starts at or after `start` (a request's output: its prompt's contexts
-        are in the requests that share that prompt already)."""
-        if len(self._ends) > self.max_entries:
-            self._ends.clear()
-        seq = list(tokens)  # a copy: the request's list may be reused
-        ends = self._ends
-        for end in range(max(start, 1), len(seq)):
-            for n in range(1, min(MAX_N, end) + 1):
-                ends[tuple(seq[end - n : end])] = (seq, end)
+        """File, at the next lookup, the contexts whose continuation starts at or after `start` (a request's output:
+        its prompt's contexts are in the requests that share that prompt already)."""
+        self._pending.append((list(tokens), start))  # a copy: the request's list may be reused
+
+    def _file_pending(self) -> None:
+        while self._pending:
+            if len(self._ends) > self.max_entries:
+                self._ends.clear()
+                self._seqs.clear()
+            seq, start = self._pending.popleft()
+            number = len(self._seqs)
+            self._seqs.append(seq)
+            tokens = np.asarray(seq, dtype=np.int64)
+            for n in range(1, MAX_N + 1):
+                first = max(start, n)  # the first end: its n-gram is whole and its continuation is output
+                if first >= len(seq):
+                    continue
+                ends = np.arange(first, len(seq), dtype=np.int64)
+                keys = _window_keys(tokens, n)[first - n : len(seq) - n]
+                self._ends.update(zip(keys.tolist(), ((number << 32) | ends).tolist()))
 
     def continuation(self, context: tuple[int, ...], k: int) -> list[int]:
-        found = self._ends.get(context)
+        if self._pending:
+            self._file_pending()
+        found = self._ends.get(_context_key(context))
         if found is None:
             return []
-        seq, end = found
+        seq, end = self._seqs[found >> 32], found & 0xFFFFFFFF
         return seq[end : end + k]
+
+
+_P = 1_000_003
+_MASK = (1 << 64) - 1
+
+
+def _signed(h: int) -> int:
+    h &= _MASK
+    return h - (1 << 64) if h >> 63 else h
+
+
+def _context_key(context: tuple[int, ...]) -> int:
+    """The hash of a context as _window_keys computes it: Horner's rule from n, modulo 2**64 (as int64)."""
+    h = len(context)
+    for t in context:
+        h = h * _P + t
+    return _signed(h)
+
+
+def _window_keys(tokens: np.ndarray, n: int) -> np.ndarray:
+    """_context_key of every n-token window of tokens (the window starting at s at index s), in int64 arithmetic
+    that wraps modulo 2**64 as the Python side's masking does."""
+    count = len(tokens) - n + 1
+    keys = np.full(count, _signed(n * pow(_P, n, 1 << 64)), dtype=np.int64)
+    with np.errstate(over="ignore"):
+        for i in range(n):
+            keys += tokens[i : i + count] * np.int64(_signed(pow(_P, n - 1 - i, 1 << 64)))
+    return keys
 
 
 def propose(own: NgramIndex, shared: SharedNgrams | None, k: int, min_n: int = 1) -> tuple[list[int], int]:

@@ -22,13 +22,16 @@ from minisgl.scheduler.kv import ReqKV
 from minisgl.scheduler.ngram import NgramIndex, SharedNgrams, propose
 
 MAX_DRAFT = 8  # draft tokens per row and step, at most
-# A verify step's cost relative to a plain decode step of the same rows: 1 + SWITCH + TOKEN / sqrt(rows) per draft
-# token (the extend path's fixed overhead; each draft token's share of the weights' pass, larger per row as the batch
-# nears compute-bound). CPU: measured with SmolLM2-135M at batch 1, 4 and 16 (docs/benchmarks.md); the GPU's are
-# estimates (memory-bound far longer), not measured.
-COST = {"cpu": (0.15, 0.1), "cuda": (0.05, 0.02)}
+# A verify step's cost relative to a plain decode step of the same rows: 1 + SWITCH + TOKEN * sqrt(rows) per draft
+# token (the fixed overhead of a verify step; each draft token's share of the weights' pass, larger per row as the
+# batch nears compute-bound). CPU: measured with SmolLM2-135M at batch 1, 4 and 16 (docs/benchmarks.md). CUDA: on an
+# H200 (Qwen3-0.6B shape) a batch-1 verify step of 9 tokens, replayed from the decode graphs, costs 2.0 decode steps:
+# it waits for the previous step's tokens (no overlap) and its host work is not hidden behind the GPU's.
+COST = {"cpu": (0.15, 0.1), "cuda": (0.85, 0.02)}
 MARGIN = 0.05  # the gain a step must promise over its cost to speculate (noise in the estimates)
-MAX_ROWS = {"cpu": 32, "cuda": 128}  # beyond these a batch is compute-bound: never speculated (no drafting work)
+# Beyond these a batch is never speculated (no drafting work): on CUDA the verify rows (k + 1 per row) must fit the
+# decode graphs, and workload A's batches of 17-256 rows lost 17% to drafting.
+MAX_ROWS = {"cpu": 32, "cuda": 16}
 FIRST_RATES = (0.0, 0.25, 0.4, 0.6, 0.8)  # per context length 0..MAX_N, until drafts of that length were verified
 PRIOR = 2.0  # pseudo-trials of the context length's acceptance behind a request's own
 DECAY = 0.9  # a request's own evidence fades with each verify: a copied passage ends, a new one starts
@@ -127,7 +130,7 @@ class Speculator:
         each row's last one is still on the device. Only a step that could waits for them (drafts() then decides
         on all of them); any other keeps overlapping. A row whose known context continues somewhere is likely
         still in the passage it repeats, so the lagged judgement seldom differs from the full one."""
-        if len(reqs) > self.max_rows:
+        if not reqs or len(reqs) > self.max_rows:
             return False
         per_token = self.token_cost * len(reqs) ** 0.5
         total = 0.0
