@@ -122,3 +122,21 @@ def test_a_second_start_reads_config_and_tokenizer_without_transformers_config_c
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[0] == type(AutoTokenizer.from_pretrained(model_dir)).__name__
+
+
+def test_a_grammar_built_while_the_tokenizer_loads_in_the_background_waits_for_it(tiny_model_dir, cache_dir):
+    """The scheduler loads its tokenizer on a thread (TokenizerLoad.start) and may build the grammar backend, which
+    imports xgrammar and with it transformers, meanwhile: in a fresh process (transformers not imported yet) both
+    succeed, the backend waiting for the load."""
+    model_dir = tiny_model_dir("llama")
+    probe = (
+        "from minisgl.config import EngineConfig\nfrom minisgl.scheduler.requests import Grammars\n"
+        "from minisgl.tokenizer import TokenizerLoad\n"
+        f"load = TokenizerLoad({str(model_dir)!r}); load.start()\n"
+        "backend = Grammars(load.get, 49152, EngineConfig()).backend()\n"
+        "print(type(backend).__name__, type(load.get()).__name__)\n"
+    )
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split()[0] == "GrammarBackend"

@@ -165,3 +165,13 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     gathered = x.new_empty((_TP.size * x.shape[0], *x.shape[1:]))  # gloo wants the ranks concatenated
     gather(gathered, x.contiguous())
     return gathered.view(_TP.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], _TP.size * x.shape[-1])
+
+
+def min_over_ranks(n: int, device: torch.device) -> int:
+    """The smallest n over the TP ranks (e.g. a KV pool size every rank must schedule on: free memory differs a
+    little between them)."""
+    if get_tp_info().size == 1 or not dist.is_initialized():
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

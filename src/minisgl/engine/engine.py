@@ -11,19 +11,18 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from minisgl import env, plugins
 from minisgl.attention.choice import AttentionTarget, backend_names, make_backend, page_size_for
 from minisgl.config import EngineConfig
-from minisgl.core import Batch, Phase, Req
-from minisgl.distributed import get_tp_info
+from minisgl.core import Batch, Req
+from minisgl.distributed import get_tp_info, min_over_ranks
 from minisgl.engine.cuda_graph import CudaGraphRunner
 from minisgl.engine.device import resolve_device, resolve_dtype, set_threads
 from minisgl.engine.outputs import ForwardOutput, embeddings, prompt_logprobs
 from minisgl.engine.piecewise import PiecewiseGraphRunner, supports_piecewise
 from minisgl.engine.sampler import Sampler, SamplingInfo
-from minisgl.engine.verify import Verified, grammar_masks, positions, verify
+from minisgl.engine.verify import Verified, decode_rows, grammar_masks, positions, verify
 from minisgl.errors import ConfigError
 from minisgl.kvcache.pool import FP8_DTYPES, KVPool
 from minisgl.kvcache.table import TableManager
@@ -204,7 +203,7 @@ class Engine:
             budget = cfg.kv_cache_gb * 2**30
         # Never more than every running request at full length could use.
         cap = (cfg.max_running_requests * self.max_seq_len) // self.page_size + 1
-        return _min_over_ranks(max(1, min(int(budget // per_page), cap)), self.device)
+        return min_over_ranks(max(1, min(int(budget // per_page), cap)), self.device)
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (decode and prefill run eager afterwards); every TP rank does it before leaving its
@@ -303,40 +302,3 @@ class Engine:
             if self.graph_runner.can_run(rows):
                 return self.graph_runner.run(rows).float()
         return self.model.compute_logits(self._run_model(batch))
-
-
-def decode_rows(batch: Batch) -> Batch:
-    """An extend batch as a decode batch of one row per token: the row of a request's token at position p reads the
-    request's page-table row up to p. Its KV before p is cached or written by the same layer's store, which runs
-    before its attention reads, so every row sees what the extend path's causal mask shows it."""
-    reqs: list[Any] = []
-    prefix_lens: list[int] = []
-    for req, start, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-        reqs.extend([req] * extend)
-        prefix_lens.extend(range(start, start + extend))
-    tokens = len(reqs)
-    counts = torch.tensor(batch.extend_lens, dtype=torch.int64).to(batch.table_rows.device, non_blocking=True)
-    return Batch(
-        reqs=reqs,
-        phase=Phase.DECODE,
-        input_ids=batch.input_ids,
-        positions=batch.positions,
-        out_loc=batch.out_loc,
-        table_rows=torch.repeat_interleave(batch.table_rows, counts, output_size=tokens),
-        prefix_lens=prefix_lens,
-        extend_lens=[1] * tokens,
-        seq_lens=[p + 1 for p in prefix_lens],
-        sample_mask=[True] * tokens,
-    )
-
-
-def _min_over_ranks(n: int, device: torch.device) -> int:
-    """The smallest n over the TP ranks: every rank must schedule on the same pool size (free memory differs a
-    little)."""
-    if get_tp_info().size == 1:
-        return n
-    if not dist.is_initialized():
-        return n
-    t = torch.tensor([n], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())

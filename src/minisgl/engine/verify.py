@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from minisgl.core import Batch, Phase
 from minisgl.engine.sampler import (
     SamplingInfo,
     _filter_probs,
@@ -167,3 +168,28 @@ def _logprobs(
         out.append(entries[k : k + len(tokens)] if want else None)
         k += len(tokens)
     return out
+
+
+def decode_rows(batch: Batch) -> Batch:
+    """An extend batch as a decode batch of one row per token: the row of a request's token at position p reads the
+    request's page-table row up to p. Its KV before p is cached or written by the same layer's store, which runs
+    before its attention reads, so every row sees what the extend path's causal mask shows it."""
+    reqs: list[Any] = []
+    prefix_lens: list[int] = []
+    for req, start, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+        reqs.extend([req] * extend)
+        prefix_lens.extend(range(start, start + extend))
+    tokens = len(reqs)
+    counts = torch.tensor(batch.extend_lens, dtype=torch.int64).to(batch.table_rows.device, non_blocking=True)
+    return Batch(
+        reqs=reqs,
+        phase=Phase.DECODE,
+        input_ids=batch.input_ids,
+        positions=batch.positions,
+        out_loc=batch.out_loc,
+        table_rows=torch.repeat_interleave(batch.table_rows, counts, output_size=tokens),
+        prefix_lens=prefix_lens,
+        extend_lens=[1] * tokens,
+        seq_lens=[p + 1 for p in prefix_lens],
+        sample_mask=[True] * tokens,
+    )

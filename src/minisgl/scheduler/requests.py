@@ -180,11 +180,14 @@ class Grammars:
 
     def backend(self) -> Any:
         if self._backend is None:
+            # The tokenizer first: its background load (TokenizerLoad) imports transformers, and xgrammar imports it
+            # too; two threads importing transformers at once can see it half initialised.
+            tokenizer = self.tokenizer()
             from minisgl.structured.grammar import GrammarBackend
 
             c = self.config
             self._backend = GrammarBackend(
-                self.tokenizer(),
+                tokenizer,
                 self.vocab_size,
                 max_whitespace_cnt=12,  # bounded whitespace: weak models otherwise loop on blanks inside JSON
                 max_bytes=c.max_grammar_bytes,
