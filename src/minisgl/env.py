@@ -85,6 +85,13 @@ CACHE_DIR = _declare(
     "cache root: GGUF models converted once go to `<dir>/models`, resolved configs to `<dir>/configs` "
     "(else under `~/.cache/minisgl`)",
 )
+
+
+def cache_root() -> Path:
+    """Where minisgl caches what it builds once: $MINISGL_CACHE_DIR, else ~/.cache/minisgl."""
+    return CACHE_DIR.get() or Path.home() / ".cache" / "minisgl"
+
+
 CURVE_DIR = _declare(
     "MINISGL_CURVE_DIR",
     "path",

@@ -90,8 +90,7 @@ def record_path(model_dir: Path, names: tuple[str, ...], kind: str) -> Path | No
                 digest.update(path.read_bytes())
     except (OSError, metadata.PackageNotFoundError):
         return None
-    base = env.CACHE_DIR.get() or Path.home() / ".cache" / "minisgl"
-    return base / "configs" / f"{kind}-{digest.hexdigest()[:32]}.json"
+    return env.cache_root() / "configs" / f"{kind}-{digest.hexdigest()[:32]}.json"
 
 
 def read_record(record: Path | None) -> dict[str, Any] | None:

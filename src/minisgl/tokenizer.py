@@ -41,7 +41,7 @@ def _auto_tokenizer(directory: Path) -> Any:
         config, _ = read_configs(directory)
     except Exception:  # noqa: BLE001 - no readable config: AutoTokenizer decides as it always does
         config = None
-    if isinstance(config, ConfigView) and not _names_tokenizer_class(directory):
+    if isinstance(config, ConfigView) and not _tokenizer_config(directory).get("tokenizer_class"):
         config = None  # AutoTokenizer would pick the class by the config's type
     return AutoTokenizer.from_pretrained(str(directory), config=config)
 
@@ -55,11 +55,13 @@ def _recorded_class(record: dict[str, Any] | None) -> Any:
         return None
 
 
-def _names_tokenizer_class(model_dir: Path) -> bool:
+def _tokenizer_config(model_dir: Path) -> dict[str, Any]:
+    """A model directory's tokenizer_config.json ({} when it has none or it cannot be read)."""
     try:
-        return bool(json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class"))
-    except (OSError, ValueError, AttributeError):
-        return False
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 class TokenizerLoad:
@@ -99,10 +101,7 @@ def has_chat_template(model_dir: str | Path) -> bool:
         return True
     if (directory / "additional_chat_templates").is_dir():
         return True
-    try:
-        return bool(json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template"))
-    except (OSError, ValueError, AttributeError):
-        return False
+    return bool(_tokenizer_config(directory).get("chat_template"))
 
 
 def check_message(message: Any, i: int) -> None:

@@ -111,8 +111,7 @@ def load() -> Int8Kernel | None:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         digest = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_flags()]).encode())
-        base = env.CACHE_DIR.get() or Path.home() / ".cache" / "minisgl"
-        path = base / "kernels" / f"int8_gemm-{digest.hexdigest()[:16]}.so"
+        path = env.cache_root() / "kernels" / f"int8_gemm-{digest.hexdigest()[:16]}.so"
         if not path.exists():
             _build(compiler, path)
         kernel = Int8Kernel(ctypes.CDLL(str(path)))

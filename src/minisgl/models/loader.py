@@ -40,8 +40,7 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken
 
 
 def cache_root() -> Path:
-    base = env.CACHE_DIR.get() or Path.home() / ".cache" / "minisgl"
-    return base / "models"
+    return env.cache_root() / "models"
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
