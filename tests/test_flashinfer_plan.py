@@ -108,3 +108,18 @@ def test_graph_replan_leaves_what_flashinfers_plan_leaves(bs):
     for name in ("_int_workspace_buffer", "_pin_memory_int_workspace_buffer", "_paged_kv_indptr_buf",
                  "_paged_kv_last_page_len_buf", "_paged_kv_indices_buf"):  # fmt: skip
         assert torch.equal(getattr(replanned, name).cpu(), getattr(reference, name).cpu()), name
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_page_ids_are_each_requests_pages_in_order(page_size):
+    """The gathered page ids equal page_table[row, 0:seq_len:page_size] // page_size per request, concatenated."""
+    rng = random.Random(page_size)
+    rows, width = 6, 40
+    table = torch.randint(0, 1000, (rows, width), dtype=torch.int64) * page_size  # page-aligned slots
+    backend = SimpleNamespace(page_size=page_size, page_table=table, device=torch.device("cpu"))
+    picked = rng.sample(range(rows), 4)
+    seq_lens = [rng.randrange(1, width + 1) for _ in picked]
+    num_pages = [-(-s // page_size) for s in seq_lens]
+    got = FlashInferBackend._page_ids(backend, picked, num_pages)
+    want = torch.cat([table[r, 0:s:page_size] // page_size for r, s in zip(picked, seq_lens)])
+    assert got.dtype == torch.int32 and got.tolist() == want.tolist()

@@ -45,10 +45,10 @@ class FakeDevice:
 
 
 def prefill(prefix: int, extend: int) -> SimpleNamespace:
-    return SimpleNamespace(is_decode=False, prefix_lens=[prefix], extend_lens=[extend])
+    return SimpleNamespace(is_decode=False, is_verify=False, prefix_lens=[prefix], extend_lens=[extend])
 
 
-DECODE = SimpleNamespace(is_decode=True, prefix_lens=[100], extend_lens=[1])
+DECODE = SimpleNamespace(is_decode=True, is_verify=False, prefix_lens=[100], extend_lens=[1])
 WARM_DECODES = 3  # the stream decodes alone for a few steps before the long prompt arrives
 
 

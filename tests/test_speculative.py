@@ -42,7 +42,19 @@ def test_ngram_drafts_match_a_brute_force_matcher():
             start = rng.randrange(len(tokens))
             shared_index.add(tokens, start)
             shared.append((list(tokens), start))
+            shared_index.file_pending(budget=1 << 30)
     assert ngram.propose(ngram.NgramIndex([1, 2, 3]), None, 4) == ([], 0)  # nothing repeats: no draft
+
+
+def test_finished_sequences_are_filed_oldest_first_within_each_steps_budget():
+    shared = ngram.SharedNgrams()
+    key = ngram._context_key([7, 8])
+    for continuation in ([1, 2], [3, 4], [5, 6]):  # three answers continue [7, 8] differently
+        shared.add([7, 8, *continuation], start=2)
+    shared.file_pending(budget=1)  # one sequence at least, even past the budget
+    assert shared.continuation(key, 2) == [1, 2]
+    shared.file_pending(budget=3)  # 2 tokens, still under budget: the next one too
+    assert shared.continuation(key, 2) == [5, 6]  # the latest answer's continuation wins
 
 
 @pytest.fixture(scope="module")
@@ -376,3 +388,58 @@ def test_drafting_follows_acceptance_and_stops_where_it_is_a_loss():
             spec.settle(wrong, len(drafts[0]), 0)
     assert len(drafted_at) <= 6 and sum(s >= 30 for s in drafted_at) <= 1, drafted_at
     assert spec.drafts([req(list(range(10, 30)) + list(range(10, 14))) for _ in range(64)]) is None  # compute-bound
+
+
+def test_under_tp_the_other_ranks_take_rank_0s_drafts_and_refuse_ones_that_do_not_fit():
+    """Rank 0 decides (lead), its decisions travel as TPOps (signed, in sequence) and a rank > 0 takes them without
+    deciding (follow): a rank whose own tokens would draft otherwise still verifies rank 0's drafts."""
+    from minisgl.core import Req
+    from minisgl.distributed.channel import TPOps
+    from minisgl.runtime.tp import RankZeroDecisions
+
+    def req(tokens: list[int]) -> Req:
+        return Req("r", list(tokens), SamplingParams(temperature=0, max_tokens=100), len(tokens))
+
+    class Wire:  # rank 0's sends, packed and unpacked as the channel does; a spoke's next_ops() reads them
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        def send(self, kind: str, decision: object) -> None:
+            self.sent.append(TPOps(len(self.sent), [[kind, decision]]).pack(b"k" * 32))
+
+        def next_ops(self) -> list:
+            return TPOps.unpack(b"k" * 32, self.sent.pop(0)).ops
+
+    wire = Wire()
+    lead = speculative.Speculator(kv=None, max_seq_len=4096, device_type="cpu")
+    lead.lead = wire.send
+    follower = speculative.Speculator(kv=None, max_seq_len=4096, device_type="cpu")
+    follower.follow = RankZeroDecisions(wire, vocab_size=100)
+    copying = [req(list(range(10, 30)) + list(range(10, 14)))]
+    plain = [req([1, 2, 3, 4, 5])]  # drafts nothing of its own
+    assert lead.may_draft(copying) and follower.may_draft(plain)
+    drafts = lead.drafts(copying)
+    assert drafts and follower.drafts(plain) == drafts
+    assert lead.drafts(plain) is None and follower.drafts(copying) is None
+    assert lead.drafts(copying * 64) is None and not wire.sent  # beyond max_rows every rank knows: nothing is sent
+    for kind, decision, rows in [
+        ("drafts", [[1, 2]], 2),  # one row's drafts for a step of two
+        ("drafts", [[1, 100]], 1),  # a token outside the vocabulary
+        ("drafts", [["1"]], 1),
+        ("may_draft", 1, 1),
+        ("may_draft", True, 1),  # a may_draft where the rank waits for drafts
+    ]:
+        wire.send(kind, decision)
+        with pytest.raises(RuntimeError, match="rank 0"):
+            follower.follow("drafts" if kind == "may_draft" and decision is True else kind, rows)
+
+
+def test_best_draft_is_the_length_of_the_largest_expected_gain():
+    """Against the definition: a k-token draft emits its accepted tokens (until the first miss), less its cost."""
+    for rate in (0.0, 0.1, 0.5, 0.8, 0.95, 1.0):
+        for cost in (0.0, 0.02, 0.1, 0.3):
+            for available in (0, 1, 3, 8):
+                gains = [sum(rate**i for i in range(1, k + 1)) - cost * k for k in range(available + 1)]
+                k, gain = speculative.best_draft(rate, available, cost)
+                want = max(range(available + 1), key=lambda j: (round(gains[j], 12), -j))
+                assert (k, round(gain, 9)) == (want, round(gains[want], 9)), (rate, cost, available)

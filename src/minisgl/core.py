@@ -362,6 +362,8 @@ class Batch:
     sample_mask: list[bool] = field(default_factory=list)
     attn_metadata: Any = None  # owned by the attention backend
     padded_size: int = 0  # CUDA graphs: batch size after padding
+    # A verify batch (speculative decoding) of decoding rows: row i computes its last sampled token, then drafts[i]
+    drafts: list[list[int]] | None = None
 
     @property
     def size(self) -> int:
@@ -374,6 +376,10 @@ class Batch:
     @property
     def is_decode(self) -> bool:
         return self.phase is Phase.DECODE
+
+    @property
+    def is_verify(self) -> bool:
+        return self.drafts is not None
 
 
 def flatten(xs: Sequence[Sequence[int]]) -> list[int]:

@@ -140,6 +140,9 @@ TP_OP_FIELDS = {
     "profile": 2,
     "prefill_budget": 1,
     "exit": 0,
+    # Within a step, only while a rank > 0's scheduler waits for them (scheduler/speculative.py): rank 0's decisions.
+    "may_draft": 1,
+    "drafts": 1,
 }
 
 

@@ -180,14 +180,16 @@ def decode_rows(batch: Batch) -> Batch:
         reqs.extend([req] * extend)
         prefix_lens.extend(range(start, start + extend))
     tokens = len(reqs)
-    counts = torch.tensor(batch.extend_lens, dtype=torch.int64).to(batch.table_rows.device, non_blocking=True)
+    # The rows on the host (one copy), not repeat_interleave on the device: ~50 us of host time per call on CUDA.
+    table_rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
+    table_rows = table_rows.to(batch.out_loc.device, non_blocking=True)
     return Batch(
         reqs=reqs,
         phase=Phase.DECODE,
         input_ids=batch.input_ids,
         positions=batch.positions,
         out_loc=batch.out_loc,
-        table_rows=torch.repeat_interleave(batch.table_rows, counts, output_size=tokens),
+        table_rows=table_rows,
         prefix_lens=prefix_lens,
         extend_lens=[1] * tokens,
         seq_lens=[p + 1 for p in prefix_lens],

@@ -72,6 +72,8 @@ class TPScheduler(RankGroup):
         self.eos_token_ids = self.sched.eos_token_ids
         # Every rank must queue a request at the same step: rank 0 decides when its grammar is ready (step()).
         self.sched.admit_in_step = False
+        if self.sched.spec is not None:  # rank 0 drafts; each decision reaches every rank within the step
+            self.sched.spec.lead = lambda kind, decision: self._send([(kind, decision)])
 
     @property
     def tokenizer(self) -> Any:
@@ -188,6 +190,34 @@ class TPScheduler(RankGroup):
 # ---------------------------------------------------------------------------- ranks > 0
 
 
+class RankZeroDecisions:
+    """A rank > 0's speculation decisions: rank 0's, received within the step (Speculator.follow). The drafts are
+    checked before use: a row count or a token that does not fit would make this rank's forward differ from rank 0's."""
+
+    def __init__(self, spoke: Spoke, vocab_size: int) -> None:
+        self.spoke, self.vocab_size = spoke, vocab_size
+
+    def __call__(self, kind: str, rows: int) -> Any:
+        ops = self.spoke.next_ops()
+        if len(ops) != 1 or ops[0][0] != kind:
+            raise RuntimeError(f"expected rank 0's {kind!r} decision within the step, got {[op[0] for op in ops]}")
+        decision = ops[0][1]
+        if kind == "may_draft" and isinstance(decision, bool):
+            return decision
+        if kind == "drafts" and (decision is None or self._valid_drafts(decision, rows)):
+            return decision
+        raise RuntimeError(f"rank 0's {kind!r} decision {decision!r} does not fit a step of {rows} rows")
+
+    def _valid_drafts(self, drafts: Any, rows: int) -> bool:
+        return (
+            isinstance(drafts, list)
+            and len(drafts) == rows
+            and all(
+                isinstance(d, list) and all(isinstance(t, int) and 0 <= t < self.vocab_size for t in d) for d in drafts
+            )
+        )
+
+
 def _apply(sched: Any, ops: list[Any], rank: int) -> None:
     for op in ops:
         if op[0] == "add":
@@ -202,6 +232,8 @@ def _apply(sched: Any, ops: list[Any], rank: int) -> None:
             apply_profile_op(op, rank)
         elif op[0] == "prefill_budget":  # rank 0's measurements decide every rank's chunks
             sched.prefill_budget.load(op[1])
+        else:  # a decision rank 0 sends only within a step (RankZeroDecisions)
+            raise RuntimeError(f"rank 0 sent {op[0]!r} between steps")
 
 
 def worker_main(config: EngineConfig, rank: int, place: ChannelPlace) -> int:
@@ -214,6 +246,8 @@ def worker_main(config: EngineConfig, rank: int, place: ChannelPlace) -> int:
         spoke.join()  # rank 0 lets the process group form only once every rank has said hello with the secret
         init_distributed(config, rank, rendezvous_store(config, place, is_master=False))
         sched = Scheduler(config)
+        if sched.spec is not None:
+            sched.spec.follow = RankZeroDecisions(spoke, sched.model_config.vocab_size)
         collector.take_over()
         while True:
             t0 = time.perf_counter()

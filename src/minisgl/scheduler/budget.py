@@ -238,7 +238,7 @@ class PrefillBudget:
         some of it (all of it while nothing was measured yet)."""
         if batch is None:
             return
-        if batch.is_decode:
+        if batch.is_decode or batch.is_verify:
             self.spent_s = 0.0
         elif allowance is not None and allowance.seconds is not None:
             self.spent_s += allowance.used_s if self.cost.a is not None else self.max_gap

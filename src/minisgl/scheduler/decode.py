@@ -28,11 +28,18 @@ class DecodeManager:
         self.max_seq_len = max_seq_len
         self.running: list[Req] = []  # fully prefilled, decoding
 
-    def schedule(self, in_flight: frozenset[int], finish_full: Callable[[Req], None]) -> Batch | None:
+    def schedule(
+        self,
+        in_flight: frozenset[int],
+        finish_full: Callable[[Req], None],
+        speculate: Callable[[list[Req]], Batch | None] | None = None,
+    ) -> Batch | None:
         """The next decode batch, or None.
 
         in_flight: id() of the requests whose token from the step in flight is not on the host yet.
         finish_full(req): ends a request that alone is larger than the pool.
+        speculate(reqs): the verify batch of these rows (their next slot reserved), or None to decode them plainly
+        (speculative decoding; the plain batch is then not built).
         """
         if not self.running:
             return None
@@ -57,7 +64,7 @@ class DecodeManager:
         if not reqs:
             return None
         if self._reserve_decode(reqs):
-            return self.kv.make_batch(Phase.DECODE, [(r, 1) for r in reqs])
+            return self._batch(reqs, speculate)
         chosen = []
         for req in reqs:
             if not self.kv.reserve(req, 1):
@@ -67,10 +74,14 @@ class DecodeManager:
                     self.running.remove(req)
                     finish_full(req)
                 continue
-            chosen.append((req, 1))
+            chosen.append(req)
         if not chosen:
             return None
-        return self.kv.make_batch(Phase.DECODE, chosen)
+        return self._batch(chosen, speculate)
+
+    def _batch(self, reqs: list[Req], speculate: Callable[[list[Req]], Batch | None] | None) -> Batch:
+        verify = speculate(reqs) if speculate is not None else None
+        return verify if verify is not None else self.kv.make_batch(Phase.DECODE, [(r, 1) for r in reqs])
 
     def _last_token_in_flight_is_final(self, req: Req, in_flight: frozenset[int]) -> bool:
         """True when req's token from the in-flight step certainly ends it by length: decode no more."""

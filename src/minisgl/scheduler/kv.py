@@ -112,30 +112,40 @@ class ReqKV:
         rows = [r.table_idx for r in reqs]
         prefix_lens = [r.cached_len for r in reqs]
         extend_lens = [extend for _, extend in chosen]
-        dev = self.device
-        rows_t = torch.tensor(rows, dtype=torch.int64)
         decode = phase is Phase.DECODE
-        if decode:
-            pos_t = torch.tensor(prefix_lens, dtype=torch.int64)
-            token_rows = rows_t
-        else:
+        n = len(reqs)
+        # Everything the batch needs from the host in one array and one non-blocking copy (a blocking one waits for
+        # the GPU to drain; each copy costs host time a step without overlap, a speculative verify, waits for).
+        if decode:  # [positions | rows]
+            host = np.array(prefix_lens + rows, dtype=np.int64)
+            num_tokens = n
+        else:  # [positions | token rows | rows | input ids]
             # Each request's positions and its row once per token, vectorised (a prefill chunk is thousands of
             # tokens). numpy, not torch: torch's CPU repeat_interleave is a parallel op whose thread wake-ups cost
             # milliseconds when other processes (TP ranks) share the CPUs.
             lens = np.asarray(extend_lens)
-            pos_t = torch.from_numpy(np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens - prefix_lens, lens))
-            token_rows = torch.from_numpy(np.repeat(np.asarray(rows, dtype=np.int64), lens))
-        # non_blocking everywhere: a blocking host-to-device copy waits for the GPU to drain.
-        pos_d = pos_t.to(dev, non_blocking=True)
-        rows_d = rows_t.to(dev, non_blocking=True)
-        out_loc = self.page_table[token_rows.to(dev, non_blocking=True), pos_d]
-        if decode:  # the last sampled tokens, read on the device: they may not be on the host yet
-            ids_d = self.last_tokens.index_select(0, rows_d)
-        else:
+            num_tokens = int(lens.sum())
             input_ids: list[int] = [] if tokens is None else tokens
             for (req, extend), start in zip(chosen, prefix_lens) if tokens is None else ():
                 input_ids.extend(req.input_ids[start : start + extend])
-            ids_d = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+            host = np.concatenate(
+                [
+                    np.arange(num_tokens) - np.repeat(np.cumsum(lens) - lens - prefix_lens, lens),
+                    np.repeat(np.asarray(rows, dtype=np.int64), lens),
+                    np.asarray(rows, dtype=np.int64),
+                    np.asarray(input_ids, dtype=np.int64),
+                ]
+            )
+        dev = torch.from_numpy(host).to(self.device, non_blocking=True)
+        pos_d = dev[:num_tokens]
+        if decode:
+            rows_d = token_rows_d = dev[n:]
+            ids_d = self.last_tokens.index_select(0, rows_d)  # the last sampled tokens: maybe not on the host yet
+        else:
+            token_rows_d = dev[num_tokens : 2 * num_tokens]
+            rows_d = dev[2 * num_tokens : 2 * num_tokens + n]
+            ids_d = dev[2 * num_tokens + n :]
+        out_loc = self.page_table[token_rows_d, pos_d]
         return Batch(
             reqs=reqs,
             phase=phase,

@@ -14,46 +14,68 @@ from collections import deque
 import numpy as np
 
 MAX_N = 4  # the longest context matched; longer contexts are tried first
+BULK = 64  # a sequence's n-grams are filed with numpy from this many new tokens on (a prompt), else one by one
 
 
 class NgramIndex:
     """The n-grams of one growing token sequence, each with the end of its most recent occurrence that has a
-    continuation (the n-gram ending at the last token has none yet, so it is filed only once the next token comes)."""
+    continuation (the n-gram ending at the last token has none yet, so it is filed only once the next token comes).
 
-    __slots__ = ("tokens", "_ends", "_indexed")
+    Contexts are keyed by their 64-bit hash (_context_key), plain ints: a prompt of thousands of tokens is filed in
+    bulk (numpy), and the index holds no objects the garbage collector must walk."""
+
+    __slots__ = ("tokens", "_ends", "_indexed", "_tail", "_tail_at")
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens  # the sequence itself (a request's input_ids: prompt, then output), read, never written
-        self._ends: dict[tuple[int, ...], int] = {}
-        self._indexed = 0  # n-grams ending before this position are filed
+        self._ends: dict[int, int] = {}  # context hash -> end of its most recent occurrence
+        self._indexed = 1  # n-grams ending before this position are filed
+        self._tail: list[int] = []  # tail_keys() at length _tail_at: filed once the next token comes
+        self._tail_at = -1
 
     def sync(self) -> None:
         """File the n-grams whose continuation arrived since the last call."""
         tokens, ends = self.tokens, self._ends
-        last = len(tokens) - 1  # the n-gram ending at the last token has no continuation yet
-        for end in range(max(self._indexed, 1), last + 1):
-            for n in range(1, min(MAX_N, end) + 1):
-                ends[tuple(tokens[end - n : end])] = end
-        self._indexed = max(self._indexed, last + 1)
+        stop = len(tokens)  # the n-gram ending at the last token has no continuation yet
+        if stop - self._indexed > BULK:
+            _file(ends, tokens, self._indexed, stop, 0)
+        else:
+            for end in range(self._indexed, stop):
+                keys = self._tail if end == self._tail_at else _keys_ending_at(tokens, end)
+                for key in keys:
+                    ends[key] = end
+        self._indexed = max(self._indexed, stop)
 
-    def continuation(self, context: tuple[int, ...], k: int) -> list[int]:
-        """Up to k tokens that followed `context`'s most recent earlier occurrence; [] when it never occurred."""
-        end = self._ends.get(context)
+    def tail_keys(self) -> list[int]:
+        """The keys of the sequence's last n tokens, n = 1..MAX_N (the contexts a draft continues); each length's
+        are computed once, and filed by the sync after the next token."""
+        if self._tail_at != len(self.tokens):
+            self._tail_at = len(self.tokens)
+            self._tail = _keys_ending_at(self.tokens, self._tail_at)
+        return self._tail
+
+    def continuation(self, key: int, k: int) -> list[int]:
+        """Up to k tokens that followed the context of hash `key` at its most recent earlier occurrence; [] when it
+        never occurred."""
+        end = self._ends.get(key)
         return [] if end is None else self.tokens[end : end + k]
 
 
 class SharedNgrams:
     """N-gram contexts of finished sequences -> their continuations, for every request to draft from.
 
-    A finished sequence is filed when drafts are next looked up, not when it ends (a large batch, which never
-    drafts, pays nothing for it; of the sequences that finish meanwhile the last max_pending are kept), and filed
-    in bulk: each context is keyed by a 64-bit polynomial hash computed for all of a sequence's n-grams at once
-    (numpy), so filing costs well under a microsecond per output token. Two contexts of one hash share an entry:
-    a wrong draft, which verification rejects. Bounded: past max_entries the index starts over (drafts are
+    A finished sequence is filed by a step that looks drafts up, not when it ends: a large batch, which never drafts,
+    pays nothing for it, and of the sequences that finish meanwhile the last max_pending are kept (a drafting batch
+    has at most 16-32 rows: more answers than that finish only as a large batch thins out). They are filed in
+    the order they finished (a later one's continuation of a context replaces an earlier one's), a few per step
+    (file_pending's budget), so that a large batch thinning out to a drafting one files its many answers over the
+    next steps instead of stalling one. Each sequence is filed in bulk: every context is keyed by its 64-bit
+    polynomial hash, computed for all of a sequence's n-grams at once (numpy). Two contexts of one hash share an
+    entry: a wrong draft, which verification rejects. Bounded: past max_entries the index starts over (drafts are
     guesses; losing old ones costs speed, not output).
     """
 
-    def __init__(self, max_entries: int = 1 << 20, max_pending: int = 64) -> None:
+    def __init__(self, max_entries: int = 1 << 20, max_pending: int = 16) -> None:
         self.max_entries = max_entries
         self._ends: dict[int, int] = {}  # context hash -> sequence number << 32 | end of that occurrence
         self._seqs: list[list[int]] = []
@@ -64,27 +86,20 @@ class SharedNgrams:
         its prompt's contexts are in the requests that share that prompt already)."""
         self._pending.append((list(tokens), start))  # a copy: the request's list may be reused
 
-    def _file_pending(self) -> None:
-        while self._pending:
+    def file_pending(self, budget: int) -> None:
+        """File waiting sequences, the oldest first, until about `budget` tokens are filed (one at least)."""
+        filed = 0
+        while self._pending and filed < budget:
             if len(self._ends) > self.max_entries:
                 self._ends.clear()
                 self._seqs.clear()
             seq, start = self._pending.popleft()
-            number = len(self._seqs)
             self._seqs.append(seq)
-            tokens = np.asarray(seq, dtype=np.int64)
-            for n in range(1, MAX_N + 1):
-                first = max(start, n)  # the first end: its n-gram is whole and its continuation is output
-                if first >= len(seq):
-                    continue
-                ends = np.arange(first, len(seq), dtype=np.int64)
-                keys = _window_keys(tokens, n)[first - n : len(seq) - n]
-                self._ends.update(zip(keys.tolist(), ((number << 32) | ends).tolist()))
+            _file(self._ends, seq, max(start, 1), len(seq), (len(self._seqs) - 1) << 32)
+            filed += len(seq) - start
 
-    def continuation(self, context: tuple[int, ...], k: int) -> list[int]:
-        if self._pending:
-            self._file_pending()
-        found = self._ends.get(_context_key(context))
+    def continuation(self, key: int, k: int) -> list[int]:
+        found = self._ends.get(key)
         if found is None:
             return []
         seq, end = self._seqs[found >> 32], found & 0xFFFFFFFF
@@ -100,12 +115,17 @@ def _signed(h: int) -> int:
     return h - (1 << 64) if h >> 63 else h
 
 
-def _context_key(context: tuple[int, ...]) -> int:
+def _context_key(context: list[int]) -> int:
     """The hash of a context as _window_keys computes it: Horner's rule from n, modulo 2**64 (as int64)."""
     h = len(context)
     for t in context:
         h = h * _P + t
     return _signed(h)
+
+
+def _keys_ending_at(tokens: list[int], end: int) -> list[int]:
+    """The keys of the n tokens before `end`, n = 1..MAX_N (as many as there are)."""
+    return [_context_key(tokens[end - n : end]) for n in range(1, min(MAX_N, end) + 1)]
 
 
 def _window_keys(tokens: np.ndarray, n: int) -> np.ndarray:
@@ -119,6 +139,18 @@ def _window_keys(tokens: np.ndarray, n: int) -> np.ndarray:
     return keys
 
 
+def _file(ends: dict[int, int], seq: list[int], first: int, stop: int, tag: int) -> None:
+    """ends[hash of each n-gram of seq ending at e] = tag | e, for first <= e < stop and n = 1..MAX_N (a later
+    occurrence overwrites an earlier one): every n-gram's keys at once, numpy."""
+    tokens = np.asarray(seq[:stop], dtype=np.int64)
+    for n in range(1, MAX_N + 1):
+        lo = max(first, n)  # the first end whose n-gram is whole
+        if lo >= stop:
+            continue
+        keys = _window_keys(tokens, n)[lo - n : stop - n]
+        ends.update(zip(keys.tolist(), (np.arange(lo, stop, dtype=np.int64) | tag).tolist()))
+
+
 def propose(own: NgramIndex, shared: SharedNgrams | None, k: int, min_n: int = 1) -> tuple[list[int], int]:
     """Up to k draft tokens for the sequence of `own` and the length of the context they continue: its last n tokens
     (n from MAX_N down to min_n) matched in its own earlier tokens, then in the shared index; ([], 0) when nothing
@@ -126,12 +158,12 @@ def propose(own: NgramIndex, shared: SharedNgrams | None, k: int, min_n: int = 1
     if k <= 0:
         return [], 0
     own.sync()
-    tokens = own.tokens
-    for n in range(min(MAX_N, len(tokens)), min_n - 1, -1):
-        context = tuple(tokens[-n:])
-        draft = own.continuation(context, k)
+    keys = own.tail_keys()
+    for n in range(len(keys), min_n - 1, -1):
+        key = keys[n - 1]
+        draft = own.continuation(key, k)
         if not draft and shared is not None:
-            draft = shared.continuation(context, k)
+            draft = shared.continuation(key, k)
         if draft:
             return draft, n
     return [], 0

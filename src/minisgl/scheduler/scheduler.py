@@ -236,14 +236,8 @@ class Scheduler:
         started = time.perf_counter() if self._hook_launch else 0.0  # for minisgl_step_scheduled
         batch = self._schedule()
         launched = None
-        drafts = (
-            self.spec.drafts(batch.reqs)
-            if self.spec is not None and batch is not None and batch.is_decode and self._inflight is None
-            else None
-        )
-        if drafts is not None:
-            assert batch is not None
-            self._verify(batch, drafts)
+        if batch is not None and batch.is_verify:
+            self._verify(batch)
         elif batch is not None:
             try:
                 launched = launch_observed(self._launch, batch, started) if self._hook_launch else self._launch(batch)
@@ -259,7 +253,8 @@ class Scheduler:
         elif launched is not None:
             self._process(launched)
         busy = self._inflight is not None or bool(self.running or self.waiting) or self.prefill.chunked is not None
-        timed = (launched.batch, launched.ready) if launched is not None else (batch if drafts else None, None)
+        # A verify step is timed as no batch: it is neither a decode step nor a prefill of its tokens.
+        timed = (launched.batch, launched.ready) if launched is not None else (None, None)
         self.prefill_budget.step_done(*timed, busy)
         outputs, self.pending_outputs = self.pending_outputs, []
         return outputs
@@ -273,12 +268,20 @@ class Scheduler:
             self.prefill.defer_chunk()
         batch = self.prefill.schedule(self.running, allowance) if allowance is not None else None
         if batch is None:
-            batch = self.decode.schedule(in_flight, self._finish_pool_full)
+            # Drafts come from the tokens on the host: only when no step is in flight (_may_draft waited for it).
+            speculate = self._speculate if self.spec is not None and self._inflight is None else None
+            batch = self.decode.schedule(in_flight, self._finish_pool_full, speculate)
             if batch is None and allowance is None:  # every decode's last token is in flight: nothing to wait for
                 allowance = self.prefill_budget.allowance(decoding, after_decode=True)
                 batch = self.prefill.schedule(self.running, allowance)
         self.prefill_budget.scheduled(batch, allowance)
         return batch
+
+    def _speculate(self, reqs: list[Req]) -> Batch | None:
+        """The verify batch of these decoding rows when a draft pays (speculative.py), else None."""
+        assert self.spec is not None
+        drafts = self.spec.drafts(reqs)
+        return self.spec.verify_batch(reqs, drafts) if drafts is not None else None
 
     def _may_draft(self) -> bool:
         """Whether the next decode step could speculate (speculative.py), judged before its tokens are read."""
@@ -332,10 +335,11 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - the batch fails, the engine keeps serving
             self._fail(step.batch.reqs, e)
 
-    def _verify(self, batch: Batch, drafts: list[list[int]]) -> None:
-        """Run a decode batch with drafts as one verify forward, keep each row's accepted run (speculative.py)."""
-        assert self.spec is not None
-        verify, drafts = self.spec.verify_batch(batch, drafts)
+    def _verify(self, verify: Batch) -> None:
+        """Run a verify batch (each row's last token and its draft) as one forward, keep each row's accepted run
+        (speculative.py)."""
+        assert self.spec is not None and verify.drafts is not None
+        drafts = verify.drafts
         # Positions with slots per row, until its KV is settled: what a failure frees.
         ends = {id(r): r.cached_len + e for r, e in zip(verify.reqs, verify.extend_lens)}
         try:

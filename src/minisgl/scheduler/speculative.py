@@ -15,7 +15,7 @@ then decoded plainly, and a batch large enough to be compute-bound is never spec
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from minisgl.core import Batch, Phase, Req
 from minisgl.scheduler.kv import ReqKV
@@ -32,6 +32,10 @@ MARGIN = 0.05  # the gain a step must promise over its cost to speculate (noise 
 # Beyond these a batch is never speculated (no drafting work): on CUDA the verify rows (k + 1 per row) must fit the
 # decode graphs, and workload A's batches of 17-256 rows lost 17% to drafting.
 MAX_ROWS = {"cpu": 32, "cuda": 16}
+# Finished sequences' tokens filed into the shared index per drafting step, at most (one sequence at least): when a
+# large batch thins out, its finished answers are filed over several steps (filing 64 answers of ~550 tokens at once
+# took ~0.1 s of host time, a stalled step; workload A then ran 2-4% slower than without speculation).
+FILE_BUDGET = 1024
 FIRST_RATES = (0.0, 0.25, 0.4, 0.6, 0.8)  # per context length 0..MAX_N, until drafts of that length were verified
 PRIOR = 2.0  # pseudo-trials of the context length's acceptance behind a request's own
 DECAY = 0.9  # a request's own evidence fades with each verify: a copied passage ends, a new one starts
@@ -75,18 +79,18 @@ class SpecState:
         return (self.own.successes + PRIOR * prior) / (self.own.trials + PRIOR)
 
 
-def expected_tokens(rate: float, k: int) -> float:
-    """Tokens a verified row emits on average with a k-token draft: accepted drafts (until the first miss) + 1."""
-    return sum(rate**i for i in range(k + 1))
-
-
 def best_draft(rate: float, available: int, token_cost: float) -> tuple[int, float]:
-    """(draft length, expected extra tokens net of its cost) that pays most; (0, 0.0) when none pays."""
-    best, gain = 0, 0.0
+    """(draft length, expected extra tokens net of its cost) that pays most; (0, 0.0) when none pays.
+
+    A k-token draft emits sum(rate**i for i in 1..k) extra tokens on average (accepted until the first miss), so its
+    k-th token adds rate**k - token_cost, less with each k: the best length is the last one whose token still adds.
+    Every row of every drafting step asks, so this is one pass."""
+    best, gain, p = 0, 0.0, 1.0
     for k in range(1, available + 1):
-        g = expected_tokens(rate, k) - 1 - token_cost * k
-        if g > gain:
-            best, gain = k, g
+        p *= rate
+        if p <= token_cost:
+            break
+        best, gain = k, gain + p - token_cost
     return best, gain
 
 
@@ -103,14 +107,39 @@ class Speculator:
         self.drafted = 0  # draft tokens verified, over every request (the Prometheus counters)
         self.accepted = 0
         self.verify_rows = 0  # rows verified with a draft (accepted / verify_rows: the mean accepted length - 1)
+        # Tensor parallelism (runtime/tp.py): rank 0 decides and sends each decision to the other ranks (lead), which
+        # take it instead of deciding (follow), so that every rank verifies the same drafts. None with one rank.
+        self.lead: Callable[[str, Any], None] | None = None
+        self.follow: Callable[[str, int], Any] | None = None
 
     def drafts(self, reqs: list[Req]) -> list[list[int]] | None:
-        """Each row's draft for the next step ([] for none); None when no draft pays for the step (plain decode).
+        """Each row's draft for the next step ([] for none); None when no draft pays for the step (plain decode)."""
+        if len(reqs) > self.max_rows:  # every rank knows: nothing to send
+            return None
+        if self.follow is not None:
+            return self.follow("drafts", len(reqs))
+        out = self._drafts(reqs)
+        if self.lead is not None:
+            self.lead("drafts", out)
+        return out
+
+    def may_draft(self, reqs: list[Req]) -> bool:
+        """Whether a decode step of reqs could speculate (_may_draft), so that the step waits for its tokens."""
+        if not reqs or len(reqs) > self.max_rows:
+            return False
+        if self.follow is not None:
+            return self.follow("may_draft", len(reqs))
+        out = self._may_draft(reqs)
+        if self.lead is not None:
+            self.lead("may_draft", out)
+        return out
+
+    def _drafts(self, reqs: list[Req]) -> list[list[int]] | None:
+        """drafts() decided here.
 
         A row's draft pays when its expected extra tokens beat its share of the step's cost (best_draft); the step
         speculates when the rows' gains together beat the extend path's fixed cost for the whole batch."""
-        if len(reqs) > self.max_rows:
-            return None
+        self.shared.file_pending(FILE_BUDGET)
         per_token = self.token_cost * len(reqs) ** 0.5  # a draft token's cost in plain rows' tokens
         out: list[list[int]] = []
         total = 0.0
@@ -125,13 +154,12 @@ class Speculator:
             return None
         return out
 
-    def may_draft(self, reqs: list[Req]) -> bool:
+    def _may_draft(self, reqs: list[Req]) -> bool:
         """Whether a decode step of reqs could speculate, judged on the tokens the host has: under overlap scheduling
         each row's last one is still on the device. Only a step that could waits for them (drafts() then decides
         on all of them); any other keeps overlapping. A row whose known context continues somewhere is likely
         still in the passage it repeats, so the lagged judgement seldom differs from the full one."""
-        if not reqs or len(reqs) > self.max_rows:
-            return False
+        self.shared.file_pending(FILE_BUDGET)
         per_token = self.token_cost * len(reqs) ** 0.5
         total = 0.0
         for req in reqs:
@@ -171,14 +199,13 @@ class Speculator:
         k, gain = best_draft(state.rate(self.by_context[state.n].rate), len(draft), per_token)
         return draft[:k], gain
 
-    def verify_batch(self, batch: Batch, drafts: list[list[int]]) -> tuple[Batch, list[list[int]]]:
-        """The decode batch as an extend batch of each row's last token and draft, slots reserved for the drafts (a
-        row whose draft finds no pages runs without it)."""
+    def verify_batch(self, reqs: list[Req], drafts: list[list[int]]) -> Batch:
+        """The decode rows as an extend batch of each row's last token and draft (its `drafts`), slots reserved for
+        the drafts after each row's reserved next token (a row whose draft finds no pages runs without it)."""
         tokens: list[int] = []
         chosen = []
         kept = []
-        for req, draft in zip(batch.reqs, drafts):
-            # The decode step reserved position cached_len; the draft goes after it.
+        for req, draft in zip(reqs, drafts):
             if draft and not self.kv.reserve_after(req, req.cached_len + 1, len(draft)):
                 draft = []
             tokens.append(req.input_ids[-1])
@@ -187,7 +214,8 @@ class Speculator:
             kept.append(draft)
         verify = self.kv.make_batch(Phase.PREFILL, chosen, tokens)
         verify.sample_mask = [True] * verify.size
-        return verify, kept
+        verify.drafts = kept
+        return verify
 
     def settle(self, req: Req, drafted: int, accepted: int) -> None:
         """Count a row's verify outcome and learn from it (its KV: ReqKV.shrink)."""
