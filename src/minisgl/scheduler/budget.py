@@ -283,7 +283,7 @@ class PrefillBudget:
             self._last_event = event
 
     def _observe(self, batch: Batch, seconds: float) -> None:
-        if batch.is_decode:
+        if batch.is_decode or batch.is_verify:  # a verify step decodes its rows (speculative decoding)
             self.decode_s = seconds if self.decode_s == 0 else self.decode_s + DECODE_ALPHA * (seconds - self.decode_s)
             return
         tokens = pairs = 0.0

@@ -253,8 +253,12 @@ class Scheduler:
         elif launched is not None:
             self._process(launched)
         busy = self._inflight is not None or bool(self.running or self.waiting) or self.prefill.chunked is not None
-        # A verify step is timed as no batch: it is neither a decode step nor a prefill of its tokens.
-        timed = (launched.batch, launched.ready) if launched is not None else (None, None)
+        # A verify step (computed within this step) is timed as a decode step of its rows (budget.py).
+        timed = (
+            (launched.batch, launched.ready)
+            if launched is not None
+            else (batch if batch and batch.is_verify else None, None)
+        )
         self.prefill_budget.step_done(*timed, busy)
         outputs, self.pending_outputs = self.pending_outputs, []
         return outputs
