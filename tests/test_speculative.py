@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from tests.test_llm import hf_greedy, make_prompts, trim_after_eos
@@ -189,6 +190,31 @@ def test_a_replayed_acceptance_pattern_accepts_exactly_what_it_says(llama):
     assert out.token_ids == reference
     stats = on.scheduler.stats()
     assert (stats["spec_drafted_tokens"], stats["spec_accepted_tokens"]) == (23, 13)
+    on.check_integrity()
+
+
+def test_a_replayed_lookup_leaves_each_draft_to_the_policy(llama, monkeypatch, always_draft):
+    """bench spec-replay --policy: the recorded drafts stand in for the n-gram lookup. A policy that drafts whatever
+    it finds verifies a step's draft from its recorded start, continues a run it joins late (output position 13 is
+    inside the step at 12: its draft starts there), and drafts nothing where no step was recorded; the output is
+    the plain one."""
+    from minisgl.bench.spec_replay import ReplayedLookup
+
+    prompt = list(range(5, 37))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    reference = LLM(str(llama)).generate([prompt], params, use_tqdm=False)[0].token_ids
+    lookup = ReplayedLookup(reference, [[1, 4, 4], [12, 8, 5]], 1000, len(prompt))
+    assert lookup.propose(SimpleNamespace(tokens=prompt + reference[:13]), None, 8) == (
+        reference[13:17] + [(reference[17] + 1) % 1000] + reference[18:20],
+        4,
+    )
+    assert lookup.propose(SimpleNamespace(tokens=prompt + reference[:7]), None, 8) == ([], 0)
+    assert lookup.propose(SimpleNamespace(tokens=prompt + reference[:17]), None, 8) == ([], 0)  # the miss: no run
+    monkeypatch.setattr(speculative, "propose", lookup.propose)
+    on = LLM(str(llama), speculative="ngram")
+    assert on.generate([prompt], params, use_tqdm=False)[0].token_ids == reference
+    stats = on.scheduler.stats()
+    assert (stats["spec_drafted_tokens"], stats["spec_accepted_tokens"]) == (12, 9)  # the recorded steps, whole
     on.check_integrity()
 
 
@@ -386,8 +412,27 @@ def test_drafting_follows_acceptance_and_stops_where_it_is_a_loss():
         if drafts is not None:
             drafted_at.append(step)
             spec.settle(wrong, len(drafts[0]), 0)
+        wrong.input_ids.append(wrong.input_ids[-20])  # a token a step; the passage goes on, so a draft is found
+        wrong.output_ids.append(wrong.input_ids[-1])
     assert len(drafted_at) <= 6 and sum(s >= 30 for s in drafted_at) <= 1, drafted_at
     assert spec.drafts([req(list(range(10, 30)) + list(range(10, 14))) for _ in range(64)]) is None  # compute-bound
+
+
+def test_under_overlap_a_request_drafts_again_after_its_backoff():
+    """Under overlap scheduling a step asks for drafts only when may_draft() says a row may draft: the backoff after a
+    wholly rejected draft is counted in the request's tokens, so it ends (counted in calls, it never did)."""
+    from minisgl.core import Req
+
+    spec = speculative.Speculator(kv=None, max_seq_len=4096, device_type="cpu")
+    r = Req("r", list(range(10, 30)) + list(range(10, 14)), SamplingParams(temperature=0, max_tokens=100), 24)
+    verified = []
+    for step in range(12):
+        if spec.may_draft([r]) and (drafts := spec.drafts([r])) is not None:
+            spec.settle(r, len(drafts[0]), 0 if step == 0 else len(drafts[0]))  # the first draft wholly rejected
+            verified.append(step)
+        r.input_ids.append(r.input_ids[-20])  # the copy goes on
+        r.output_ids.append(r.input_ids[-1])
+    assert verified[0] == 0 and len(verified) > 1 and verified[1] <= 3, verified
 
 
 def test_under_tp_the_other_ranks_take_rank_0s_drafts_and_refuse_ones_that_do_not_fit():

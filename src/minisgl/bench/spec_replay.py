@@ -10,6 +10,10 @@ first decodes greedily without speculation (output O), then again with drafts ta
 recorded position of each step, so every step drafts and accepts exactly what the default model did; the output
 must equal O (verification is exact whatever the drafts). Reported: tokens per second off and on (the median of
 --reps, engines interleaved), the speed-up and the mean accepted length.
+
+Every recorded step drafts as the CPU's policy decided, where a verify step costs little. With --policy the
+recorded drafts stand in for the n-gram lookup instead (ReplayedLookup) and this device's policy decides which to
+verify and how long, as it would with the default model's drafts; the accepted length is then the one measured.
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="qwen3-0.6b", help="the model shape (bench/throughput.py SHAPES)")
     p.add_argument("--tokenizer-dir", default=str(env.TOKENIZER_DIR.get() or "tok"), help="the model's tokenizer")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument(
+        "--policy",
+        action="store_true",
+        help="the drafting policy decides which recorded drafts to verify and how many of their tokens (the recorded "
+        "drafts stand in for the n-gram lookup), instead of every recorded step drafting as recorded",
+    )
     p.add_argument("--json", help="also write the figures here")
     p.set_defaults(func=run)
 
@@ -60,6 +70,28 @@ class ReplayedDrafts:
         return any(len(r.output_ids) + lag in self.steps for r in reqs for lag in (0, 1))
 
 
+class ReplayedLookup(ReplayedDrafts):
+    """The recorded drafts in place of the n-gram lookup (speculative.propose), the drafting policy left to decide:
+    at a recorded step's output position p0 the lookup finds its draft, and at a position p inside the step's
+    accepted run (p0 < p < p0 + a) the rest of it, output[p : p0 + k] with the recorded miss at p0 + a (the passage
+    the default model's lookup matched, continued); a 4-token context. Elsewhere nothing (after the miss the context
+    is the model's own token, which the passage did not predict). Where the policy drafts fewer tokens or skips a
+    step, the rest is decoded plainly."""
+
+    def __init__(self, output: list[int], steps: list[list[int]], vocab: int, prompt_len: int) -> None:
+        super().__init__(output, steps, vocab)
+        self.prompt_len = prompt_len
+        self.runs = sorted((p0, k, a) for p0, k, a in steps if k > 0)
+
+    def propose(self, own: Any, shared: Any, k: int, min_n: int = 1) -> tuple[list[int], int]:
+        p = len(own.tokens) - self.prompt_len
+        for p0, k0, a0 in self.runs:
+            if p == p0 or p0 < p < p0 + a0:
+                draft = self.draft(p0)[p - p0 :][:k]
+                return (draft, 4) if draft else ([], 0)
+        return [], 0
+
+
 def _timed(llm: Any, prompt: list[int], params: Any) -> tuple[float, list[int]]:
     t0 = time.perf_counter()
     out = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -69,36 +101,46 @@ def _timed(llm: Any, prompt: list[int], params: Any) -> tuple[float, list[int]]:
 def run(args: argparse.Namespace) -> None:
     from minisgl import LLM, SamplingParams
     from minisgl.bench.throughput import write_model_dir
+    from minisgl.scheduler import speculative
 
     pattern = json.loads(Path(args.pattern).read_text())
     model_dir = write_model_dir(Path(args.tokenizer_dir), args.shape)
     off = LLM(str(model_dir), load_format="dummy")
     on = LLM(str(model_dir), load_format="dummy", speculative="ngram")
     vocab = off.model_config.vocab_size
-    print(f"# {args.shape} (dummy weights), acceptance replayed from {pattern.get('model', '?')}")
+    how = "its drafts, the policy deciding" if args.policy else "every recorded step"
+    print(f"# {args.shape} (dummy weights), acceptance replayed from {pattern.get('model', '?')}: {how}")
     print(f"{'workload':<16}{'off tok/s':>12}{'on tok/s':>12}{'speedup':>9}{'accept':>8}  identical")
     results: dict[str, Any] = {}
     for name, case in pattern["workloads"].items():
         prompt = [1000 + i % 5000 for i in range(case["prompt_len"])]
         params = SamplingParams(temperature=0, max_tokens=case["output_len"], ignore_eos=True)
         _, reference = _timed(off, prompt, params)  # also the warm-up: the prompt is cached from now on
-        replay = ReplayedDrafts(reference, case["steps"], vocab)
-        on.scheduler.spec.drafts, on.scheduler.spec.may_draft = replay.drafts, replay.may_draft
+        if args.policy:
+            lookup = ReplayedLookup(reference, case["steps"], vocab, len(prompt))
+            speculative.propose = lookup.propose
+            sched = on.scheduler  # a fresh policy per workload: what it learnt of the last one does not carry over
+            sched.spec = speculative.Speculator(sched.kv, sched.max_seq_len, sched.device.type)
+        else:
+            replay = ReplayedDrafts(reference, case["steps"], vocab)
+            on.scheduler.spec.drafts, on.scheduler.spec.may_draft = replay.drafts, replay.may_draft
         _timed(on, prompt, params)
         rates: dict[str, list[float]] = {"off": [], "on": []}
         identical = True
+        before = on.scheduler.spec.stats()
         for _ in range(args.reps):
             for mode, llm in (("off", off), ("on", on)):
                 seconds, tokens = _timed(llm, prompt, params)
                 rates[mode].append(len(tokens) / seconds)
                 identical &= tokens == reference
         steps = [s for s in case["steps"] if s[1] > 0]
+        accept_len = 1 + sum(s[2] for s in steps) / len(steps) if steps else 1.0
+        if args.policy:
+            after = on.scheduler.spec.stats()
+            rows = after["spec_verify_rows"] - before["spec_verify_rows"]
+            accept_len = 1 + (after["spec_accepted_tokens"] - before["spec_accepted_tokens"]) / rows if rows else 1.0
         r = {mode: {"tok_s": statistics.median(v), "min": min(v), "max": max(v)} for mode, v in rates.items()}
-        r.update(
-            speedup=r["on"]["tok_s"] / r["off"]["tok_s"],
-            accept_len=1 + sum(s[2] for s in steps) / len(steps) if steps else 1.0,
-            identical=identical,
-        )
+        r.update(speedup=r["on"]["tok_s"] / r["off"]["tok_s"], accept_len=accept_len, identical=identical)
         results[name] = r
         spread = f"({r['off']['min']:.0f}-{r['off']['max']:.0f} | {r['on']['min']:.0f}-{r['on']['max']:.0f})"
         print(

@@ -39,7 +39,8 @@ FILE_BUDGET = 1024
 FIRST_RATES = (0.0, 0.25, 0.4, 0.6, 0.8)  # per context length 0..MAX_N, until drafts of that length were verified
 PRIOR = 2.0  # pseudo-trials of the context length's acceptance behind a request's own
 DECAY = 0.9  # a request's own evidence fades with each verify: a copied passage ends, a new one starts
-BACKOFF_FIRST, BACKOFF_MAX = 1, 32  # steps a request skips drafting after a wholly rejected draft, doubled each time
+BACKOFF_FIRST, BACKOFF_MAX = 1, 32  # tokens a request decodes without drafting after a wholly rejected draft, doubled
+# each time
 FADE = 0.95  # and with each step it does not draft, so that a request that stopped drafting tries again later
 
 
@@ -63,13 +64,15 @@ class Acceptance:
 class SpecState:
     """One sequence's drafting state: its n-gram index, its acceptance, the context length of its last draft."""
 
-    __slots__ = ("index", "own", "n", "skip", "backoff", "drafted", "accepted")
+    __slots__ = ("index", "own", "n", "resume_at", "backoff", "drafted", "accepted")
 
     def __init__(self, tokens: list[int]) -> None:
         self.index = NgramIndex(tokens)
         self.own = Acceptance(0.0, 0.0)
         self.n = 0
-        self.skip = 0  # decode steps left without drafting, after a draft of which nothing was accepted
+        # After a draft of which nothing was accepted: the number of sampled tokens from which the request drafts again
+        # (counted in tokens, not in calls: under overlap scheduling only a step that may draft asks for drafts)
+        self.resume_at = 0
         self.backoff = BACKOFF_FIRST
         self.drafted = 0
         self.accepted = 0
@@ -158,27 +161,34 @@ class Speculator:
         """Whether a decode step of reqs could speculate, judged on the tokens the host has: under overlap scheduling
         each row's last one is still on the device. Only a step that could waits for them (drafts() then decides
         on all of them); any other keeps overlapping. A row whose known context continues somewhere is likely
-        still in the passage it repeats, so the lagged judgement seldom differs from the full one."""
+        still in the passage it repeats, so the lagged judgement seldom differs from the full one. A step judged
+        not to speculate lets its drafting rows' records fade, as drafts() does (under overlap drafts() is asked only
+        after a True here: without this, a request whose drafts were rejected would never draft again)."""
         self.shared.file_pending(FILE_BUDGET)
         per_token = self.token_cost * len(reqs) ** 0.5
         total = 0.0
+        found: list[SpecState] = []
         for req in reqs:
             state = self.states.get(req)
             if state is None:
                 state = self.states[req] = SpecState(req.input_ids)
-            if state.skip > 0 or req.grammar_gate is not None:
+            if req.num_sampled < state.resume_at or req.grammar_gate is not None:
                 continue
             draft, n = propose(state.index, self.shared if req.seed is None else None, MAX_DRAFT)
             if draft:
                 total += best_draft(state.rate(self.by_context[n].rate), len(draft), per_token)[1]
-        return total >= len(reqs) * (self.switch_cost + MARGIN)
+                found.append(state)
+        if total >= len(reqs) * (self.switch_cost + MARGIN):
+            return True
+        for state in found:
+            state.own.add(0, 0, FADE)
+        return False
 
     def _draft(self, req: Req, per_token: float) -> tuple[list[int], float]:
         state = self.states.get(req)
         if state is None:
             state = self.states[req] = SpecState(req.input_ids)
-        if state.skip > 0:
-            state.skip -= 1
+        if req.num_sampled < state.resume_at:
             return [], 0.0
         p = req.sampling_params
         # Every emitted token must fit max_tokens and the context window: the draft, then the target's own token.
@@ -230,7 +240,9 @@ class Speculator:
             if accepted:
                 state.backoff = BACKOFF_FIRST
             else:
-                state.skip, state.backoff = state.backoff, min(BACKOFF_MAX, state.backoff * 2)
+                # The row emits one token (the target's own) in this verify step, then backs off.
+                state.resume_at = req.num_sampled + 1 + state.backoff
+                state.backoff = min(BACKOFF_MAX, state.backoff * 2)
             self.by_context[state.n].add(drafted, accepted, 0.99)
 
     def accepted_of(self, req: Req) -> int:
