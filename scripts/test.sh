@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Install everything (CPU), check lint and format, then run the test suite.
 # Three pytest workers, each taking whole test files (a module's shared daemons stay in one process): while one
-# waits on a daemon or a subprocess, the others compute (on 2 cores: 13.6 min against 14.6 with two workers, 14.6
-# with four). The slowest files go first (tests/conftest.py orders them; xdist keeps that order).
+# waits on a daemon or a subprocess, the others compute (on 2 cores: 13.6 min against 14.6 with two workers).
 # `bash scripts/test.sh -n 0` runs in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +11,4 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 bash scripts/install.sh
 python -m ruff check .
 python -m ruff format --check .
-python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder tests "$@"
+python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile tests "$@"

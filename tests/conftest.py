@@ -24,29 +24,6 @@ import torch
 
 TINY_FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
 
-# The slowest test files, longest first (on a 2-core machine, together about half of the suite's time), then the
-# others by their number of tests: pytest-xdist hands its workers whole files in this order (scripts/test.sh:
-# --dist loadfile --no-loadscope-reorder), so the long ones start first and the workers finish together instead of
-# one running a long file while the others idle (xdist orders files by their number of tests, not their time).
-SLOW_FILES = (
-    "test_server.py",
-    "test_speculative.py",
-    "test_daemon.py",
-    "test_llm.py",
-    "test_tp.py",
-    "test_gumbel.py",
-    "test_langchain_standard.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item.path.name] = counts.get(item.path.name, 0) + 1
-    # Stable: a file's tests keep their order.
-    items.sort(key=lambda item: (rank.get(item.path.name, len(SLOW_FILES)), -counts[item.path.name]))
-
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
