@@ -257,7 +257,7 @@ class Scheduler:
         timed = (
             (launched.batch, launched.ready)
             if launched is not None
-            else (batch if batch and batch.is_verify else None, None)
+            else (batch if batch is not None and batch.is_verify else None, None)
         )
         self.prefill_budget.step_done(*timed, busy)
         outputs, self.pending_outputs = self.pending_outputs, []

@@ -119,22 +119,21 @@ class Speculator:
         """Each row's draft for the next step ([] for none); None when no draft pays for the step (plain decode)."""
         if len(reqs) > self.max_rows:  # every rank knows: nothing to send
             return None
-        if self.follow is not None:
-            return self.follow("drafts", len(reqs))
-        out = self._drafts(reqs)
-        if self.lead is not None:
-            self.lead("drafts", out)
-        return out
+        return self._decision("drafts", reqs, self._drafts)
 
     def may_draft(self, reqs: list[Req]) -> bool:
         """Whether a decode step of reqs could speculate (_may_draft), so that the step waits for its tokens."""
         if not reqs or len(reqs) > self.max_rows:
             return False
+        return self._decision("may_draft", reqs, self._may_draft)
+
+    def _decision(self, kind: str, reqs: list[Req], decide: Callable[[list[Req]], Any]) -> Any:
+        """decide(reqs) here, sent on to the other ranks (lead); or rank 0's, received (follow)."""
         if self.follow is not None:
-            return self.follow("may_draft", len(reqs))
-        out = self._may_draft(reqs)
+            return self.follow(kind, len(reqs))
+        out = decide(reqs)
         if self.lead is not None:
-            self.lead("may_draft", out)
+            self.lead(kind, out)
         return out
 
     def _drafts(self, reqs: list[Req]) -> list[list[int]] | None:
