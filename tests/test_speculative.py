@@ -47,6 +47,25 @@ def test_ngram_drafts_match_a_brute_force_matcher():
     assert ngram.propose(ngram.NgramIndex([1, 2, 3]), None, 4) == ([], 0)  # nothing repeats: no draft
 
 
+def test_a_long_sequence_is_indexed_over_several_budgeted_calls_to_the_same_drafts():
+    rng = random.Random(1)
+    for trial in range(20):
+        tokens = [rng.randrange(rng.choice([4, 30])) for _ in range(rng.randrange(70, 400))]
+        own = ngram.NgramIndex(tokens)
+        filed = 0
+        while not own.synced:
+            budget = rng.randrange(0, 90)
+            done = own.sync(budget)
+            assert done <= budget or (own.synced and done <= ngram.BULK)  # a short backlog is filed whole
+            filed += done
+        assert filed == len(tokens) - 1  # every position with a continuation, once
+        for _ in range(5):
+            k = rng.randrange(1, 9)
+            assert ngram.propose(own, None, k)[0] == brute_draft(tokens, [], k), (trial, tokens)
+            tokens.append(rng.randrange(4))
+            assert own.sync(0) == 1 and own.synced  # a new token is filed whatever the budget
+
+
 def test_finished_sequences_are_filed_oldest_first_within_each_steps_budget():
     shared = ngram.SharedNgrams()
     key = ngram._context_key([7, 8])
@@ -416,6 +435,35 @@ def test_drafting_follows_acceptance_and_stops_where_it_is_a_loss():
         wrong.output_ids.append(wrong.input_ids[-1])
     assert len(drafted_at) <= 6 and sum(s >= 30 for s in drafted_at) <= 1, drafted_at
     assert spec.drafts([req(list(range(10, 30)) + list(range(10, 14))) for _ in range(64)]) is None  # compute-bound
+
+
+def test_a_request_met_late_decodes_plainly_and_a_long_prompt_is_indexed_over_steps(monkeypatch):
+    """A request that sampled its first tokens in a batch too large to draft is never drafted for, and its text is
+    never indexed; a new request's long prompt is filed FILE_BUDGET tokens a step, and drafts once it is whole."""
+    from minisgl.core import Req
+
+    monkeypatch.setattr(speculative, "FILE_BUDGET", 100)
+    spec = speculative.Speculator(kv=None, max_seq_len=4096, device_type="cpu")
+    passage = list(range(1000, 1300))
+
+    def copying(outputs: int) -> Req:  # a 300-token passage, copied: its output repeats the prompt
+        r = Req("r", passage + passage[: 4 + outputs], SamplingParams(temperature=0, max_tokens=1000), 304)
+        r.output_ids = r.input_ids[304:]
+        return r
+
+    late = copying(speculative.LATE + 1)
+    for _ in range(10):
+        assert not spec.may_draft([late]) and spec.drafts([late]) is None
+    assert spec.states[late] is None  # nothing filed for it
+    early = copying(speculative.LATE)
+    steps = 0
+    while (drafts := spec.drafts([early])) is None and steps < 10:
+        steps += 1
+        early.input_ids.append(early.input_ids[-300])
+        early.output_ids.append(early.input_ids[-1])
+    assert steps == 3  # 368 tokens: 100 filed in each of three steps, the rest and then the first draft in the 4th
+    n = len(early.input_ids)
+    assert drafts[0] == passage[n - 300 : n - 300 + len(drafts[0])] and drafts[0]
 
 
 def test_under_overlap_a_request_drafts_again_after_its_backoff():

@@ -298,6 +298,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     tokens_in_flight: int = 0  # sampled on the device, not yet read on the host (overlap scheduling)
     output_logprobs: list[Any] = field(default_factory=list)
+    spec_accepted: int = 0  # of output_ids, draft tokens accepted (speculative decoding)
     prompt_logprobs: list[Any] | None = None  # filled chunk by chunk while the prompt is computed (prompt_logprobs)
     embed: bool = False  # an embedding request: its prompt's pooled hidden state is the answer (one token is sampled)
     embedding: list[float] | None = None  # set by the prefill chunk that computes the last prompt token

@@ -33,18 +33,31 @@ class NgramIndex:
         self._tail: list[int] = []  # tail_keys() at length _tail_at: filed once the next token comes
         self._tail_at = -1
 
-    def sync(self) -> None:
-        """File the n-grams whose continuation arrived since the last call."""
+    def sync(self, budget: int | None = None) -> int:
+        """File the n-grams whose continuation arrived since the last call, and say how many positions were filed.
+
+        A few new tokens are always filed; a backlog (a prompt, or a request seen for the first time) is filed in bulk,
+        at most `budget` positions of it when given, so that its cost spreads over several calls (`synced` says when
+        it is done)."""
         tokens, ends = self.tokens, self._ends
-        stop = len(tokens)  # the n-gram ending at the last token has no continuation yet
-        if stop - self._indexed > BULK:
-            _file(ends, tokens, self._indexed, stop, 0)
+        start, stop = self._indexed, len(tokens)  # the n-gram ending at the last token has no continuation yet
+        if stop - start > BULK:
+            if budget is not None:
+                stop = min(stop, start + max(budget, 0))
+            if stop > start:
+                _file(ends, tokens, start, stop, 0)
         else:
-            for end in range(self._indexed, stop):
+            for end in range(start, stop):
                 keys = self._tail if end == self._tail_at else _keys_ending_at(tokens, end)
                 for key in keys:
                     ends[key] = end
-        self._indexed = max(self._indexed, stop)
+        self._indexed = max(start, stop)
+        return self._indexed - start
+
+    @property
+    def synced(self) -> bool:
+        """Whether every n-gram with a continuation is filed (a draft looked up now sees the whole sequence)."""
+        return self._indexed >= len(self.tokens)
 
     def tail_keys(self) -> list[int]:
         """The keys of the sequence's last n tokens, n = 1..MAX_N (the contexts a draft continues); each length's
@@ -86,8 +99,9 @@ class SharedNgrams:
         its prompt's contexts are in the requests that share that prompt already)."""
         self._pending.append((list(tokens), start))  # a copy: the request's list may be reused
 
-    def file_pending(self, budget: int) -> None:
-        """File waiting sequences, the oldest first, until about `budget` tokens are filed (one at least)."""
+    def file_pending(self, budget: int) -> int:
+        """File waiting sequences, the oldest first, until about `budget` tokens are filed (one at least); returns
+        the tokens filed."""
         filed = 0
         while self._pending and filed < budget:
             if len(self._ends) > self.max_entries:
@@ -97,6 +111,7 @@ class SharedNgrams:
             self._seqs.append(seq)
             _file(self._ends, seq, max(start, 1), len(seq), (len(self._seqs) - 1) << 32)
             filed += len(seq) - start
+        return filed
 
     def continuation(self, key: int, k: int) -> list[int]:
         found = self._ends.get(key)
@@ -142,12 +157,13 @@ def _window_keys(tokens: np.ndarray, n: int) -> np.ndarray:
 def _file(ends: dict[int, int], seq: list[int], first: int, stop: int, tag: int) -> None:
     """ends[hash of each n-gram of seq ending at e] = tag | e, for first <= e < stop and n = 1..MAX_N (a later
     occurrence overwrites an earlier one): every n-gram's keys at once, numpy."""
-    tokens = np.asarray(seq[:stop], dtype=np.int64)
+    base = max(0, first - MAX_N)  # the first token of an n-gram ending at `first` or later
+    tokens = np.asarray(seq[base:stop], dtype=np.int64)
     for n in range(1, MAX_N + 1):
         lo = max(first, n)  # the first end whose n-gram is whole
         if lo >= stop:
             continue
-        keys = _window_keys(tokens, n)[lo - n : stop - n]
+        keys = _window_keys(tokens, n)[lo - n - base : stop - n - base]
         ends.update(zip(keys.tolist(), (np.arange(lo, stop, dtype=np.int64) | tag).tolist()))
 
 

@@ -147,7 +147,6 @@ def make_output(
     finished: bool,
     error: str | None = None,
     error_type: str | None = None,
-    spec_accepted: int = 0,
 ) -> TokenOutput:
     return TokenOutput(
         rid=req.rid,
@@ -165,7 +164,7 @@ def make_output(
         # Once, with the sequence's first output (the one whose new tokens are all of its tokens so far).
         prompt_logprobs=req.prompt_logprobs if len(new) == req.num_output else None,
         embedding=req.embedding if len(new) == req.num_output else None,
-        spec_accepted_tokens=spec_accepted,
+        spec_accepted_tokens=req.spec_accepted,
     )
 
 

@@ -386,10 +386,7 @@ class Scheduler:
                     self.kv.shrink(req, req.seq_len, req.cached_len)
                 self._finish(req, finish)
                 return
-        accepted = self.spec.accepted_of(req) if self.spec is not None else 0
-        self.pending_outputs.append(
-            make_output(req, tokens, logprobs if logprobs and logprobs[0] else None, False, spec_accepted=accepted)
-        )
+        self.pending_outputs.append(make_output(req, tokens, logprobs if logprobs and logprobs[0] else None, False))
 
     # ------------------------------------------------------------------ requests out
 
@@ -444,8 +441,7 @@ class Scheduler:
                 if error is None:
                     error = f"a plugin's minisgl_request_finished hook failed: {type(e).__name__}: {e}"
                     error_type = EngineError.__name__
-        accepted = self.spec.accepted_of(req) if self.spec is not None else 0
-        out = make_output(req, finish.new_tokens, finish.new_logprobs, True, error, error_type, accepted)
+        out = make_output(req, finish.new_tokens, finish.new_logprobs, True, error, error_type)
         self.pending_outputs.append(out)
 
     # ------------------------------------------------------------------ introspection

@@ -32,10 +32,18 @@ MARGIN = 0.05  # the gain a step must promise over its cost to speculate (noise 
 # Beyond these a batch is never speculated (no drafting work): on CUDA the verify rows (k + 1 per row) must fit the
 # decode graphs, and workload A's batches of 17-256 rows lost 17% to drafting.
 MAX_ROWS = {"cpu": 32, "cuda": 16}
-# Finished sequences' tokens filed into the shared index per drafting step, at most (one sequence at least): when a
-# large batch thins out, its finished answers are filed over several steps (filing 64 answers of ~550 tokens at once
-# took ~0.1 s of host time, a stalled step; workload A then ran 2-4% slower than without speculation).
-FILE_BUDGET = 1024
+# Tokens filed into the n-gram indexes per drafting step, at most (one sequence at least): the finished sequences for
+# the shared index, then the rows' own backlogs (a request met for the first time: its prompt and output so far).
+# When a large batch thins out, its finished answers and its rows' texts are filed over several steps, behind the
+# GPU's work (filing them at once, ~35k tokens, took ~25 ms of host time, a stalled step: workload A ran 2% slower
+# than without speculation). A row drafts once its own index is whole.
+FILE_BUDGET = 512
+# A request is drafted for only if it started decoding in a batch small enough to draft: one first met with more
+# than this many tokens sampled decoded them in a large batch, and decodes plainly to its end. Indexing such rows'
+# texts (prompt and output, ~1,500 tokens each in workload A) as a large batch thins out, and filing their finished
+# neighbours' answers, cost workload A's last steps 1-2% of the whole run on the host, for drafts that rarely pay.
+LATE = 64
+_UNMET: Any = object()  # states' default: a request not met yet
 FIRST_RATES = (0.0, 0.25, 0.4, 0.6, 0.8)  # per context length 0..MAX_N, until drafts of that length were verified
 PRIOR = 2.0  # pseudo-trials of the context length's acceptance behind a request's own
 DECAY = 0.9  # a request's own evidence fades with each verify: a copied passage ends, a new one starts
@@ -64,7 +72,7 @@ class Acceptance:
 class SpecState:
     """One sequence's drafting state: its n-gram index, its acceptance, the context length of its last draft."""
 
-    __slots__ = ("index", "own", "n", "resume_at", "backoff", "drafted", "accepted")
+    __slots__ = ("index", "own", "n", "resume_at", "backoff")
 
     def __init__(self, tokens: list[int]) -> None:
         self.index = NgramIndex(tokens)
@@ -74,8 +82,6 @@ class SpecState:
         # (counted in tokens, not in calls: under overlap scheduling only a step that may draft asks for drafts)
         self.resume_at = 0
         self.backoff = BACKOFF_FIRST
-        self.drafted = 0
-        self.accepted = 0
 
     def rate(self, prior: float) -> float:
         """The chance the next draft token is accepted: this request's record over its context length's."""
@@ -104,7 +110,7 @@ class Speculator:
         self.shared = SharedNgrams()
         self.max_rows = MAX_ROWS.get(device_type, MAX_ROWS["cuda"])
         self.switch_cost, self.token_cost = COST.get(device_type, COST["cuda"])
-        self.states: weakref.WeakKeyDictionary[Req, SpecState] = weakref.WeakKeyDictionary()
+        self.states: weakref.WeakKeyDictionary[Req, SpecState | None] = weakref.WeakKeyDictionary()
         # Every request's acceptance per matched context length, from a prior: longer contexts predict better.
         self.by_context = [Acceptance(2.0 * rate, 2.0) for rate in FIRST_RATES]
         self.drafted = 0  # draft tokens verified, over every request (the Prometheus counters)
@@ -141,18 +147,19 @@ class Speculator:
 
         A row's draft pays when its expected extra tokens beat its share of the step's cost (best_draft); the step
         speculates when the rows' gains together beat the extend path's fixed cost for the whole batch."""
-        self.shared.file_pending(FILE_BUDGET)
         per_token = self.token_cost * len(reqs) ** 0.5  # a draft token's cost in plain rows' tokens
         out: list[list[int]] = []
+        found: list[SpecState] = []
         total = 0.0
-        for req in reqs:
-            draft, gain = self._draft(req, per_token)
+        for req, state in zip(reqs, self._indexed(reqs)):
+            draft, gain = self._draft(req, state, per_token) if state is not None else ([], 0.0)
             out.append(draft)
+            if draft:
+                found.append(state)
             total += gain
         if total < len(reqs) * (self.switch_cost + MARGIN):
-            for req, draft in zip(reqs, out):
-                if draft:
-                    self.states[req].own.add(0, 0, FADE)  # not tried: the request's record fades to its prior
+            for state in found:
+                state.own.add(0, 0, FADE)  # not tried: the request's record fades to its prior
             return None
         return out
 
@@ -163,15 +170,11 @@ class Speculator:
         still in the passage it repeats, so the lagged judgement seldom differs from the full one. A step judged
         not to speculate lets its drafting rows' records fade, as drafts() does (under overlap drafts() is asked only
         after a True here: without this, a request whose drafts were rejected would never draft again)."""
-        self.shared.file_pending(FILE_BUDGET)
         per_token = self.token_cost * len(reqs) ** 0.5
         total = 0.0
         found: list[SpecState] = []
-        for req in reqs:
-            state = self.states.get(req)
-            if state is None:
-                state = self.states[req] = SpecState(req.input_ids)
-            if req.num_sampled < state.resume_at or req.grammar_gate is not None:
+        for req, state in zip(reqs, self._indexed(reqs)):
+            if state is None or req.num_sampled < state.resume_at or req.grammar_gate is not None:
                 continue
             draft, n = propose(state.index, self.shared if req.seed is None else None, MAX_DRAFT)
             if draft:
@@ -183,10 +186,28 @@ class Speculator:
             state.own.add(0, 0, FADE)
         return False
 
-    def _draft(self, req: Req, per_token: float) -> tuple[list[int], float]:
-        state = self.states.get(req)
-        if state is None:
-            state = self.states[req] = SpecState(req.input_ids)
+    def _indexed(self, reqs: list[Req]) -> list[SpecState | None]:
+        """Each row's drafting state; None for a row met late (LATE) or while its own index is still being filed
+        (FILE_BUDGET a call, finished sequences for the shared index first, when any row drafts at all)."""
+        states = [self._state(req) for req in reqs]
+        budget = FILE_BUDGET
+        if any(state is not None for state in states):
+            budget -= self.shared.file_pending(FILE_BUDGET)
+        out: list[SpecState | None] = []
+        for state in states:
+            if state is not None:
+                budget -= state.index.sync(budget)
+            out.append(state if state is not None and state.index.synced else None)
+        return out
+
+    def _state(self, req: Req) -> SpecState | None:
+        """req's drafting state, made when first met; None for a request met late: it decodes plainly to its end."""
+        state = self.states.get(req, _UNMET)
+        if state is _UNMET:
+            state = self.states[req] = SpecState(req.input_ids) if req.num_output <= LATE else None
+        return state
+
+    def _draft(self, req: Req, state: SpecState, per_token: float) -> tuple[list[int], float]:
         if req.num_sampled < state.resume_at:
             return [], 0.0
         p = req.sampling_params
@@ -231,10 +252,9 @@ class Speculator:
         self.drafted += drafted
         self.accepted += accepted
         self.verify_rows += drafted > 0
+        req.spec_accepted += accepted  # its usage reports them
         state = self.states.get(req)
         if state is not None and drafted:
-            state.drafted += drafted
-            state.accepted += accepted
             state.own.add(drafted, accepted, DECAY)
             if accepted:
                 state.backoff = BACKOFF_FIRST
@@ -243,11 +263,6 @@ class Speculator:
                 state.resume_at = req.num_sampled + 1 + state.backoff
                 state.backoff = min(BACKOFF_MAX, state.backoff * 2)
             self.by_context[state.n].add(drafted, accepted, 0.99)
-
-    def accepted_of(self, req: Req) -> int:
-        """Draft tokens of req accepted so far (its usage reports them)."""
-        state = self.states.get(req)
-        return state.accepted if state is not None else 0
 
     def finished(self, req: Req) -> None:
         """A sequence ended: its output's contexts become drafts for the others (not an aborted one's)."""
