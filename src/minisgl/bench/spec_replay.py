@@ -1,7 +1,7 @@
 """N-gram speculation on a GPU at the acceptance a trained model shows: a pattern recorded on the CPU, replayed.
 
     minisgl bench spec --batches 1 --record-pattern pattern.json          # the default model, on the CPU
-    minisgl bench spec-replay --pattern pattern.json [--shape qwen3-0.6b] [--reps 3]  # a GPU, dummy weights
+    minisgl bench spec-replay --pattern pattern.json [--shape qwen3-0.6b] [--reps 3] [--batch 16]  # a GPU
 
 Random weights accept nothing meaningful, so the GPU's figure comes from the default model's behaviour: `bench spec
 --record-pattern` writes, per workload at batch 1, the prompt's and the output's lengths and each verify step (the
@@ -9,7 +9,8 @@ output position it started at, the tokens drafted and accepted). Here a model of
 first decodes greedily without speculation (output O), then again with drafts taken from O and made wrong at the
 recorded position of each step, so every step drafts and accepts exactly what the default model did; the output
 must equal O (verification is exact whatever the drafts). Reported: tokens per second off and on (the median of
---reps, engines interleaved), the speed-up and the mean accepted length.
+--reps, engines interleaved), the speed-up and the mean accepted length. With --batch N, N such requests (distinct
+prompts, each its own output) decode together, every one replaying the pattern.
 
 Every recorded step drafts as the CPU's policy decided, where a verify step costs little. With --policy the
 recorded drafts stand in for the n-gram lookup instead (ReplayedLookup) and this device's policy decides which to
@@ -34,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="qwen3-0.6b", help="the model shape (bench/throughput.py SHAPES)")
     p.add_argument("--tokenizer-dir", default=str(env.TOKENIZER_DIR.get() or "tok"), help="the model's tokenizer")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--batch", type=int, default=1, help="requests decoded together, each replaying the pattern")
     p.add_argument(
         "--policy",
         action="store_true",
@@ -92,10 +94,28 @@ class ReplayedLookup(ReplayedDrafts):
         return [], 0
 
 
-def _timed(llm: Any, prompt: list[int], params: Any) -> tuple[float, list[int]]:
+class ReplayedBatch:
+    """One replay per row of a batch, each row told by its prompt's first token: in place of a Speculator's drafts()
+    and may_draft(), or of speculative.propose."""
+
+    def __init__(self, replays: dict[int, Any]) -> None:
+        self.replays = replays  # first prompt token -> ReplayedDrafts (or ReplayedLookup)
+
+    def drafts(self, reqs: list[Any]) -> list[list[int]] | None:
+        out = [self.replays[r.input_ids[0]].draft(len(r.output_ids)) for r in reqs]
+        return out if any(out) else None
+
+    def may_draft(self, reqs: list[Any]) -> bool:
+        return any(self.replays[r.input_ids[0]].may_draft([r]) for r in reqs)
+
+    def propose(self, own: Any, shared: Any, k: int, min_n: int = 1) -> tuple[list[int], int]:
+        return self.replays[own.tokens[0]].propose(own, shared, k, min_n)
+
+
+def _timed(llm: Any, prompts: list[list[int]], params: Any) -> tuple[float, list[list[int]]]:
     t0 = time.perf_counter()
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
-    return time.perf_counter() - t0, out.token_ids
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t0, [o.token_ids for o in outs]
 
 
 def run(args: argparse.Namespace) -> None:
@@ -109,29 +129,33 @@ def run(args: argparse.Namespace) -> None:
     on = LLM(str(model_dir), load_format="dummy", speculative="ngram")
     vocab = off.model_config.vocab_size
     how = "its drafts, the policy deciding" if args.policy else "every recorded step"
-    print(f"# {args.shape} (dummy weights), acceptance replayed from {pattern.get('model', '?')}: {how}")
+    source = pattern.get("model", "?")
+    print(f"# {args.shape} (dummy weights), batch {args.batch}, acceptance replayed from {source}: {how}")
     print(f"{'workload':<16}{'off tok/s':>12}{'on tok/s':>12}{'speedup':>9}{'accept':>8}  identical")
     results: dict[str, Any] = {}
     for name, case in pattern["workloads"].items():
-        prompt = [1000 + i % 5000 for i in range(case["prompt_len"])]
+        # Distinct prompts (row i starts with token 1000 + 7i), so that no row's prompt is another's cached prefix.
+        prompts = [[1000 + (7 * i + j) % 5000 for j in range(case["prompt_len"])] for i in range(args.batch)]
         params = SamplingParams(temperature=0, max_tokens=case["output_len"], ignore_eos=True)
-        _, reference = _timed(off, prompt, params)  # also the warm-up: the prompt is cached from now on
+        _, reference = _timed(off, prompts, params)  # also the warm-up: the prompts are cached from now on
         if args.policy:
-            lookup = ReplayedLookup(reference, case["steps"], vocab, len(prompt))
-            speculative.propose = lookup.propose
+            lookups = {p[0]: ReplayedLookup(out, case["steps"], vocab, len(p)) for p, out in zip(prompts, reference)}
+            speculative.propose = ReplayedBatch(lookups).propose
             sched = on.scheduler  # a fresh policy per workload: what it learnt of the last one does not carry over
             sched.spec = speculative.Speculator(sched.kv, sched.max_seq_len, sched.device.type)
         else:
-            replay = ReplayedDrafts(reference, case["steps"], vocab)
+            replay = ReplayedBatch(
+                {p[0]: ReplayedDrafts(out, case["steps"], vocab) for p, out in zip(prompts, reference)}
+            )
             on.scheduler.spec.drafts, on.scheduler.spec.may_draft = replay.drafts, replay.may_draft
-        _timed(on, prompt, params)
+        _timed(on, prompts, params)
         rates: dict[str, list[float]] = {"off": [], "on": []}
         identical = True
         before = on.scheduler.spec.stats()
         for _ in range(args.reps):
             for mode, llm in (("off", off), ("on", on)):
-                seconds, tokens = _timed(llm, prompt, params)
-                rates[mode].append(len(tokens) / seconds)
+                seconds, tokens = _timed(llm, prompts, params)
+                rates[mode].append(sum(map(len, tokens)) / seconds)
                 identical &= tokens == reference
         steps = [s for s in case["steps"] if s[1] > 0]
         accept_len = 1 + sum(s[2] for s in steps) / len(steps) if steps else 1.0
@@ -148,4 +172,4 @@ def run(args: argparse.Namespace) -> None:
             f"{r['accept_len']:>8.2f}  {identical}  {spread}",
             flush=True,
         )
-    write_json({"shape": args.shape, "pattern": args.pattern, "results": results}, args.json)
+    write_json({"shape": args.shape, "pattern": args.pattern, "batch": args.batch, "results": results}, args.json)
