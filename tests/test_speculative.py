@@ -303,7 +303,7 @@ def test_sampled_tokens_with_speculation_have_the_plain_distribution(llama, alwa
     prompt = list(range(100, 106)) * 3
     counts = []
     for spec in (None, "ngram"):
-        llm = LLM(str(llama), page_size=1, speculative=spec, max_running_requests=16, seed=1 if spec else 2)
+        llm = LLM(str(llama), page_size=1, speculative=spec, max_running_requests=32, seed=1 if spec else 2)
         outs = llm.generate([prompt] * 240, params, use_tqdm=False)
         counts.append([o.token_ids[1:] for o in outs])  # the first token comes from the prefill: never verified
         if spec:
@@ -356,9 +356,10 @@ def test_stops_max_tokens_logprobs_and_n_inside_accepted_runs_equal_no_speculati
         SamplingParams(temperature=0, max_tokens=40, logprobs=2),
         SamplingParams(temperature=0, max_tokens=30, n=2),
     ]
-    for params in cases:
-        want = off.chat(copy_with_edit(), params, use_tqdm=False)
-        got = on.chat(copy_with_edit(), params, use_tqdm=False)
+    before = on.scheduler.stats()["spec_accepted_tokens"]
+    conversations = [copy_with_edit()] * len(cases)  # one batch: each case a row of its own
+    wants, gots = (llm.chat(conversations, cases, use_tqdm=False) for llm in (off, on))
+    for params, want, got in zip(cases, wants, gots):
         assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs], params
         assert [(o.text, o.finish_reason, o.matched_stop) for o in got.outputs] == [
             (o.text, o.finish_reason, o.matched_stop) for o in want.outputs
@@ -369,6 +370,7 @@ def test_stops_max_tokens_logprobs_and_n_inside_accepted_runs_equal_no_speculati
             for (lp_g, alts_g), (lp_w, alts_w) in zip(g, w):
                 assert lp_g == pytest.approx(lp_w, abs=1e-3)
                 assert [t for t, _ in alts_g] == [t for t, _ in alts_w]
+    assert on.scheduler.stats()["spec_accepted_tokens"] > before  # the batch verified drafts
     assert len(on.chat(copy_with_edit(), cases[2], use_tqdm=False).token_ids) == 37
     on.check_integrity()
 
