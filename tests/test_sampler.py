@@ -93,3 +93,44 @@ def test_model_dtype_logits_give_the_float32_paths_tokens():
         assert torch.equal(got, want)
         if params.temperature == 0:
             assert torch.equal(got, logits.float().argmax(-1))
+
+
+def _filter_row(p: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k, then top-p over the renormalised top-k survivors (the first token always stays), by a plain sort."""
+    order = sorted(range(len(p)), key=lambda t: -float(p[t]))
+    kept = order[:top_k] if top_k > 0 else order
+    mass = sum(float(p[t]) for t in kept)
+    out, cum = torch.zeros_like(p), 0.0
+    for t in kept:
+        if cum >= top_p * mass:
+            break
+        out[t] = p[t]
+        cum += float(p[t])
+    return out
+
+
+def test_top_k_and_top_p_keep_a_plain_sorts_tokens_among_candidates_and_past_them():
+    """The CPU looks at each row's CANDIDATES most likely tokens first and sorts whole rows only when a cut may lie
+    past them: rows mixing top-k, top-p, both, and cuts beyond the candidates keep exactly the reference's tokens."""
+    from minisgl.engine import sampler
+    from minisgl.engine.sampler import SamplingInfo
+
+    vocab = 3000
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        [(20, 1.0), (-1, 0.9), (50, 0.8), (1, 1.0)],  # every cut among the candidates
+        [(-1, 0.9), (-1, 0.999999), (700, 1.0)],  # a flat row's top-p and a top-k past the candidates: whole rows
+    ]
+    for case, peaked in zip(cases, (True, False)):
+        logits = torch.randn(len(case), vocab, generator=g) * (6.0 if peaked else 0.5)
+        probs = torch.softmax(logits, dim=-1)
+        reqs = [
+            Req(f"r{i}", [1], SamplingParams(temperature=1.0, top_k=k, top_p=p), 1) for i, (k, p) in enumerate(case)
+        ]
+        info = SamplingInfo.from_reqs(reqs, vocab, torch.device("cpu"))
+        assert (sampler._candidates(probs, info, info.top_k, probs.sum(-1)) is not None) == peaked
+        got = sampler._filter_probs(probs, info)
+        for row, (k, p) in enumerate(case):
+            want = _filter_row(probs[row], k, p)
+            assert torch.equal(got[row] > 0, want > 0), (case, row)
+            assert torch.equal(got[row], want)
