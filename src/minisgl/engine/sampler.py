@@ -158,18 +158,20 @@ def _filter_probs(probs: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
         return probs
     vocab = probs.shape[-1]
     top_k = info.top_k if info.top_k is not None else torch.full(probs.shape[:1], vocab, device=probs.device)
-    # Top-p renormalises over the top-k survivors (HF / vLLM order): the whole row where top-k is off.
-    total = probs.sum(dim=-1)
-    head = _candidates(probs, info, top_k, total) if probs.device.type == "cpu" and vocab > CANDIDATES else None
+    head = None
+    if probs.device.type == "cpu" and vocab > CANDIDATES:
+        total = probs.sum(dim=-1)  # a row's mass, top-p's denominator where top-k is off
+        head = _candidates(probs, info, top_k, total)
     sorted_probs, order = head if head is not None else probs.sort(dim=-1, descending=True)
     ranks = torch.arange(sorted_probs.shape[-1], device=probs.device)[None, :]
     drop = ranks >= top_k[:, None]
     if info.top_p is not None:
+        # Top-p over the top-k survivors, renormalised (HF / vLLM order); the first token always stays.
         kept = sorted_probs.masked_fill(drop, 0.0)
         norm = torch.where(top_k < vocab, kept.sum(dim=-1), total) if head is not None else kept.sum(dim=-1)
         kept = kept / norm[:, None]
         cum = kept.cumsum(dim=-1)
-        drop |= (cum - kept) >= info.top_p[:, None]  # the first token always stays
+        drop |= (cum - kept) >= info.top_p[:, None]
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
@@ -184,7 +186,9 @@ def _candidates(
     values, ids = probs.topk(CANDIDATES, dim=-1)
     decided = top_k <= CANDIDATES
     if info.top_p is not None:
-        decided |= (top_k >= probs.shape[-1]) & (values.sum(dim=-1) / total >= info.top_p)
+        # As _filter_probs computes it, so that the two agree to the last bit: the mass before the next token.
+        mass = (values / total[:, None]).cumsum(dim=-1)[:, -1]
+        decided |= (top_k >= probs.shape[-1]) & (mass >= info.top_p)
     if info.greedy_rows is not None and info.greedy_rows.shape == decided.shape:
         decided |= info.greedy_rows
     return (values, ids) if bool(decided.all()) else None
