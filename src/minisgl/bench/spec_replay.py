@@ -121,7 +121,7 @@ def _parting(off: Any, on: Any, prompts: list[list[int]], max_tokens: int, refer
     """Why outputs differ: "ties (k of n rows)" when each differing row parts from a plain run's output where that
     run's two best tokens were within TIE (a verify step computes its logits with other kernels than a decode step,
     so an exact tie may fall the other way), else "NO" (a real difference)."""
-    from minisgl import SamplingParams
+    from minisgl import SamplingParams  # lazy: `minisgl bench --help` loads every benchmark, not the engine
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     plain = off.generate(prompts, params, use_tqdm=False)
@@ -144,7 +144,7 @@ def _timed(llm: Any, prompts: list[list[int]], params: Any) -> tuple[float, list
 
 
 def run(args: argparse.Namespace) -> None:
-    from minisgl import LLM, SamplingParams
+    from minisgl import LLM, SamplingParams  # lazy: `minisgl bench --help` loads every benchmark, not the engine
     from minisgl.bench.throughput import write_model_dir
     from minisgl.scheduler import speculative
 
