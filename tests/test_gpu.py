@@ -296,6 +296,27 @@ def test_bf16_greedy_parity_with_hf_transformers(qwen3_dir, hf_fp32):
     assert near_tie_divergences == len(prompts) - same
 
 
+def test_one_request_at_a_time_decodes_with_the_fused_norm_gemvs_as_hf_does(qwen3_dir, hf_fp32, monkeypatch):
+    """Batch-1 decode, where layers/gemv.py runs each RMSNorm inside the GEMV after it (and SiLU-and-mul inside the
+    gate_up GEMV): top-1 against fp32 HF where its margin is clear, as for any batch."""
+    from minisgl import LLM, SamplingParams
+    from minisgl.layers import gemv
+
+    monkeypatch.setattr(gemv, "FUSED_MARGIN", 0.0)  # fused wherever it runs, however it measured
+    prompts = make_prompts(n=4, seed=5)
+    llm = LLM(str(qwen3_dir), **{**ENGINE, "max_running_requests": 1})
+    layers = llm.scheduler.engine.model.model.layers
+    assert all(lin.gemm.norm_gemv is not None for layer in layers for _, lin, _ in layer.gemv_norm_pairs())
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    llm.check_integrity()
+    ours = [o.token_ids for o in outs]
+    del llm, layers, outs
+    release_gpu()
+    metrics = parity(teacher_forced(hf_fp32, prompts, ours), ours)
+    report("parity_batch_1_fused_norm_gemv_vs_hf_fp32", metrics)
+    assert metrics["top1_clear_margin"] >= 0.99
+
+
 def test_bf16_parity_with_hf_transformers_on_a_trained_model(copier_dir):
     """Issue 8's criteria: teacher-forced top-1 >= 99% and greedy 32 tokens equal on most prompts."""
     from transformers import AutoModelForCausalLM

@@ -225,6 +225,13 @@ GEMV = _declare(
     _bool,
     "CUDA: 0 keeps cuBLAS for one-row GEMMs (no GEMV timing at start-up, layers/gemv.py)",
 )
+GEMV_FUSED = _declare(
+    "MINISGL_GEMV_FUSED",
+    "bool",
+    True,
+    _bool,
+    "CUDA: 0 keeps a one-row GEMM's RMSNorm (and SiLU-and-mul) in kernels of their own (layers/gemv.py)",
+)
 ONEDNN = _declare(
     "MINISGL_ONEDNN",
     "bool",

@@ -19,9 +19,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from minisgl.layers.fused import pdl_args
+
 logger = logging.getLogger("minisgl")
 
 MARGIN = 1.25  # the GEMV replaces cuBLAS only when cuBLAS takes at least this much longer
+FUSED_MARGIN = 1.1  # the norm and its GEMM in one kernel only when the two apart take at least this much longer
 CONFIGS = ((4, 1024, 4), (8, 1024, 8), (8, 512, 4))  # (BLOCK_N, BLOCK_K, num_warps), measured on an H200
 MAX_TUNED_BYTES = 64 << 20  # larger weights (an LM head) stream at full speed through cuBLAS already
 CALLS = 28  # one timed CUDA graph replays this many calls, each on its own copy of the weight (not from L2)
@@ -35,36 +38,58 @@ class GemvConfig(NamedTuple):
 
 @functools.cache
 def _kernel() -> Any:
-    import triton  # lazy: GPU-only
-    import triton.language as tl  # lazy: GPU-only
-
-    @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):  # fmt: skip
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
+    from minisgl.layers.gemv_kernel import gemv_kernel  # lazy: the kernel's module imports triton (GPU-only)
 
     return gemv_kernel
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
     """x [1, K] W^T (+ b) with W [N, K] contiguous: y [1, N] in x's dtype."""
-    n, k = weight.shape
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    grid = ((n + config.block_n - 1) // config.block_n,)
-    _kernel()[grid](
-        x, weight, bias if bias is not None else weight, y, n, k, HAS_BIAS=bias is not None,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-    )  # fmt: skip
+    y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+    _launch(config, x, weight, bias, y)
     return y
+
+
+def norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemvConfig,
+    gated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, residual'): y = RMSNorm(x + residual) W^T (+ b) for one row x [1, K] (RMSNorm(x) where residual is
+    None), and residual' = x + residual (x itself where None), in one kernel instead of a norm and a GEMM.
+    gated: W [2N, K] holds the gate rows, then the up rows, and y = silu(gate) * up, [1, N] (no bias)."""
+    assert x.stride(-1) == 1 and (residual is None or residual.is_contiguous()) and not (gated and bias is not None)
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    res_out = x if residual is None else torch.empty_like(residual)
+    _launch(config, x, weight, bias, y, residual, res_out, norm_weight, eps, gated)
+    return y, res_out
+
+
+def _launch(
+    config: GemvConfig,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    res_out: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    gated: bool = False,
+) -> None:
+    n, k = y.shape[-1], weight.shape[1]
+    _kernel()[(-(-n // config.block_n),)](
+        x, residual if residual is not None else x, res_out if res_out is not None else x,
+        norm_weight if norm_weight is not None else weight, eps, weight, bias if bias is not None else weight, y,
+        n, k, NORM=norm_weight is not None, ADD=residual is not None, GATED=gated, HAS_BIAS=bias is not None,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, **pdl_args(x.device),
+    )  # fmt: skip
 
 
 def _graph_us(fn: Any) -> float:
@@ -109,9 +134,54 @@ def choose(n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemvConf
     return chosen
 
 
-def tune(model: torch.nn.Module) -> int:
+def choose_fused(norm: torch.nn.Module, linear: torch.nn.Module, gated: bool) -> GemvConfig | None:
+    """The config of norm_gemv for a norm and the linear it feeds, or None where the two (and SiLU-and-mul where
+    gated) as they run unfused, the linear through its own route (set by tune), are as fast."""
+    weight = linear.weight
+    weights = [torch.randn_like(weight) for _ in range(CALLS)]
+    x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    residual = torch.randn_like(x)
+    act = None
+    if gated:
+        from minisgl.layers.activation import SiluAndMul  # lazy: activation imports flashinfer's module loader
+
+        act = SiluAndMul()
+
+    def unfused(i: int) -> None:
+        h, _ = norm(x, residual)  # flashinfer's fused add + RMSNorm, in place
+        y = linear.gemm(h, weights[i], None)
+        if act is not None:
+            act(y)
+
+    separate = _graph_us(unfused)
+    best: tuple[float, GemvConfig] | None = None
+    for config in map(GemvConfig._make, CONFIGS):
+        us = _graph_us(lambda i, c=config: norm_gemv(x, residual, norm.weight, norm.eps, weights[i], None, c, gated))
+        if best is None or us < best[0]:
+            best = (us, config)
+    assert best is not None
+    chosen = best[1] if separate >= FUSED_MARGIN * best[0] else None
+    logger.info("one-row norm + GEMM [%d x %d]%s: separate %.1f us, fused %.1f us -> %s", *weight.shape,
+                " + SiLU-and-mul" if gated else "", separate, best[0], "fused" if chosen else "separate")  # fmt: skip
+    return chosen
+
+
+def fused_norm_linear(
+    norm: torch.nn.Module, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """norm_gemv for the norm and the linear after it where tune chose it for them and x is one row (else None: the
+    caller runs them apart). Returns (linear(norm(x + residual)), x + residual), gated: silu(gate) * up."""
+    config = getattr(linear.gemm, "norm_gemv", None)
+    if config is None or x.dim() != 2 or x.shape[0] != 1:
+        return None
+    return norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, config, gated)
+
+
+def tune(model: torch.nn.Module, fuse: bool = True) -> int:
     """Set `gemm.gemv` on each module of model whose GEMM takes one (layers/linear.py's CpuGemm) and whose weight
-    shape measures faster as a GEMV; how many modules. For bf16/fp16 weights on a CUDA GPU, before graph capture."""
+    shape measures faster as a GEMV; how many modules. fuse: then `gemm.norm_gemv` on the linears that the modules'
+    `gemv_norm_pairs()` name, [(norm, linear, gated)], where norm_gemv measures faster than the two apart. For
+    bf16/fp16 weights on a CUDA GPU and one rank, before graph capture."""
     chosen: dict[tuple[int, int, torch.dtype], GemvConfig | None] = {}
     switched = 0
     for module in model.modules():
@@ -125,5 +195,14 @@ def tune(model: torch.nn.Module) -> int:
             chosen[key] = choose(weight.shape[0], weight.shape[1], weight.dtype, weight.device)
         gemm.gemv = chosen[key]
         switched += chosen[key] is not None
+    fused: dict[tuple[int, int, torch.dtype, bool], GemvConfig | None] = {}
+    for module in model.modules() if fuse else ():
+        for norm, linear, gated in getattr(module, "gemv_norm_pairs", lambda: ())():
+            if not hasattr(linear.gemm, "norm_gemv") or linear.tp_size != 1 or (gated and linear.bias is not None):
+                continue  # under tensor parallelism the norm all-reduces its input first
+            key = (*linear.weight.shape, linear.weight.dtype, gated)
+            if key not in fused:
+                fused[key] = choose_fused(norm, linear, gated)
+            linear.gemm.norm_gemv = fused[key]
     torch.cuda.empty_cache()
     return switched

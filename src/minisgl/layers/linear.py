@@ -96,6 +96,7 @@ class CpuGemm:
         self._packed: torch.Tensor | None = None
         self.quantized: str | None = None  # "int8" / "fp16": set by quantize_gemms
         self.gemv: GemvConfig | None = None  # CUDA: one-row calls through layers/gemv.py's kernel (set by its tune)
+        self.norm_gemv: GemvConfig | None = None  # CUDA, one row: the norm before it in the same kernel (gemv.tune)
 
     @classmethod
     def supports(cls, kind: str) -> bool:

@@ -30,6 +30,7 @@ from minisgl.layers import (
 )
 from minisgl.layers.context import get_context
 from minisgl.layers.fused_qkv import fused_qkv
+from minisgl.layers.gemv import fused_norm_linear
 from minisgl.layers.moe import FusedMoE
 from minisgl.models.config import ModelConfig
 
@@ -59,11 +60,11 @@ class LlamaAttention(nn.Module):
         self.attn = AttentionLayer(self.num_heads, self.num_kv_heads, self.head_dim, layer_id, self.head_dim**-0.5)
 
     def qkv(
-        self, positions: torch.Tensor, hidden: torch.Tensor, out_loc: torch.Tensor, q_out: torch.Tensor | None = None
+        self, positions: torch.Tensor, qkv: torch.Tensor, out_loc: torch.Tensor, q_out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(q, k, v) of hidden [T, hidden_size], normed and rotated; k = v = None when they were stored at
-        out_loc already (CUDA: norms, RoPE and the KV store in one kernel, q written into q_out if given)."""
-        qkv = self.qkv_proj(hidden)
+        """(q, k, v) of the QKV projection's output qkv [T, q_size + 2 kv_size], normed and rotated; k = v = None when
+        they were stored at out_loc already (CUDA: norms, RoPE and the KV store in one kernel, q written into q_out if
+        given)."""
         pool = self.attn.pool_for_fused_store(qkv)
         if pool is not None:
             qn, kn = self.q_norm, self.k_norm
@@ -115,6 +116,10 @@ class LlamaMLP(nn.Module):
         act = fused(x, self.gate_up_proj.weight) if fused is not None else None
         if act is None:
             act = self.act(self.gate_up_proj(x))
+        return self.down(act, reduce)
+
+    def down(self, act: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """The down projection of the activated gate_up output act."""
         return self.down_proj(act, reduce=reduce)
 
 
@@ -157,19 +162,35 @@ class LlamaDecoderLayer(nn.Module):
         q_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """(q, k, v, residual): the input norm (residual None: hidden is the embedding, and the residual)."""
-        if residual is None:
+        fused = fused_norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        if fused is not None:  # one row: the norm inside the QKV projection's GEMV
+            qkv, residual = fused
+        elif residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            qkv = self.self_attn.qkv_proj(self.input_layernorm(hidden))
         else:
             hidden, residual = self.input_layernorm.reduce_forward(hidden, residual)
-        return (*self.self_attn.qkv(positions, hidden, out_loc, q_out), residual)
+            qkv = self.self_attn.qkv_proj(hidden)
+        return (*self.self_attn.qkv(positions, qkv, out_loc, q_out), residual)
 
     def attention_output(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after the output projection, the post-attention norm and the MLP; hidden is the MLP's
         partial sums under tensor parallelism (the next norm's reduce_forward reduces them)."""
         partial = self.self_attn.o_proj(attn_out, reduce=False)
+        if isinstance(self.mlp, LlamaMLP):
+            fused = fused_norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, partial, residual, True)
+            if fused is not None:  # one row: the norm, the gate_up GEMV and SiLU-and-mul in one kernel
+                act, residual = fused
+                return self.mlp.down(act, reduce=False), residual
         hidden, residual = self.post_attention_layernorm.reduce_forward(partial, residual)
         return self.mlp(hidden, reduce=False), residual
+
+    def gemv_norm_pairs(self) -> list[tuple[nn.Module, nn.Module, bool]]:
+        """The (norm, linear, gated) pairs that layers/gemv.py may run as one kernel at one row."""
+        pairs = [(self.input_layernorm, self.self_attn.qkv_proj, False)]
+        if isinstance(self.mlp, LlamaMLP):
+            pairs.append((self.post_attention_layernorm, self.mlp.gate_up_proj, True))
+        return pairs
 
 
 class LlamaModel(nn.Module):

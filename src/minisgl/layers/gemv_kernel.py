@@ -1,0 +1,80 @@
+"""The Triton kernel behind layers/gemv.py; imported on first use, and only where Triton imports."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from minisgl.layers.fused import gdc
+
+gdc_wait, gdc_launch_dependents = gdc()
+
+
+@triton.jit
+def gemv_kernel(
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    norm_ptr,
+    eps,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K: tl.constexpr,
+    NORM: tl.constexpr,
+    ADD: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """y [N] = f(x) W^T (+ b) for one row x [K]; each program BLOCK_N outputs over all of K, in float32.
+
+    NORM: f(x) = RMSNorm(x (+ residual where ADD)) with weight norm_ptr, as flashinfer's (fused_add_)rmsnorm
+    computes it (sum in float32, the sum written to res_out_ptr in x's dtype by program 0, x * rstd * weight
+    rounded once to x's dtype); else f(x) = x. GATED: W holds 2N rows (gate, then up) and y = silu(gate) * up,
+    each product first rounded to y's dtype as the unfused GEMM's output is."""
+    if PDL:  # launched early (programmatic dependent launch): the previous kernel's output is complete from here on
+        gdc_wait()
+        gdc_launch_dependents()
+    dtype = y_ptr.dtype.element_ty
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live_n = rn < N
+    rstd = 1.0
+    if NORM:
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+            if ADD:
+                v += tl.load(res_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+            squares += v * v
+        rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        live_k = rk < K
+        x = tl.load(x_ptr + rk, mask=live_k, other=0.0).to(tl.float32)
+        if NORM:
+            if ADD:
+                x += tl.load(res_ptr + rk, mask=live_k, other=0.0).to(tl.float32)
+                if tl.program_id(0) == 0:
+                    tl.store(res_out_ptr + rk, x.to(dtype), mask=live_k)
+            w_norm = tl.load(norm_ptr + rk, mask=live_k, other=0.0).to(tl.float32)
+            x = (x * rstd * w_norm).to(dtype).to(tl.float32)
+        mask = live_n[:, None] & live_k[None, :]
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=mask, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if GATED:
+            w_up = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :], mask=mask, other=0.0)
+            acc_up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=live_n, other=0.0).to(tl.float32)
+    if GATED:
+        gate = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(y_ptr + rn, acc.to(dtype), mask=live_n)
