@@ -20,6 +20,8 @@ from minisgl.bench.throughput import QWEN3_06B, QWEN3_30B_A3B
         ("fused_moe_kernel", "moe experts"),
         ("gemm_kernel", "moe experts"),  # layers/fused_moe.py's grouped GEMM (Triton)
         ("route_kernel", "moe experts"),
+        ("gemv_kernel", "gemm"),  # layers/gemv.py's one-row GEMV (Triton), its norm and SiLU-and-mul fused or not
+        ("qkv_kernel", "rope"),  # layers/fused_qkv.py: q/k norms, RoPE and the KV store (Triton)
         ("void flashinfer::norm::RMSNormKernel<8u, __nv_bfloat16>", "norm"),
         ("void flashinfer::BatchQKApplyRotaryPosIdsCosSinCacheKernel<...>", "rope"),
         ("void flashinfer::activation::act_and_mul_kernel<__nv_bfloat16, &silu>", "activation"),

@@ -42,9 +42,9 @@ KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "attention",
         ),
     ),
-    ("gemm", ("gemm", "Gemm", "GEMM", "nvjet", "cutlass", "sm90_", "xmma", "matmul", "cublas", "splitK")),
+    ("gemm", ("gemm", "Gemm", "GEMM", "gemv", "nvjet", "cutlass", "sm90_", "xmma", "matmul", "cublas", "splitK")),
     ("norm", ("norm", "Norm")),
-    ("rope", ("rope", "Rope", "rotary", "Rotary")),
+    ("rope", ("rope", "Rope", "rotary", "Rotary", "qkv_kernel")),  # layers/fused_qkv.py: q/k norms, RoPE, KV store
     ("activation", ("silu", "Silu", "act_and_mul", "gelu")),
     ("sampling", ("sampl", "Sampl", "topk", "TopK", "top_k", "argmax", "softmax", "Softmax", "gumbel", "sort", "Sort")),
     ("kv store, copies", ("copy", "Copy", "Memcpy", "Memset", "scatter", "Scatter", "index", "Index", "store", "cat")),
