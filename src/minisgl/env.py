@@ -223,7 +223,8 @@ GEMV = _declare(
     "bool",
     True,
     _bool,
-    "CUDA: 0 keeps cuBLAS for one-row GEMMs (no GEMV timing at start-up, layers/gemv.py)",
+    "CUDA: 0 keeps cuBLAS for one-row GEMMs (no GEMV timing at start-up, layers/gemv.py) and the grouped GEMMs for "
+    "one token's experts (layers/moe_gemv.py)",
 )
 GEMV_FUSED = _declare(
     "MINISGL_GEMV_FUSED",

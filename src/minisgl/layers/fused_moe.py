@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from minisgl.layers import moe_gemv
 from minisgl.layers.activation import SiluAndMul
 
 
@@ -302,6 +303,8 @@ def fused_moe(
     """
     tokens, hidden = x.shape
     num_local, inter = gate_up.shape[0], down.shape[2]
+    if moe_gemv.ENABLED and moe_gemv.usable(x, num_local, router_logits.shape[1], scales is not None):
+        return moe_gemv.moe_gemv(x, router_logits, gate_up, down, top_k, renormalize, out)  # one token: two kernels
     weights, ids = route_topk(router_logits, top_k, renormalize)
     if tokens == 0:
         return torch.zeros_like(x) if out is None else out.zero_()
