@@ -4,7 +4,7 @@ layers/fused_moe.py's path takes eleven kernels a layer whatever the token count
 by expert, two grouped GEMMs, SiLU-and-mul, the top-k sum and their buffers' fills), each a launch of a few
 microseconds, and at one token its grouped GEMM computes 16-row tiles for one row. Here instead:
 
-- `up_kernel`, program (k, n-block): the token's k-th expert's gate and up rows of the block, SiLU-and-mul;
+- `up_kernel`, program n-block: the block's gate and up rows of each of the token's top_k experts, SiLU-and-mul;
 - `down_kernel`, program n-block: the block's rows of each of the top_k experts' down projections, weighted by the
   routing weights and summed.
 
@@ -25,7 +25,7 @@ from minisgl import env
 from minisgl.layers.fused import pdl_args
 
 # (BLOCK_N, BLOCK_K, num_warps) of each kernel.
-UP_CONFIG = (4, 1024, 4)
+UP_CONFIG = (2, 512, 4)
 DOWN_CONFIG = (4, 256, 4)
 _DTYPES = (torch.bfloat16, torch.float16)
 ENABLED = env.GEMV.get()  # MINISGL_GEMV=0: one token takes layers/fused_moe.py's grouped path too
@@ -57,20 +57,51 @@ def moe_gemv(
     """fused_moe for one token x [1, H]: sum_k w_k * down[e_k] @ silu_and_mul(gate_up[e_k] @ x) over the top_k
     experts of router_logits [1, E]; gate_up [E, 2I, H] and down [E, H, I] contiguous. Written into out if given."""
     assert gate_up.is_contiguous() and down.is_contiguous() and router_logits.stride(-1) == 1
-    up_kernel, down_kernel = _kernels()
-    num_experts, hidden, inter = router_logits.shape[1], x.shape[1], down.shape[2]
+    act = up(x, router_logits, gate_up, top_k, renormalize, up_config)
+    return down_sum(act, router_logits, down, top_k, renormalize, out, down_config)
+
+
+def _routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> dict[str, Any]:
+    """The kernels' routing parameters: their routing is fused_moe's route_kernel's."""
+    num_experts = router_logits.shape[1]
     block_e, block_top = max(16, 1 << (num_experts - 1).bit_length()), max(2, 1 << (top_k - 1).bit_length())
-    routing = dict(TOP_K=top_k, RENORM=renormalize, BLOCK_E=block_e, BLOCK_TOP=block_top, **pdl_args(x.device))
+    return dict(TOP_K=top_k, RENORM=renormalize, BLOCK_E=block_e, BLOCK_TOP=block_top, **pdl_args(router_logits.device))
+
+
+def up(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    gate_up: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    config: tuple[int, int, int] = UP_CONFIG,
+) -> torch.Tensor:
+    """act [top_k, I]: silu_and_mul(gate_up[e_k] @ x) for each of the top_k experts e_k of the one token x [1, H]."""
+    inter, hidden = gate_up.shape[1] // 2, gate_up.shape[2]
     act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
-    bn, bk, warps = up_config
-    up_kernel[(top_k, -(-inter // bn))](
-        router_logits, x, gate_up, act, num_experts, inter, gate_up.stride(0), K=hidden, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, **routing,
+    bn, bk, warps = config
+    _kernels()[0][(-(-inter // bn),)](
+        router_logits, x, gate_up, act, router_logits.shape[1], inter, gate_up.stride(0), K=hidden, BLOCK_N=bn,
+        BLOCK_K=bk, num_warps=warps, **_routing(router_logits, top_k, renormalize),
     )  # fmt: skip
-    out = torch.empty_like(x) if out is None else out
-    bn, bk, warps = down_config
-    down_kernel[(-(-hidden // bn),)](
-        router_logits, act, down, out, num_experts, hidden, down.stride(0), K=inter, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, **routing,
+    return act
+
+
+def down_sum(
+    act: torch.Tensor,
+    router_logits: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    out: torch.Tensor | None = None,
+    config: tuple[int, int, int] = DOWN_CONFIG,
+) -> torch.Tensor:
+    """[1, H]: sum_k w_k * down[e_k] @ act[k] over the top_k experts of the token; into out if given."""
+    hidden, inter = down.shape[1], down.shape[2]
+    out = torch.empty(1, hidden, dtype=act.dtype, device=act.device) if out is None else out
+    bn, bk, warps = config
+    _kernels()[1][(-(-hidden // bn),)](
+        router_logits, act, down, out, router_logits.shape[1], hidden, down.stride(0), K=inter, BLOCK_N=bn,
+        BLOCK_K=bk, num_warps=warps, **_routing(router_logits, top_k, renormalize),
     )  # fmt: skip
     return out

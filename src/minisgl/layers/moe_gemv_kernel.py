@@ -53,32 +53,32 @@ def up_kernel(
     PDL: tl.constexpr,
 ):
     """act [TOP_K, INTER]: row k = silu(gate) * up of the token x [K] through its k-th expert's gate_up
-    [2 INTER, K], gate and up each rounded to act's dtype first, as the grouped GEMM's output is. Program (k,
-    n-block)."""
+    [2 INTER, K], gate and up each rounded to act's dtype first, as the grouped GEMM's output is. A program takes
+    BLOCK_N rows of every one of the top_k experts at once ([BLOCK_TOP, BLOCK_N, BLOCK_K] tiles: many bytes in
+    flight, which a one-row product bound by memory needs)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    slot = tl.program_id(0)
     _, top_i = _top_k(logits_ptr, E, TOP_K, RENORM, BLOCK_E, BLOCK_TOP)
-    expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOP) == slot, top_i, 0), axis=0).to(tl.int64)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    live_n = rn < INTER
-    w = w_ptr + expert * stride_we
-    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    slots = tl.arange(0, BLOCK_TOP)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = (slots < TOP_K)[:, None] & (rn < INTER)[None, :]  # [BLOCK_TOP, BLOCK_N]
+    rows = top_i.to(tl.int64)[:, None] * stride_we + rn[None, :] * K  # each slot's expert, each row
+    gate = tl.zeros((BLOCK_TOP, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_TOP, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         live_k = rk < K
-        x = tl.load(x_ptr + rk, mask=live_k, other=0.0).to(tl.float32)[None, :]
-        mask = live_n[:, None] & live_k[None, :]
-        gate += tl.sum(tl.load(w + rn[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
-        up += tl.sum(
-            tl.load(w + (INTER + rn)[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1
-        )
+        x = tl.load(x_ptr + rk, mask=live_k, other=0.0).to(tl.float32)[None, None, :]
+        ptrs = w_ptr + rows[:, :, None] + rk[None, None, :]
+        mask = live[:, :, None] & live_k[None, None, :]
+        gate += tl.sum(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * x, axis=2)
+        up += tl.sum(tl.load(ptrs + INTER * K, mask=mask, other=0.0).to(tl.float32) * x, axis=2)
     dtype = act_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
-    tl.store(act_ptr + slot * INTER + rn, (gate / (1.0 + tl.exp(-gate)) * up).to(dtype), mask=live_n)
+    act = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
+    tl.store(act_ptr + slots[:, None] * INTER + rn[None, :], act, mask=live)
 
 
 @triton.jit
@@ -100,26 +100,27 @@ def down_kernel(
     PDL: tl.constexpr,
 ):
     """out [N] = sum_k weight_k * (down[expert_k] [N, K] @ act[k]), each term rounded to out's dtype first (as the
-    grouped GEMM writes it before the top-k sum); the sum in float32, rounded once. Program: an n-block."""
+    grouped GEMM writes it before the top-k sum); the sum in float32, rounded once. A program takes BLOCK_N rows of
+    every one of the top_k experts at once, as up_kernel does."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     top_w, top_i = _top_k(logits_ptr, E, TOP_K, RENORM, BLOCK_E, BLOCK_TOP)
     slots = tl.arange(0, BLOCK_TOP)
+    live_slot = slots < TOP_K
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live_n = rn < N
+    live = live_slot[:, None] & live_n[None, :]
+    rows = top_i.to(tl.int64)[:, None] * stride_we + rn[None, :] * K
+    acc = tl.zeros((BLOCK_TOP, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        live_k = rk < K
+        a = tl.load(act_ptr + slots[:, None] * K + rk[None, :], mask=live_slot[:, None] & live_k[None, :], other=0.0)
+        w = tl.load(
+            w_ptr + rows[:, :, None] + rk[None, None, :], mask=live[:, :, None] & live_k[None, None, :], other=0.0
+        )
+        acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)
     dtype = out_ptr.dtype.element_ty
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):
-        expert = tl.sum(tl.where(slots == slot, top_i, 0), axis=0).to(tl.int64)
-        weight = tl.sum(tl.where(slots == slot, top_w, 0.0), axis=0)
-        w = w_ptr + expert * stride_we
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            live_k = rk < K
-            a = tl.load(act_ptr + slot * K + rk, mask=live_k, other=0.0).to(tl.float32)[None, :]
-            mask = live_n[:, None] & live_k[None, :]
-            acc += tl.sum(tl.load(w + rn[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32) * a, axis=1)
-        total += (acc * weight).to(dtype).to(tl.float32)
-    tl.store(out_ptr + rn, total.to(dtype), mask=live_n)
+    terms = (acc * top_w[:, None]).to(dtype).to(tl.float32)  # padded slots: weight 0
+    tl.store(out_ptr + rn, tl.sum(terms, axis=0).to(dtype), mask=live_n)
