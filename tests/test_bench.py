@@ -331,3 +331,13 @@ def test_agents_profile_tool_accounts_for_every_token_through_the_step_hooks(tin
     assert len(res["ttft_s"]) == k * t and all(v > 0 for v in res["ttft_s"].values())
     assert all(s["schedule_s"] >= 0 and s["launch_s"] > 0 for s in steps)
     assert sum(r["steps"] for r in res["by_kind"].values()) == len(steps)
+
+
+def test_latency_runs_reports_the_median_and_every_run(monkeypatch):
+    from minisgl.bench import throughput
+
+    measured = iter([{"decode_ms_per_token_bs1": v, "ttft_ms_bs1": 10 - v} for v in (1.3, 1.1, 1.2)])
+    monkeypatch.setattr(throughput, "decode_latency", lambda llm: next(measured))
+    result = throughput.latency_runs(object(), 3)
+    assert result["decode_ms_per_token_bs1"] == 1.2 and result["ttft_ms_bs1"] == 8.8
+    assert result["decode_ms_per_token_bs1_runs"] == [1.3, 1.1, 1.2]

@@ -135,7 +135,7 @@ def run_minisgl(args: argparse.Namespace) -> dict[str, Any]:
         decode_attention=type(getattr(engine.attn_backend, "decode", engine.attn_backend)).__name__,
     )
     if args.latency:
-        result.update(decode_latency(llm))
+        result.update(latency_runs(llm, args.latency_runs))
     result["peak_gpu_gb"] = round(torch.cuda.max_memory_reserved() / 1e9, 1)  # weights, KV pool, graphs, activations
     return result
 
@@ -222,6 +222,18 @@ def decode_latency(llm: Any) -> dict[str, Any]:
 
     short, long_ = timed(1), timed(513)
     return {"decode_ms_per_token_bs1": round((long_ - short) / 512 * 1000, 3), "ttft_ms_bs1": round(short * 1000, 2)}
+
+
+def latency_runs(llm: Any, runs: int) -> dict[str, Any]:
+    """decode_latency `runs` times in a row: the median of each figure, and every run's beside it."""
+    measured = [decode_latency(llm) for _ in range(runs)]
+    result: dict[str, Any] = {}
+    for key in measured[0]:
+        values = sorted(m[key] for m in measured)
+        result[key] = values[len(values) // 2]
+        if runs > 1:
+            result[f"{key}_runs"] = [m[key] for m in measured]
+    return result
 
 
 def run_hf(args: argparse.Namespace) -> dict[str, Any]:
@@ -351,6 +363,7 @@ def main_all(args: argparse.Namespace) -> None:
     results["floor"] = bandwidth_floor(bandwidth, SHAPES[args.shape])
     common = ["--max-prefill-tokens", str(args.max_prefill_tokens)]
     common += ["--num-pages", str(args.num_pages)] if args.num_pages else []
+    common += ["--latency-runs", str(args.latency_runs)]
     if not args.fp8_only:
         results["minisgl"] = sub(model_dir, "run", "--latency", *common)
     if not args.quick:
@@ -421,6 +434,8 @@ def print_table(r: dict[str, Any]) -> None:
             print(f"FP8 weights against bf16: throughput {speed:.2f}x, batch-1 decode {bs1:.2f}x")
     if "decode_ms_per_token_bs1" in main:
         print(f"decode latency, batch 1: {main['decode_ms_per_token_bs1']} ms/token (TTFT {main['ttft_ms_bs1']} ms)")
+        if "decode_ms_per_token_bs1_runs" in main:
+            print(f"  runs: {main['decode_ms_per_token_bs1_runs']} ms/token, TTFT {main['ttft_ms_bs1_runs']} ms")
     if "hf" in r and "output_tok_s" in r["hf"] and "output_tok_s" in main:
         print(
             f"speed-up vs HF generate: {main['output_tok_s'] / r['hf']['output_tok_s']:.1f}x "
@@ -459,6 +474,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--latency", action="store_true")
+    p.add_argument("--latency-runs", type=int, default=1, help="batch-1 latency measured this many times (median)")
     p.add_argument("--quick", action="store_true", help="skip the ablations")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--hf-batch", type=int, default=64)
