@@ -32,7 +32,8 @@ logger = logging.getLogger("minisgl")
 
 MARGIN = 1.25  # the GEMV replaces cuBLAS only when cuBLAS takes at least this much longer
 FUSED_MARGIN = 1.1  # the norm and its GEMM in one kernel only when the two apart take at least this much longer
-CONFIGS = ((4, 1024, 4), (8, 1024, 8), (8, 512, 4))  # (BLOCK_N, BLOCK_K, num_warps), measured on an H200
+# (BLOCK_N, BLOCK_K, num_warps) tried for each shape: fewer output rows a program, more programs and loads in flight.
+CONFIGS = ((4, 1024, 4), (8, 1024, 8), (8, 512, 4), (2, 1024, 4), (2, 2048, 4), (1, 2048, 4))
 MAX_TUNED_BYTES = 64 << 20  # larger weights (an LM head) stream at full speed through cuBLAS already
 CALLS = 28  # one timed CUDA graph replays this many calls, each on its own copy of the weight (not from L2)
 
