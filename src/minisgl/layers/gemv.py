@@ -12,7 +12,8 @@ A one-row linear after an RMSNorm can also take the norm into its GEMV (`norm_ge
 input row anyway, so each computes the norm's sum of squares itself, one writes the residual sum, and the norm's
 launch is gone; a gate_up projection also applies SiLU-and-mul to its output there. `tune` chooses it per
 (norm, linear) pair that a model's layers name (`gemv_norm_pairs()`) where it is at least FUSED_MARGIN faster than
-the kernels apart (on an H200 for Qwen3-0.6B: 1.05 against 1.19 ms a decode step at batch 1, docs/benchmarks.md).
+the kernels apart (on an H200 for Qwen3-0.6B, before the narrower tiles: 1.05 against 1.19 ms a decode step at batch
+1; with them 0.88 ms, docs/benchmarks.md).
 
 The kernel (layers/gemv_kernel.py): each program reduces BLOCK_N output channels over the whole input, BLOCK_K at a
 time, in fp32, launched with programmatic dependent launch where the GPU has it.
