@@ -13,7 +13,9 @@ gdc_wait, gdc_launch_dependents = gdc()
 @triton.jit
 def _top_k(logits_ptr, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr):
     """(weights [BLOCK_TOP] float32, ids [BLOCK_TOP]): the top_k of the softmax over the E router logits, as
-    layers/fused_moe.py's route_kernel picks them (the lowest index among ties, a row of NaNs still names experts)."""
+    layers/fused_moe.py's route_kernel picks them (the lowest index among ties, a row of NaNs still names experts).
+    The same steps as that kernel's body, which could call this function instead (a change to compile and check on a
+    GPU first)."""
     offs = tl.arange(0, BLOCK_E)
     mask = offs < E
     x = tl.load(logits_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
