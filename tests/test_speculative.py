@@ -249,11 +249,11 @@ def test_a_verify_step_that_fails_frees_every_page_and_the_engine_goes_on(llama,
     real = engine.forward_and_verify
     calls = []
 
-    def failing(batch, drafts, apply=None):
+    def failing(batch, apply=None):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("verify kernel failed")
-        return real(batch, drafts, apply)
+        return real(batch, apply)
 
     monkeypatch.setattr(engine, "forward_and_verify", failing)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -282,10 +282,12 @@ class Engine:
             return self.model(batch.input_ids, batch.positions)
 
     @torch.inference_mode()
-    def forward_and_verify(self, batch: Batch, drafts: list[list[int]], grammar_apply: Any = None) -> list[Verified]:
-        """Run a verify batch (row i extends by its last sampled token and drafts[i]), score every position and
+    def forward_and_verify(self, batch: Batch, grammar_apply: Any = None) -> list[Verified]:
+        """Run a verify batch (row i extends by its last sampled token and batch.drafts[i]), score every position and
         choose each row's tokens (engine/verify.py); changes no request. grammar_apply(logits, [state]) masks one
         row by one grammar state, or is None."""
+        assert batch.drafts is not None, "a verify batch carries its drafts"
+        drafts = batch.drafts
         ctx = get_context()
         ctx.attn_backend, ctx.kv_pool = self.attn_backend, self.kv_pool
         rows = positions(batch.reqs, drafts)

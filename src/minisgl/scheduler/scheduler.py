@@ -348,7 +348,7 @@ class Scheduler:
         ends = {id(r): r.cached_len + e for r, e in zip(verify.reqs, verify.extend_lens)}
         try:
             apply = self.grammars.backend().apply if any(r.grammar is not None for r in verify.reqs) else None
-            results = self.engine.forward_and_verify(verify, drafts, apply)
+            results = self.engine.forward_and_verify(verify, apply)
             self.num_steps += 1
             # Each row's last token on the device too: the next plain decode step reads it there (ReqKV.last_tokens).
             last = torch.tensor([r.tokens[-1] for r in results], dtype=torch.int64).to(self.device, non_blocking=True)
