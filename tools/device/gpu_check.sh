@@ -28,7 +28,7 @@ if [[ $STAGES == *warm* ]]; then
   echo "warm done $(( $(date +%s) - t0 ))s"
 fi
 if [[ $STAGES == *tests* ]]; then
-  timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_moe.py tests/test_fused_qkv.py tests/test_warmup.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+  timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_moe.py tests/test_fused_qkv.py tests/test_warmup.py tests/test_gemv.py tests/test_norm_gemv.py tests/test_moe_gemv.py tests/test_fused_moe.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
     | tee "$OUT_DIR/tests.log"
   echo "tests done $(( $(date +%s) - t0 ))s"
 fi
