@@ -12,21 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
+from triton_interpreter import device_fixture, run_interpreter_cases
 
 
 def test_the_kernel_in_triton_interpreter_on_the_cpu():
     run_interpreter_cases(__file__, passed=4, timeout=600)
 
 
-@pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
-def device(request: pytest.FixtureRequest):
-    from minisgl.layers import fused_qkv
-
-    interpreter_or_cuda(request.param)
-    fused_qkv._kernel.cache_clear()
-    yield request.param
-    fused_qkv._kernel.cache_clear()  # the next user compiles it for its own device
+device = device_fixture("minisgl.layers.fused_qkv", "_kernel")
 
 
 @pytest.mark.parametrize(

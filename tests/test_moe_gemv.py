@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
+from triton_interpreter import device_fixture, run_interpreter_cases
 
 # A rounding to bf16's relative error: half a unit in the last place on the GPU; Triton's interpreter truncates.
 ROUNDING = {"cuda": 2**-8, "cpu": 2**-7}
@@ -20,14 +20,7 @@ def test_the_kernels_in_triton_interpreter_on_the_cpu():
     run_interpreter_cases(__file__, passed=3, timeout=600)
 
 
-@pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
-def device(request: pytest.FixtureRequest):
-    from minisgl.layers import moe_gemv
-
-    interpreter_or_cuda(request.param)
-    moe_gemv._kernels.cache_clear()
-    yield request.param
-    moe_gemv._kernels.cache_clear()  # the next user compiles them for its own device
+device = device_fixture("minisgl.layers.moe_gemv", "_kernels")
 
 
 def reference(x, logits, gate_up, down, top_k, renormalize):

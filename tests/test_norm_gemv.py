@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
+from triton_interpreter import device_fixture, run_interpreter_cases
 
 # The relative error of a rounding to bf16: half a unit in the last place on the GPU (to nearest); Triton's interpreter
 # truncates (a whole unit).
@@ -26,14 +26,7 @@ def test_the_kernel_in_triton_interpreter_on_the_cpu():
     run_interpreter_cases(__file__, passed=4 * len(CASES) + 1, timeout=600)
 
 
-@pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
-def device(request: pytest.FixtureRequest):
-    from minisgl.layers import gemv
-
-    interpreter_or_cuda(request.param)
-    gemv._kernel.cache_clear()
-    yield request.param
-    gemv._kernel.cache_clear()  # the next user compiles it for its own device
+device = device_fixture("minisgl.layers.gemv", "_kernel")
 
 
 def reference(x, residual, norm_w, eps, w, bias, gated):

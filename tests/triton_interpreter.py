@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -43,3 +44,19 @@ def interpreter_or_cuda(param: str) -> None:
         pytest.skip("needs a CUDA GPU")
     if param == "cpu" and not INTERPRETED:
         pytest.skip("runs in its own process (run_interpreter_cases)")
+
+
+def device_fixture(module: str, cached: str) -> Any:
+    """A `device` fixture over "cpu" (Triton's interpreter) and "cuda" for the kernels that module's function `cached`
+    (a functools.cache) compiles: the cache is cleared around each case (a kernel built for one device is not the
+    other's)."""
+
+    @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
+    def device(request: pytest.FixtureRequest) -> Iterator[str]:
+        clear = getattr(importlib.import_module(module), cached).cache_clear
+        interpreter_or_cuda(request.param)
+        clear()
+        yield request.param
+        clear()  # the next user compiles them for its own device
+
+    return device
