@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -126,17 +126,18 @@ def _graph_us(fn: Any) -> float:
     return best
 
 
+def _fastest(us_of: Callable[[GemvConfig], float]) -> tuple[float, GemvConfig]:
+    """(microseconds, config) of the fastest of CONFIGS, us_of timing one (the first among equals)."""
+    timed = [(us_of(config), config) for config in map(GemvConfig._make, CONFIGS)]
+    return min(timed, key=lambda t: t[0])
+
+
 def choose(n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemvConfig | None:
     """The GEMV config for one-row GEMMs of a weight [n, k], or None where cuBLAS (F.linear) is as fast."""
     weights = [torch.randn(n, k, dtype=dtype, device=device) for _ in range(CALLS)]
     x = torch.randn(1, k, dtype=dtype, device=device)
     cublas = _graph_us(lambda i: torch.nn.functional.linear(x, weights[i]))
-    best: tuple[float, GemvConfig] | None = None
-    for config in map(GemvConfig._make, CONFIGS):
-        us = _graph_us(lambda i, c=config: gemv(x, weights[i], None, c))
-        if best is None or us < best[0]:
-            best = (us, config)
-    assert best is not None
+    best = _fastest(lambda c: _graph_us(lambda i: gemv(x, weights[i], None, c)))
     chosen = best[1] if cublas >= MARGIN * best[0] else None
     logger.info("one-row GEMM [%d x %d]: cuBLAS %.1f us, GEMV %.1f us -> %s", n, k, cublas, best[0],
                 "GEMV" if chosen else "cuBLAS")  # fmt: skip
@@ -163,12 +164,9 @@ def choose_fused(norm: torch.nn.Module, linear: torch.nn.Module, gated: bool) ->
             act(y)
 
     separate = _graph_us(unfused)
-    best: tuple[float, GemvConfig] | None = None
-    for config in map(GemvConfig._make, CONFIGS):
-        us = _graph_us(lambda i, c=config: norm_gemv(x, residual, norm.weight, norm.eps, weights[i], None, c, gated))
-        if best is None or us < best[0]:
-            best = (us, config)
-    assert best is not None
+    best = _fastest(
+        lambda c: _graph_us(lambda i: norm_gemv(x, residual, norm.weight, norm.eps, weights[i], None, c, gated))
+    )
     chosen = best[1] if separate >= FUSED_MARGIN * best[0] else None
     logger.info("one-row norm + GEMM [%d x %d]%s: separate %.1f us, fused %.1f us -> %s", *weight.shape,
                 " + SiLU-and-mul" if gated else "", separate, best[0], "fused" if chosen else "separate")  # fmt: skip
