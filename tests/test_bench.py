@@ -337,7 +337,7 @@ def test_latency_runs_reports_the_median_and_every_run(monkeypatch):
     from minisgl.bench import throughput
 
     measured = iter([{"decode_ms_per_token_bs1": v, "ttft_ms_bs1": 10 - v} for v in (1.3, 1.1, 1.2)])
-    monkeypatch.setattr(throughput, "decode_latency", lambda llm: next(measured))
+    monkeypatch.setattr(throughput, "decode_latency", lambda llm, run: next(measured))
     result = throughput.latency_runs(object(), 3)
     assert result["decode_ms_per_token_bs1"] == 1.2 and result["ttft_ms_bs1"] == 8.8
     assert result["decode_ms_per_token_bs1_runs"] == [1.3, 1.1, 1.2]

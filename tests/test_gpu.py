@@ -600,6 +600,67 @@ def test_piecewise_prefill_graphs_agree_with_the_eager_prefill(qwen3_dir, hf_fp3
     assert errors[4096] <= 1.25 * errors[0] + 1e-3, errors
 
 
+def test_one_request_prefills_replay_whole_graphs_as_hf_does(qwen3_dir, hf_fp32):
+    """A prefill of one request and at most 256 new tokens replays one CUDA graph with attention inside
+    (engine/piecewise.py's whole graphs over FlashInfer's graph-mode prefill). One request at a time, against the
+    eager prefill and fp32 HF: fresh prompts (a short one after a longer one, whose padded rows then hold stale
+    values), extends of a cached prefix (few new tokens after 600 cached ones) and a prompt too long for them;
+    prompt logprobs as close to HF as eager's, greedy outputs at HF's top-1 where the margin is clear."""
+    from minisgl import LLM, SamplingParams
+
+    rng = random.Random(11)
+    long_ = [rng.randrange(10, VOCAB) for _ in range(600)]
+    fresh = [[rng.randrange(10, VOCAB) for _ in range(n)] for n in (200, 37, 129, 16)]
+    extends = [fresh[0] + [rng.randrange(10, VOCAB) for _ in range(90)], long_, long_ + [3, 5, 7, 11, 13]]
+    scored = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    with torch.inference_mode():
+        ref = [torch.log_softmax(hf_fp32(torch.tensor([p], device="cuda")).logits[0].float(), -1).cpu() for p in fresh]
+    errors, paths = {}, {}
+    for limit in (0, 4096):
+        llm = LLM(str(qwen3_dir), **{**ENGINE, "piecewise_cuda_graph_max_tokens": limit})
+        runner = llm.scheduler.engine.prefill_graphs
+        seen: list[tuple[int, str]] = []
+        if runner is not None:
+            assert sorted(runner.whole) == [16, 32, 64, 128, 256]
+
+            def spy(batch, r=runner, run=runner.run):
+                tokens = batch.input_ids.shape[0]
+                whole = batch.size == 1 and r.padded_size(tokens) in r.whole
+                seen.append((tokens, "whole" if whole else "pieces"))
+                return run(batch)
+
+            runner.run = spy
+        outs = [llm.generate([p], scored, use_tqdm=False)[0] for p in fresh]
+        errors[limit] = float(
+            torch.cat(
+                [
+                    (
+                        torch.tensor([e[0] for e in o.prompt_logprobs[1:]])
+                        - r[torch.arange(len(p) - 1), torch.tensor(p[1:])]
+                    ).abs()
+                    for o, p, r in zip(outs, fresh, ref)
+                ]
+            ).mean()
+        )
+        prompts = fresh + extends
+        tokens = [llm.generate([p], greedy, use_tqdm=False)[0].token_ids for p in prompts]
+        llm.check_integrity()
+        paths[limit] = seen
+        metrics = parity(teacher_forced(hf_fp32, prompts, tokens), tokens)
+        report(
+            f"whole_prefill_graphs_{limit}",
+            {**metrics, "prompt_logprob_mean_abs_err_vs_hf_fp32": round(errors[limit], 5), "prefills": seen},
+        )
+        assert metrics["top1_clear_margin"] >= 0.99
+        del llm, runner, outs
+        release_gpu()
+    assert all((kind == "whole") == (tokens <= 256) for tokens, kind in paths[4096]), paths[4096]
+    assert {tokens <= 16 for tokens, _ in paths[4096]} == {True, False}, paths[4096]  # the short extend ran whole
+    assert any(tokens > 256 for tokens, _ in paths[4096]), paths[4096]
+    assert errors[4096] <= 1.25 * errors[0] + 1e-3, errors
+
+
 @pytest.mark.parametrize(
     "page_size,backend",
     [(1, "auto"), (16, "flashinfer"), (16, "flashinfer,xqa"), (16, "auto")],

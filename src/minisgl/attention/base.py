@@ -25,12 +25,20 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", layer_id: int, batch: "Batch"
+        self,
+        q: "torch.Tensor",
+        k: "torch.Tensor",
+        v: "torch.Tensor",
+        layer_id: int,
+        batch: "Batch",
+        out: "torch.Tensor | None" = None,
     ) -> "torch.Tensor":
         """Store k, v ([T, kv_heads, head_dim]) at batch.out_loc, then attend.
 
         k = v = None (only where kv_pool_for(batch) is a pool): the layer stored them already.
 
         q is [T, num_heads, head_dim]; returns [T, num_heads * head_dim]. Each request attends
-        causally to its prefix_len cached tokens plus its own extend tokens.
+        causally to its prefix_len cached tokens plus its own extend tokens. out ([T, num_heads *
+        head_dim], optional): the result is written there and out is returned (a CUDA graph's
+        static buffer, without a copy where the kernel can write it itself).
         """

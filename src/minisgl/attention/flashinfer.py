@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from minisgl.kvcache.pool import KVPool
     from minisgl.models.config import ModelConfig
 
-WORKSPACE_BYTES = 128 * 2**20
+# FlashInfer's float scratch (split-KV partial outputs). A graph-mode prefill plan sizes it for its whole padded grid:
+# the one-request prefill graphs on the Qwen3-30B-A3B shape (32 query heads, 66 tiles of 128 rows) take 138 MB.
+WORKSPACE_BYTES = 256 * 2**20
 
 
 # Decode runs FlashInfer's tensor-core kernel (its prefill kernel) for every batch: on the throughput workload
@@ -90,6 +92,9 @@ class FlashInferBackend(AttentionBackend):
         self._graph_last_page_len: torch.Tensor | None = None
         self._dummy_page = 0
         self._graph_padding: dict[int, _GraphPadding] = {}  # graph batch sizes planned without a KV split
+        self.prefill_backend = prefill_backend
+        self._prefill_graph_bufs: tuple[torch.Tensor, ...] | None = None  # init_prefill_graphs
+        self._prefill_graph_wrappers: dict[int, Any] = {}
 
     # ------------------------------------------------------------------ metadata
 
@@ -158,11 +163,17 @@ class FlashInferBackend(AttentionBackend):
             self._plan_decode(self.decode_wrapper, indptr, indices, last)
             batch.attn_metadata = FlashInferMetadata(self.decode_wrapper)
             return
+        self._plan_prefill(self.prefill_wrapper, batch.extend_lens, indptr, indices, last)
+        batch.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
+
+    def _plan_prefill(
+        self, wrapper: Any, extend_lens: list[int], indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor
+    ) -> None:
         qo_indptr = [0]
-        for e in batch.extend_lens:
+        for e in extend_lens:
             qo_indptr.append(qo_indptr[-1] + e)
-        self._next_pinned(self.prefill_wrapper)
-        self.prefill_wrapper.plan(
+        self._next_pinned(wrapper)
+        wrapper.plan(
             torch.tensor(qo_indptr, dtype=torch.int32),
             indptr,
             indices,
@@ -176,7 +187,6 @@ class FlashInferBackend(AttentionBackend):
             q_data_type=self.dtype,
             kv_data_type=self.kv_dtype,
         )
-        batch.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
 
     # ------------------------------------------------------------------ forward
 
@@ -184,15 +194,22 @@ class FlashInferBackend(AttentionBackend):
         return self.kv_pool
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int, batch: "Batch"
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer_id: int,
+        batch: "Batch",
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if k is not None and v is not None:
             self.kv_pool.store(layer_id, batch.out_loc, k, v)
         buf = self.kv_pool.buffer  # the whole buffer: it may hold a scratch page past num_pages
         shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
         kv = (buf[0, layer_id].view(shape), buf[1, layer_id].view(shape))
-        out = batch.attn_metadata.wrapper.run(q.contiguous(), kv)
-        return out.view(out.shape[0], -1)
+        into = None if out is None else out.view(q.shape)
+        result = batch.attn_metadata.wrapper.run(q.contiguous(), kv, out=into)
+        return result.view(result.shape[0], -1)
 
     # ------------------------------------------------------------------ CUDA graphs
 
@@ -289,6 +306,59 @@ class FlashInferBackend(AttentionBackend):
             not split_kv,  # disable_split_kv
             0,  # num_colocated_ctas
         )
+
+    # ------------------------------------------------------------------ one-request prefill CUDA graphs
+
+    def init_prefill_graphs(self, max_seq_len: int, dummy_page: int) -> bool:
+        """Index buffers for the one-request prefill graphs of engine/piecewise.py; False where they cannot run here.
+
+        They replay FlashInfer's FA2 prefill in graph mode: a wrapper captured for up to n query rows of one request
+        launches a fixed grid planned for n rows, and each replay's plan (prepare_prefill_replay) fills its tiles
+        for the request's own rows and KV (a graph-mode plan always splits the KV; the merge is in the graph).
+        FA3's prefill is left to the eager path."""
+        if self.prefill_backend != "fa2":
+            return False
+        dev, pages = self.device, -(-max_seq_len // self.page_size)
+        self._prefill_graph_bufs = (
+            torch.zeros(2, dtype=torch.int32, device=dev),  # qo_indptr
+            torch.zeros(2, dtype=torch.int32, device=dev),  # paged_kv_indptr
+            torch.zeros(pages, dtype=torch.int32, device=dev),  # paged_kv_indices
+            torch.ones(1, dtype=torch.int32, device=dev),  # paged_kv_last_page_len
+        )
+        self._dummy_page = dummy_page
+        return True
+
+    def capture_prefill_metadata(self, tokens: int) -> FlashInferMetadata:
+        """The graph-mode prefill wrapper for one request of up to `tokens` query rows, planned on that many rows of
+        the dummy page (the plan's grid, fixed from here on, is sized by them)."""
+        from flashinfer import BatchPrefillWithPagedKVCacheWrapper  # lazy: flashinfer is GPU-only
+
+        assert self._prefill_graph_bufs is not None, "init_prefill_graphs first"
+        qo, kv_indptr, indices, last = self._prefill_graph_bufs
+        wrapper = BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=qo,
+            paged_kv_indptr_buf=kv_indptr,
+            paged_kv_indices_buf=indices,
+            paged_kv_last_page_len_buf=last,
+            backend="fa2",
+        )
+        self._prefill_graph_wrappers[tokens] = wrapper
+        num_pages, page_indptr, page_last = self._paging([tokens])
+        dummy = torch.full((num_pages[0],), self._dummy_page, dtype=torch.int32, device=self.device)
+        self._plan_prefill(wrapper, [tokens], page_indptr, dummy, page_last)
+        return FlashInferMetadata(wrapper)
+
+    def prepare_prefill_replay(self, batch: "Batch", tokens: int) -> None:
+        """Plan the prefill graph of `tokens` rows for batch, one request of at most that many new tokens."""
+        assert batch.size == 1 and batch.extend_lens[0] <= tokens
+        num_pages, indptr, last = self._paging(batch.seq_lens)
+        indices = self._page_ids([batch.reqs[0].table_idx], num_pages)
+        wrapper = self._prefill_graph_wrappers[tokens]
+        self._plan_prefill(wrapper, batch.extend_lens, indptr, indices, last)
+        batch.attn_metadata = FlashInferMetadata(wrapper)
 
 
 class _GraphPadding:

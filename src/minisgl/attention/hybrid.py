@@ -29,12 +29,21 @@ class HybridBackend(AttentionBackend):
         return self._pick(batch).kv_pool_for(batch)
 
     def forward(
-        self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", layer_id: int, batch: "Batch"
+        self,
+        q: "torch.Tensor",
+        k: "torch.Tensor",
+        v: "torch.Tensor",
+        layer_id: int,
+        batch: "Batch",
+        out: "torch.Tensor | None" = None,
     ) -> "torch.Tensor":
-        return self._pick(batch).forward(q, k, v, layer_id, batch)
+        return self._pick(batch).forward(q, k, v, layer_id, batch, out=out)
 
     def __getattr__(self, name: str) -> Any:
-        # CUDA-graph verbs (init_cuda_graph, capture_metadata, prepare_replay) belong to the decode side.
+        # Decode CUDA-graph verbs (init_cuda_graph, capture_metadata, prepare_replay) belong to the decode side, the
+        # one-request prefill graphs' (engine/piecewise.py) to the prefill side.
         if name in ("init_cuda_graph", "capture_metadata", "prepare_replay"):
             return getattr(self.__dict__["decode"], name)
+        if name in ("init_prefill_graphs", "capture_prefill_metadata", "prepare_prefill_replay"):
+            return getattr(self.__dict__["prefill"], name)
         raise AttributeError(name)

@@ -178,7 +178,19 @@ class TorchNativeBackend(AttentionBackend):
         keys = (request_head * capacity + last[:, None]).flatten()
         return torch.cat([keys, keys + rows * kv_heads * capacity])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: "Batch") -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: "Batch",
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        result = self._attend(q, k, v, layer_id, batch)
+        return result if out is None else out.copy_(result)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: "Batch") -> torch.Tensor:
         self.kv_pool.store(layer_id, batch.out_loc, k, v)
         md: TorchNativeMetadata = batch.attn_metadata
         num_heads, head_dim = q.shape[1], q.shape[2]

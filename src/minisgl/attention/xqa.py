@@ -130,14 +130,20 @@ class XqaBackend(AttentionBackend):
         return self.kv_pool
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int, batch: "Batch"
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer_id: int,
+        batch: "Batch",
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if k is not None and v is not None:
             self.kv_pool.store(layer_id, batch.out_loc, k, v)
         meta: XqaMetadata = batch.attn_metadata
         bs = meta.table.shape[0]
         q = q.reshape(bs, 1, self.num_qo_heads, self.head_dim)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out.view(bs, 1, self.num_qo_heads, self.head_dim)
         self.module.xqa(
             self.fp8_gmma,
             self.sm_count,

@@ -208,13 +208,16 @@ class GcTimer:
         gc.callbacks.remove(self._callback)
 
 
-def decode_latency(llm: Any) -> dict[str, Any]:
-    """ms per output token of one request (prompt 128), from the difference of two lengths (no TTFT)."""
-    prompt = [random.Random(1).randint(0, 10000) for _ in range(128)]
+def decode_latency(llm: Any, run: int = 0) -> dict[str, Any]:
+    """Batch 1: ms per output token from the difference of a 513- and a 1-token request, and TTFT (the 1-token
+    request's time); best of 3 each. Every request is a fresh 128-token prompt (none of its prefix cached), so TTFT
+    is a 128-token prefill; `run` picks prompts no earlier run used."""
+    rng = random.Random(1000 + run)
 
     def timed(n: int) -> float:
         best = float("inf")
         for _ in range(3):
+            prompt = [rng.randint(0, 10000) for _ in range(128)]
             t0 = time.perf_counter()
             llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
             best = min(best, time.perf_counter() - t0)
@@ -226,7 +229,7 @@ def decode_latency(llm: Any) -> dict[str, Any]:
 
 def latency_runs(llm: Any, runs: int) -> dict[str, Any]:
     """decode_latency `runs` times in a row: the median of each figure, and every run's beside it."""
-    measured = [decode_latency(llm) for _ in range(runs)]
+    measured = [decode_latency(llm, run) for run in range(runs)]
     result: dict[str, Any] = {}
     for key in measured[0]:
         values = sorted(m[key] for m in measured)

@@ -98,8 +98,13 @@ class Engine:
         self.prefill_graphs: Any = None
         max_tokens = min(config.piecewise_cuda_graph_max_tokens, config.max_prefill_tokens)
         if self._piecewise_ok(max_tokens):
+            init_whole = getattr(self.attn_backend, "init_prefill_graphs", None)
             self.prefill_graphs = PiecewiseGraphRunner(
-                self.model, max_tokens, dummy_slot=self.num_pages * self.page_size, device=self.device
+                self.model,
+                max_tokens,
+                dummy_slot=self.num_pages * self.page_size,
+                device=self.device,
+                whole_graphs=init_whole is not None and init_whole(self.max_seq_len, self.num_pages),
             )
 
     def _load_model(self, model_source: Any) -> None:
@@ -275,9 +280,9 @@ class Engine:
 
     def _run_model(self, batch: Batch) -> torch.Tensor:
         """The model's hidden states for a batch outside the decode graphs: piecewise prefill graphs, or eager."""
-        self.attn_backend.prepare(batch)
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
-            return self.prefill_graphs.run(batch)
+            return self.prefill_graphs.run(batch)  # plans the batch's attention itself
+        self.attn_backend.prepare(batch)
         with get_context().forward_batch(batch):
             return self.model(batch.input_ids, batch.positions)
 

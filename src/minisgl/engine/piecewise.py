@@ -10,6 +10,11 @@ pages, as decode graphs' padded rows do. An eager prefill pays Python and a laun
 layer (10-13 ms a 28-layer forward on the H100's host, longer than the GPU needs for a 4,096-token chunk);
 a replay is one launch per piece (SGLang's and vLLM's piecewise CUDA graphs do the same).
 
+A prefill of one request and at most WHOLE_GRAPH_MAX_TOKENS new tokens (a chat turn, an agent's tool result, a
+short prompt: the time to its first token) replays one graph of the whole forward instead, attention included,
+where the backend can plan a graph-mode prefill (FlashInfer's FA2: attention/flashinfer.py, prepare_prefill_replay):
+28 eager attention calls and 29 replays cost ~1.5 ms of host time that a 128-token prefill's GPU work does not hide.
+
 The model contract: model.model.embed_tokens, .layers (each with attention_input / attention_output and
 self_attn.attn, the AttentionLayer) and .norm, as models/llama.py has.
 """
@@ -29,6 +34,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 logger = logging.getLogger("minisgl")
+
+WHOLE_GRAPH_MAX_TOKENS = 256
 
 
 def piecewise_sizes(max_tokens: int) -> list[int]:
@@ -59,9 +66,16 @@ def _keep(buf: torch.Tensor, x: torch.Tensor) -> None:
 
 class PiecewiseGraphRunner:
     def __init__(
-        self, model: "nn.Module", max_tokens: int, dummy_slot: int, device: torch.device, use_graphs: bool = True
+        self,
+        model: "nn.Module",
+        max_tokens: int,
+        dummy_slot: int,
+        device: torch.device,
+        use_graphs: bool = True,
+        whole_graphs: bool = False,
     ) -> None:
-        """use_graphs=False runs the same pieces eagerly (the CPU tests check the splitting and the padding)."""
+        """use_graphs=False runs the same pieces eagerly (the CPU tests check the splitting and the padding).
+        whole_graphs: the attention backend made its one-request prefill graph buffers (init_prefill_graphs)."""
         inner = model.model
         self.embed, self.layers, self.norm = inner.embed_tokens, list(inner.layers), inner.norm
         self.sizes = piecewise_sizes(max_tokens)
@@ -85,8 +99,11 @@ class PiecewiseGraphRunner:
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.fused_store = False  # whether the pieces store k, v themselves (set by the capture)
         self.pieces: dict[int, list[Callable[[], Any]]] = {}
+        self.whole: dict[int, Callable[[], Any]] = {}  # one-request prefills: the whole forward's graph by size
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self._capture()
+        if use_graphs and whole_graphs:
+            self._capture_whole()
 
     def _piece(self, i: int, n: int) -> Callable[[], None]:
         """Piece i of a forward of n rows: i = 0 the embedding and layer 0 up to attention; 0 < i < L the rest of
@@ -114,24 +131,43 @@ class PiecewiseGraphRunner:
 
         return run
 
-    @torch.inference_mode()
-    def _capture(self) -> None:
-        ctx = get_context()
-        n = self.max_tokens
-        # Capture runs under a one-request prefill batch of the largest size (the backend's kv_pool_for reads it);
-        # every row writes its KV into the scratch slot.
-        probe = Batch(
+    def _attend(self, layer: "nn.Module", rows: int) -> None:
+        """Layer's attention over the first `rows` rows of the static buffers, into self.attn_out."""
+        k, v = (None, None) if self.fused_store else (self.k[:rows], self.v[:rows])
+        layer.self_attn.attn(self.q[:rows], k, v, out=self.attn_out[:rows])
+
+    def _whole_forward(self, n: int) -> Callable[[], None]:
+        """Every piece of a forward of n rows with attention between them (captured as one graph)."""
+        pieces = [self._piece(i, n) for i in range(len(self.layers) + 1)]
+
+        def run() -> None:
+            pieces[0]()
+            for layer, piece in zip(self.layers, pieces[1:]):
+                self._attend(layer, n)
+                piece()
+
+        return run
+
+    def _probe(self, n: int) -> Batch:
+        """A one-request prefill batch of n rows over the static buffers: what captures run under (the backend's
+        kv_pool_for reads it); every row writes its KV into the scratch slot."""
+        return Batch(
             reqs=[],
             phase=Phase.PREFILL,
-            input_ids=self.input_ids,
-            positions=self.positions,
-            out_loc=self.out_loc,
+            input_ids=self.input_ids[:n],
+            positions=self.positions[:n],
+            out_loc=self.out_loc[:n],
             table_rows=self.input_ids[:1],
             prefix_lens=[0],
             extend_lens=[n],
             seq_lens=[n],
             sample_mask=[True],
         )
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        ctx = get_context()
+        probe = self._probe(self.max_tokens)
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
             free_before = torch.cuda.mem_get_info(self.device)[0]
@@ -168,6 +204,38 @@ class PiecewiseGraphRunner:
                 used / 2**30,
             )
 
+    @torch.inference_mode()
+    def _capture_whole(self) -> None:
+        """One graph per size up to WHOLE_GRAPH_MAX_TOKENS for one-request prefills, attention included."""
+        ctx = get_context()
+        backend = ctx.attn_backend
+        t0 = time.perf_counter()
+        pool = self.graphs[0].pool() if self.graphs else None
+        for n in reversed([s for s in self.sizes if s <= WHOLE_GRAPH_MAX_TOKENS]):
+            probe = self._probe(n)
+            try:
+                probe.attn_metadata = backend.capture_prefill_metadata(n)
+            except Exception as e:  # noqa: BLE001 - e.g. a plan larger than the backend's workspace: eager for n
+                logger.warning("one-request prefill graph of %d tokens not captured (%s): piecewise instead", n, e)
+                continue
+            fn = self._whole_forward(n)
+            with ctx.forward_batch(probe):
+                fn()  # warm-up
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    fn()
+            pool = graph.pool()
+            self.graphs.append(graph)
+            self.whole[n] = graph.replay
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "CUDA graphs: one-request prefills of up to %d tokens whole (%d sizes) captured in %.1fs",
+            max(self.whole, default=0),
+            len(self.whole),
+            time.perf_counter() - t0,
+        )
+
     def can_run(self, batch: Batch) -> bool:
         return batch.is_prefill and 0 < batch.input_ids.shape[0] <= self.max_tokens
 
@@ -175,8 +243,8 @@ class PiecewiseGraphRunner:
         return next(s for s in self.sizes if s >= tokens)
 
     def run(self, batch: Batch) -> torch.Tensor:
-        """The final hidden states [T, hidden_size] of a prefill batch planned by the attention backend (a view of a
-        static buffer: read it before the next run)."""
+        """The final hidden states [T, hidden_size] of a prefill batch (a view of a static buffer: read it before the
+        next run). Plans the batch's attention itself (the whole graphs plan their own wrapper)."""
         tokens = batch.input_ids.shape[0]
         n = self.padded_size(tokens)
         self.input_ids[:tokens].copy_(batch.input_ids)
@@ -184,14 +252,19 @@ class PiecewiseGraphRunner:
         self.out_loc[:tokens].copy_(batch.out_loc)
         if n > tokens:  # stale ids and positions are valid indices; stale slots would overwrite someone's KV
             self.out_loc[tokens:n].fill_(self.dummy_slot)
+        ctx = get_context()
+        whole = self.whole.get(n) if batch.size == 1 else None
+        if whole is not None:
+            ctx.attn_backend.prepare_prefill_replay(batch, n)
+            whole()
+            return self.hidden[:tokens]
+        ctx.attn_backend.prepare(batch)
         pieces = self.pieces[n]
-        q = self.q[:tokens]
-        k, v = (None, None) if self.fused_store else (self.k[:tokens], self.v[:tokens])
-        with get_context().forward_batch(batch):
+        with ctx.forward_batch(batch):
             pieces[0]()
-            for i, layer in enumerate(self.layers):
-                self.attn_out[:tokens].copy_(layer.self_attn.attn(q, k, v))
-                pieces[i + 1]()
+            for layer, piece in zip(self.layers, pieces[1:]):
+                self._attend(layer, tokens)
+                piece()
         return self.hidden[:tokens]
 
     def release(self) -> None:
@@ -201,3 +274,4 @@ class PiecewiseGraphRunner:
             graph.reset()
         self.graphs.clear()
         self.pieces.clear()
+        self.whole.clear()

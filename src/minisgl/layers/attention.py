@@ -34,11 +34,15 @@ class AttentionLayer(nn.Module):
         assert ctx.attn_backend is not None and ctx.batch is not None, "run the model inside Context.forward_batch"
         return ctx.attn_backend.kv_pool_for(ctx.batch)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
-        """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads * head_dim].
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads * head_dim] (written into out if given).
 
         k = v = None: they are already in the KV pool at the batch's out_loc (pool_for_fused_store).
         """
         ctx = get_context()
         assert ctx.attn_backend is not None and ctx.batch is not None, "run the model inside Context.forward_batch"
-        return ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
+        if out is None:
+            return ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
+        return ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch, out=out)
