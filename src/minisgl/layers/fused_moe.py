@@ -32,34 +32,7 @@ from minisgl.layers.activation import SiluAndMul
 
 @functools.cache
 def _route_kernel() -> Any:
-    import triton  # lazy: triton is GPU-only
-    import triton.language as tl  # lazy: triton is GPU-only
-
-    @triton.jit
-    def route_kernel(
-        logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-        BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr,
-    ):  # fmt: skip
-        token = tl.program_id(0)
-        offs = tl.arange(0, BLOCK_E)
-        mask = offs < num_experts
-        x = tl.load(logits_ptr + token * stride_t + offs, mask=mask, other=-float("inf")).to(tl.float32)
-        p = tl.exp(x - tl.max(x, axis=0))
-        p = tl.where(mask, p / tl.sum(p, axis=0), -1.0)
-        slots = tl.arange(0, BLOCK_TOP)
-        top_w = tl.zeros((BLOCK_TOP,), dtype=tl.float32)
-        top_i = tl.zeros((BLOCK_TOP,), dtype=tl.int32)
-        for k in tl.static_range(TOP_K):
-            best = tl.max(p, axis=0)
-            idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)  # the lowest index among ties, like topk
-            idx = tl.minimum(idx, num_experts - 1)  # a row of NaNs (a padded graph row) still names an expert
-            top_w = tl.where(slots == k, best, top_w)
-            top_i = tl.where(slots == k, idx, top_i)
-            p = tl.where(offs == idx, -1.0, p)
-        if RENORM:
-            top_w = top_w / tl.sum(top_w, axis=0)
-        tl.store(weights_ptr + token * TOP_K + slots, top_w, mask=slots < TOP_K)
-        tl.store(ids_ptr + token * TOP_K + slots, top_i, mask=slots < TOP_K)
+    from minisgl.layers.moe_gemv_kernel import route_kernel  # lazy: triton is GPU-only
 
     return route_kernel
 

@@ -1,4 +1,5 @@
-"""The Triton kernels behind layers/moe_gemv.py; imported on first use, and only where Triton imports."""
+"""The Triton kernels behind layers/moe_gemv.py, and the routing kernel of layers/fused_moe.py's grouped path (both
+route with top_k_softmax); imported on first use, and only where Triton imports."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ gdc_wait, gdc_launch_dependents = gdc()
 
 
 @triton.jit
-def _top_k(logits_ptr, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr):
-    """(weights [BLOCK_TOP] float32, ids [BLOCK_TOP]): the top_k of the softmax over the E router logits, as
-    layers/fused_moe.py's route_kernel picks them (the lowest index among ties, a row of NaNs still names experts).
-    The same steps as that kernel's body, which could call this function instead (a change to compile and check on a
-    GPU first)."""
+def top_k_softmax(
+    logits_ptr, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr
+):
+    """(weights [BLOCK_TOP] float32, ids [BLOCK_TOP]): the top_k of the softmax over one token's E router logits,
+    renormalised over the k where RENORM. Ties go to the lowest index, as torch.topk's do; a row of NaNs (a padded
+    graph row) still names experts. Both the grouped path's routing (layers/fused_moe.py) and the one-token kernels
+    below route with it."""
     offs = tl.arange(0, BLOCK_E)
     mask = offs < E
     x = tl.load(logits_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
@@ -34,6 +37,19 @@ def _top_k(logits_ptr, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl
     if RENORM:
         top_w = top_w / tl.sum(top_w, axis=0)
     return top_w, top_i
+
+
+@triton.jit
+def route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr,
+):  # fmt: skip
+    """Every token's top_k experts and weights (one program a token): ids and weights [tokens, TOP_K]."""
+    token = tl.program_id(0)
+    top_w, top_i = top_k_softmax(logits_ptr + token * stride_t, num_experts, TOP_K, RENORM, BLOCK_E, BLOCK_TOP)
+    slots = tl.arange(0, BLOCK_TOP)
+    tl.store(weights_ptr + token * TOP_K + slots, top_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slots, top_i, mask=slots < TOP_K)
 
 
 @triton.jit
@@ -61,7 +77,7 @@ def up_kernel(
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    _, top_i = _top_k(logits_ptr, E, TOP_K, RENORM, BLOCK_E, BLOCK_TOP)
+    _, top_i = top_k_softmax(logits_ptr, E, TOP_K, RENORM, BLOCK_E, BLOCK_TOP)
     slots = tl.arange(0, BLOCK_TOP)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = (slots < TOP_K)[:, None] & (rn < INTER)[None, :]  # [BLOCK_TOP, BLOCK_N]
@@ -107,7 +123,7 @@ def down_kernel(
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    top_w, top_i = _top_k(logits_ptr, E, TOP_K, RENORM, BLOCK_E, BLOCK_TOP)
+    top_w, top_i = top_k_softmax(logits_ptr, E, TOP_K, RENORM, BLOCK_E, BLOCK_TOP)
     slots = tl.arange(0, BLOCK_TOP)
     live_slot = slots < TOP_K
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
