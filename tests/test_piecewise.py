@@ -42,9 +42,9 @@ def test_piecewise_prefill_gives_hf_transformers_logprobs_and_tokens(tiny_model_
             hf.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(p) :].tolist()
             for p in (LONG, SHORT, LONG + [42])
         ]
-    with LLM(str(model_dir), max_prefill_tokens=40) as llm:
+    with LLM(str(model_dir), max_prefill_tokens=40, device="cpu") as llm:
         engine = llm.scheduler.engine
-        assert engine.prefill_graphs is None  # CPU: eager unless a runner is put in
+        assert engine.prefill_graphs is None  # on the CPU: eager unless a runner is put in
         assert supports_piecewise(engine.model)
         runner = PiecewiseGraphRunner(engine.model, 40, dummy_slot=0, device=engine.device, use_graphs=False)
         assert runner.sizes == [16, 32, 40] and not runner.fused_store
