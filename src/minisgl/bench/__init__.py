@@ -25,7 +25,7 @@ SUBCOMMANDS = {  # name -> (module under minisgl.bench, or an adapter's dotted m
         "litellm_minisgl.bench",
         "cache-aware vs round-robin routing across two daemons behind a LiteLLM Router",
     ),
-    "throughput": ("throughput", "GPU: issue 8's offline workload (256 requests, dummy model of a --shape)"),
+    "throughput": ("throughput", "GPU: the offline workload (256 requests, dummy model of a --shape)"),
     "tp": ("tp", "GPU: tensor-parallel parity, TP=2 vs TP=1 throughput, two nodes (2 GPUs)"),
     "cpu": ("cpu", "CPU decode: HF generate vs minisgl fp32, fp16 and int8 weights (1 and 32 requests)"),
     "profile": ("profile", "where the time goes: CPU GEMMs, a CPU decode step, GPU decode steps"),

@@ -1,4 +1,4 @@
-"""GPU benchmark: the offline workload of issue 8 on a model of a given shape with dummy weights.
+"""GPU benchmark: the offline workload (nano-vllm's and Mini-SGLang's) on a model of a given shape with dummy weights.
 
     minisgl bench throughput --out out/bench.json             # everything, a table at the end
     minisgl bench throughput --shape qwen3-30b-a3b --quick --skip-hf   # the mixture-of-experts shape
@@ -366,7 +366,7 @@ def main_all(args: argparse.Namespace) -> None:
     results["floor"] = bandwidth_floor(bandwidth, SHAPES[args.shape])
     common = ["--max-prefill-tokens", str(args.max_prefill_tokens)]
     common += ["--num-pages", str(args.num_pages)] if args.num_pages else []
-    common += ["--latency-runs", str(args.latency_runs)]
+    common += ["--latency-runs", str(args.latency_runs), "--repeat", str(args.repeat)]
     if not args.fp8_only:
         results["minisgl"] = sub(model_dir, "run", "--latency", *common)
     if not args.quick:
@@ -394,7 +394,7 @@ def print_table(r: dict[str, Any]) -> None:
     floor = r["floor"]["floor_output_tok_s"]
     main = r.get("minisgl", {})
     shape = r.get("shape", "qwen3-0.6b")
-    print(f"\n## {r['gpu']}, {r['date']}, {shape}-shaped dummy bf16, 256 requests (issue 8 workload)")
+    print(f"\n## {r['gpu']}, {r['date']}, {shape}-shaped dummy bf16, 256 requests (the offline workload)")
     print(f"{'configuration':40s} {'output tok/s':>14s} {'seconds':>9s} {'of floor':>9s}")
     for key, name in (
         ("minisgl", "minisgl (overlap + CUDA graphs)"),
@@ -407,6 +407,8 @@ def print_table(r: dict[str, Any]) -> None:
         if key in r and "output_tok_s" in r[key]:
             tps = r[key]["output_tok_s"]
             print(f"{name:40s} {tps:14.1f} {r[key]['seconds']:9.2f} {tps / floor:9.1%}")
+            if "output_tok_s_runs" in r[key]:
+                print(f"  runs (the median above): {r[key]['output_tok_s_runs']} tok/s")
         elif key in r:
             print(f"{name:40s} {r[key]}")
     print(f"{'bandwidth floor (decode KV + weights)':40s} {floor:14.1f} {r['floor']['floor_seconds']:9.2f}")
@@ -473,7 +475,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-overlap", action="store_true")
     p.add_argument("--speculative", choices=["ngram"], default=None, help="run: n-gram speculative decoding")
     p.add_argument(
-        "--repeat", type=int, default=1, help="run: after a 32-request warm-up, time the workload this many times"
+        "--repeat", type=int, default=1, help="after a 32-request warm-up, time the workload this many times"
     )
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--latency", action="store_true")

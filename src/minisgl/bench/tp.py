@@ -1,4 +1,4 @@
-"""Tensor parallelism on a 2-GPU machine (issue 9): parity, throughput, two "nodes"; plus issue 7 / 10 GPU figures.
+"""Tensor parallelism on a 2-GPU machine: parity, throughput, two "nodes"; plus the HF drop-in and agents figures.
 
     minisgl bench tp all --out-dir out            # every stage, a table at the end (tools/device/gpu_tp_check.sh)
     minisgl bench tp gen --model-dir D --tp 2 --out F [--teacher-force G] [--nnodes 2 --dist-init-addr A]
@@ -12,7 +12,7 @@ Stages of `all` (each engine in its own process, so each sizes its KV pool from 
   nodes    the same TP=2 run as two "nodes" on one machine: node 1 is `minisgl serve --node-rank 1`
            with CUDA_VISIBLE_DEVICES=1, node 0 an LLM(nnodes=2, node_rank=0) with CUDA_VISIBLE_DEVICES=0,
            tcp rendezvous on 127.0.0.1; its outputs must equal the single-node TP=2 outputs.
-  tput     the issue-8 offline workload (`minisgl bench throughput`'s workload()) on a Qwen3-14B-shaped dummy
+  tput     the offline workload (`minisgl bench throughput`'s workload()) on a Qwen3-14B-shaped dummy
            model (40 layers, hidden 5120, 40 q / 8 kv heads, intermediate 17408, vocab 151936, untied; --shape
            qwen3-30b-a3b: the mixture-of-experts one), bf16, TP=1 (one GPU) vs TP=2.
   hfpatch  `minisgl bench hf-generate` --num-prompts 256 --device cuda on a Qwen3-0.6B-shaped HF checkpoint.

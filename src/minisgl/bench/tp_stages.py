@@ -405,7 +405,7 @@ def print_table(r: dict[str, Any]) -> None:
     _print_parity(r)
     t = r.get("tput")
     if t:
-        print(f"throughput, {t['model']}, {t['requests']} requests (issue 8 workload)")
+        print(f"throughput, {t['model']}, {t['requests']} requests (the offline workload)")
         for key in [k for k in t if k.startswith("tp")]:
             x = t[key]
             name = key.replace("tp", "TP=", 1)
