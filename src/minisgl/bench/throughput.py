@@ -145,7 +145,8 @@ def _tok_s(result: dict[str, Any]) -> float:
 
 
 def timed_workload(llm: Any, sched: Any, work: tuple[list[list[int]], list[int]]) -> dict[str, Any]:
-    """One warm-up request, then the whole workload (prompts, max_tokens) timed as one generate call.
+    """One warm-up request, then the whole workload (prompts, max_tokens) timed as one generate call, its prompts
+    computed in full: the prefix cache is emptied first (a run after another would find every prompt cached).
 
     sched: the scheduler whose steps are counted (rank 0's own with tensor parallelism).
     """
@@ -153,6 +154,7 @@ def timed_workload(llm: Any, sched: Any, work: tuple[list[list[int]], list[int]]
 
     prompts, max_tokens = work
     llm.generate([prompts[0]], SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    llm.reset_prefix_cache()
     params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True) for m in max_tokens]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
