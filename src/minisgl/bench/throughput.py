@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,8 @@ def run_minisgl(args: argparse.Namespace) -> dict[str, Any]:
     init_s = time.perf_counter() - t0
     if args.repeat > 1:  # the median run, every run's figure beside it
         timed_workload(llm, llm.scheduler, workload(32))
-        runs = sorted((timed_workload(llm, llm.scheduler, workload()) for _ in range(args.repeat)), key=_tok_s)
+        runs = [timed_workload(llm, llm.scheduler, workload()) for _ in range(args.repeat)]
+        runs.sort(key=itemgetter("output_tok_s"))
         result = {**runs[len(runs) // 2], "output_tok_s_runs": [r["output_tok_s"] for r in runs]}
     else:
         result = timed_workload(llm, llm.scheduler, workload())
@@ -138,10 +140,6 @@ def run_minisgl(args: argparse.Namespace) -> dict[str, Any]:
         result.update(latency_runs(llm, args.latency_runs))
     result["peak_gpu_gb"] = round(torch.cuda.max_memory_reserved() / 1e9, 1)  # weights, KV pool, graphs, activations
     return result
-
-
-def _tok_s(result: dict[str, Any]) -> float:
-    return result["output_tok_s"]
 
 
 def timed_workload(llm: Any, sched: Any, work: tuple[list[list[int]], list[int]]) -> dict[str, Any]:
