@@ -235,6 +235,21 @@ def parity(ref32: list[torch.Tensor], outs: list[list[int]]) -> dict[str, float]
     return agreement(ref32, outs)
 
 
+def hf_prompt_logprobs(hf: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """HF's log-probabilities (float32, CPU) after every prefix of each prompt: row t scores prompt[t + 1]."""
+    with torch.inference_mode():
+        return [torch.log_softmax(hf(torch.tensor([p], device="cuda")).logits[0].float(), -1).cpu() for p in prompts]
+
+
+def prompt_logprob_error(outs: list[Any], prompts: list[list[int]], ref: list[torch.Tensor]) -> float:
+    """Mean |our prompt logprob - the reference's| over every scored prompt token (outs asked for prompt_logprobs)."""
+    errors = [
+        (torch.tensor([e[0] for e in o.prompt_logprobs[1:]]) - r[torch.arange(len(p) - 1), torch.tensor(p[1:])]).abs()
+        for o, p, r in zip(outs, prompts, ref)
+    ]
+    return float(torch.cat(errors).mean())
+
+
 def rerun_parity(hf: Any, prompts: list[list[int]], info: dict[str, Any], key: str) -> None:
     """The greedy second pass extends cached prefixes, a different kernel path from the first: on random weights
     it is judged as the first pass is, by top-1 against fp32 HF where the margin is clear (its near-ties flip
@@ -548,10 +563,7 @@ def test_piecewise_prefill_graphs_agree_with_the_eager_prefill(qwen3_dir, hf_fp3
     prompts = make_prompts(seed=3)
     scored = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    with torch.inference_mode():
-        ref = [
-            torch.log_softmax(hf_fp32(torch.tensor([p], device="cuda")).logits[0].float(), -1).cpu() for p in prompts
-        ]
+    ref = hf_prompt_logprobs(hf_fp32, prompts)
     errors, sizes = {}, {}
     for limit in (0, 4096):
         llm = LLM(str(qwen3_dir), **{**ENGINE, "max_prefill_tokens": 1024, "piecewise_cuda_graph_max_tokens": limit})
@@ -564,17 +576,7 @@ def test_piecewise_prefill_graphs_agree_with_the_eager_prefill(qwen3_dir, hf_fp3
                 seen.append(r.padded_size(batch.input_ids.shape[0])) or run(batch)
             )
         outs = llm.generate(prompts, scored, use_tqdm=False)
-        errors[limit] = float(
-            torch.cat(
-                [
-                    (
-                        torch.tensor([e[0] for e in o.prompt_logprobs[1:]])
-                        - r[torch.arange(len(p) - 1), torch.tensor(p[1:])]
-                    ).abs()
-                    for o, p, r in zip(outs, prompts, ref)
-                ]
-            ).mean()
-        )
+        errors[limit] = prompt_logprob_error(outs, prompts, ref)
         first = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         again = llm.generate(prompts, greedy, use_tqdm=False)
         llm.check_integrity()
@@ -614,8 +616,7 @@ def test_one_request_prefills_replay_whole_graphs_as_hf_does(qwen3_dir, hf_fp32)
     extends = [fresh[0] + [rng.randrange(10, VOCAB) for _ in range(90)], long_, long_ + [3, 5, 7, 11, 13]]
     scored = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    with torch.inference_mode():
-        ref = [torch.log_softmax(hf_fp32(torch.tensor([p], device="cuda")).logits[0].float(), -1).cpu() for p in fresh]
+    ref = hf_prompt_logprobs(hf_fp32, fresh)
     errors, paths = {}, {}
     for limit in (0, 4096):
         llm = LLM(str(qwen3_dir), **{**ENGINE, "piecewise_cuda_graph_max_tokens": limit})
@@ -632,17 +633,7 @@ def test_one_request_prefills_replay_whole_graphs_as_hf_does(qwen3_dir, hf_fp32)
 
             runner.run = spy
         outs = [llm.generate([p], scored, use_tqdm=False)[0] for p in fresh]
-        errors[limit] = float(
-            torch.cat(
-                [
-                    (
-                        torch.tensor([e[0] for e in o.prompt_logprobs[1:]])
-                        - r[torch.arange(len(p) - 1), torch.tensor(p[1:])]
-                    ).abs()
-                    for o, p, r in zip(outs, fresh, ref)
-                ]
-            ).mean()
-        )
+        errors[limit] = prompt_logprob_error(outs, fresh, ref)
         prompts = fresh + extends
         tokens = [llm.generate([p], greedy, use_tqdm=False)[0].token_ids for p in prompts]
         llm.check_integrity()
