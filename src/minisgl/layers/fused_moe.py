@@ -175,7 +175,7 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if tokens:
-        block_e, block_top = max(16, 1 << (num_experts - 1).bit_length()), max(2, 1 << (top_k - 1).bit_length())
+        block_e, block_top = moe_gemv.routing_blocks(num_experts, top_k)
         _route_kernel()[(tokens,)](
             router_logits, weights, ids, num_experts, router_logits.stride(0), top_k, renormalize, block_e, block_top
         )

@@ -62,10 +62,14 @@ def moe_gemv(
     return down_sum(act, router_logits, down, top_k, renormalize, out, down_config)
 
 
+def routing_blocks(num_experts: int, top_k: int) -> tuple[int, int]:
+    """(BLOCK_E, BLOCK_TOP) of moe_gemv_kernel.top_k_softmax: powers of two covering the experts and the top_k."""
+    return max(16, 1 << (num_experts - 1).bit_length()), max(2, 1 << (top_k - 1).bit_length())
+
+
 def _routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> dict[str, Any]:
     """The kernels' routing parameters: their routing is fused_moe's route_kernel's."""
-    num_experts = router_logits.shape[1]
-    block_e, block_top = max(16, 1 << (num_experts - 1).bit_length()), max(2, 1 << (top_k - 1).bit_length())
+    block_e, block_top = routing_blocks(router_logits.shape[1], top_k)
     return dict(TOP_K=top_k, RENORM=renormalize, BLOCK_E=block_e, BLOCK_TOP=block_top, **pdl_args(router_logits.device))
 
 
