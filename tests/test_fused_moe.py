@@ -16,7 +16,7 @@ from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
 
 
 def test_the_kernels_in_triton_interpreter_on_the_cpu():
-    run_interpreter_cases(__file__, passed=8, timeout=900)
+    run_interpreter_cases(__file__, passed=13, timeout=900)
 
 
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
@@ -25,12 +25,20 @@ def device(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@pytest.fixture(params=[True, False], ids=["one-program", "three-kernels"])
+def grouping(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """align_by_expert's two ways: one program (decode's few pairs) or three kernels (prefill's many)."""
+    from minisgl.layers import fused_moe
+
+    monkeypatch.setattr(fused_moe, "ONE_PROGRAM_PAIRS", fused_moe.ONE_PROGRAM_PAIRS if request.param else 0)
+
+
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "renormalize"),
     [(37, 8, 2, False), (5, 16, 4, True), (70, 6, 3, True)],
     ids=["37-tokens-8-experts-top2", "5-tokens-16-experts-top4", "70-tokens-6-experts-top3"],
 )
-def test_fused_moe_matches_the_expert_loop(device, tokens, experts, top_k, renormalize):
+def test_fused_moe_matches_the_expert_loop(device, grouping, tokens, experts, top_k, renormalize):
     """Same experts, same routing weights; float32 in the interpreter, bf16 on a GPU (tolerance to match)."""
     from minisgl.layers.fused_moe import fused_moe, route_topk
     from minisgl.layers.moe import experts_loop, route
@@ -53,7 +61,7 @@ def test_fused_moe_matches_the_expert_loop(device, tokens, experts, top_k, renor
     torch.testing.assert_close(got.float().cpu(), ref, atol=tol, rtol=tol)
 
 
-def test_grouping_pads_each_experts_rows_to_the_block(device):
+def test_grouping_pads_each_experts_rows_to_the_block(device, grouping):
     """Every (token, slot) pair appears once, in its expert's block run; padding rows name no pair."""
     from minisgl.layers.fused_moe import align_by_expert
 
@@ -110,7 +118,7 @@ def test_fused_moe_over_an_expert_range_sums_only_those_experts(device, tokens, 
     torch.testing.assert_close(got.float().cpu(), ref, atol=tol, rtol=tol)
 
 
-def test_grouping_over_an_expert_range_leaves_the_other_experts_pairs_out(device):
+def test_grouping_over_an_expert_range_leaves_the_other_experts_pairs_out(device, grouping):
     """Experts 3..5 of 8: their pairs appear once each, in their (local) expert's blocks; no other pair appears."""
     from minisgl.layers.fused_moe import align_by_expert
 
