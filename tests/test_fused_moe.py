@@ -135,3 +135,27 @@ def test_grouping_over_an_expert_range_leaves_the_other_experts_pairs_out(device
         real = rows[rows < flat.numel()].long()
         assert len(real) > 0 and (flat[real] == block_expert[block] + 3).all()
     assert (sorted_ids[int(total) :] == flat.numel()).all()
+
+
+def test_one_compiled_kernel_serves_every_batch_size():
+    """Token counts of one block configuration, odd and even: the grouped GEMM and the grouping compile once for
+    all of them (a count specialised on compiles again, ~1 s, the first time a batch of the other parity comes)."""
+    if not torch.cuda.is_available():
+        pytest.skip("compiles for a CUDA GPU")
+    from minisgl.layers import fused_moe as fm
+
+    hidden, inter, experts = 72, 40, 8  # sizes no other test compiles for
+    g = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to("cuda", torch.bfloat16)
+    down = (torch.randn(experts, hidden, inter, generator=g) * 0.1).to("cuda", torch.bfloat16)
+    kernels = (fm._gemm_kernel(), fm._grouping_kernels()[3])
+
+    def compiled() -> list[int]:
+        return [sum(len(cache[0]) for cache in k.device_caches.values()) for k in kernels]
+
+    counts = []
+    for tokens in (200, 201, 207, 224):  # 400, 402, 414, 448 pairs at top-2: one configuration (block_config)
+        x = torch.randn(tokens, hidden, generator=g).to("cuda", torch.bfloat16)
+        fm.fused_moe(x, torch.randn(tokens, experts, generator=g).cuda(), gate_up, down, 2, True)
+        counts.append(compiled())
+    assert counts[1:] == counts[:1] * 3, counts

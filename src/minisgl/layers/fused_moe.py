@@ -42,7 +42,9 @@ def _gemm_kernel() -> Any:
     import triton  # lazy: triton is GPU-only
     import triton.language as tl  # lazy: triton is GPU-only
 
-    @triton.jit
+    # The batch's sizes are not specialised on (Triton would compile again for a count that is or is not a multiple
+    # of 16, ~1 s in the middle of serving): one compiled kernel per block configuration.
+    @triton.jit(do_not_specialize=["num_pairs", "num_rows_padded"])
     def gemm_kernel(
         a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr, b_scale_ptr,
         N, K, num_pairs, num_rows_padded, stride_am, stride_be, stride_bn, stride_cm, stride_se,
@@ -106,14 +108,14 @@ def _grouping_kernels() -> tuple[Any, Any, Any, Any]:
     import triton  # lazy: triton is GPU-only
     import triton.language as tl  # lazy: triton is GPU-only
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])  # as gemm_kernel: one compiled kernel for every batch
     def count_kernel(ids_ptr, counts_ptr, num_pairs, expert_offset, num_local, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0) - expert_offset
         mask = (offs < num_pairs) & (expert >= 0) & (expert < num_local)  # pairs of other ranks' experts drop out
         tl.atomic_add(counts_ptr + tl.where(mask, expert, 0), 1, mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_blocks"])
     def layout_kernel(
         counts_ptr, cursor_ptr, block_expert_ptr, total_ptr, num_experts, num_blocks,
         BLOCK_SIZE_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -131,7 +133,7 @@ def _grouping_kernels() -> tuple[Any, Any, Any, Any]:
             expert = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_SIZE_M).to(tl.int32), axis=1)
             tl.store(block_expert_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=blocks < num_blocks)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])
     def scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, num_pairs, expert_offset, num_local, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0) - expert_offset
@@ -139,7 +141,7 @@ def _grouping_kernels() -> tuple[Any, Any, Any, Any]:
         row = tl.atomic_add(cursor_ptr + tl.where(mask, expert, 0), 1, mask=mask)
         tl.store(sorted_ids_ptr + tl.where(mask, row, 0), offs, mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs", "num_rows"])
     def one_program_kernel(
         ids_ptr, scratch_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, expert_offset, num_local, num_rows,
         BLOCK_SIZE_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
