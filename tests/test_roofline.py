@@ -83,3 +83,21 @@ def test_moe_step_reads_the_experts_a_large_batch_touches():
     assert one_row == pytest.approx(2 * experts * 2 / 8, rel=1e-6)  # top-2 of 8 experts per layer
     dense = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Linear)) - routers
     assert 2 * (dense + routers) <= costs["gemm"][0]
+
+
+@pytest.mark.parametrize("shape", [QWEN3_06B, QWEN3_30B_A3B], ids=["dense", "moe"])
+def test_step_floors_over_the_workload_add_up_to_the_throughput_floor(shape):
+    """bench profile's per-step floors (roofline.step_floor) summed over the workload's decode steps against bench
+    throughput's floor: two separate computations of the same bytes, apart only by what the roofline adds (the
+    rows' activations and logits, the attention's q and o rows) and the norms it leaves out."""
+    from minisgl.bench.roofline import step_floor
+    from minisgl.bench.throughput import bandwidth_floor, workload
+
+    bandwidth = 4e12
+    prompts, max_tokens = workload()
+    total = 0.0
+    for j in range(max(max_tokens) - 1):  # decode step j + 1 of a request reads its prompt's KV and j + 1 tokens more
+        running = [len(p) + j + 1 for p, o in zip(prompts, max_tokens) if o - 1 > j]
+        total += step_floor(shape, len(running), sum(running), bandwidth)
+    floor = bandwidth_floor(bandwidth, shape)["floor_seconds"]
+    assert floor < total < floor * 1.03

@@ -13,12 +13,13 @@ batch's new tokens, so it appends them (`--rebuild`: every replay rebuilds the c
 as the first step after the batch changed does).
 
 `gpu` runs the 256-request workload of `minisgl bench throughput` (a dummy model of its `--shape`, Qwen3-0.6B's by
-default, bf16 or `--quantization fp8`; `--batch-one`: one request instead) step by step and reports the whole run's
-time by forward kind (prefill; decode by batch size), wall time per step and the time the host waits for the GPU
-(event syncs) over stretches of the run, the GPU kernels by total time over 20 steps at batch ~256 and 20 steps of
-the tail (torch.profiler), the host's Python hot spots (cProfile), a roofline of each profiled decode window
-(bench/roofline.py: per kernel class the GPU time, launches, bytes and FLOPs against the measured copy bandwidth and
-bf16 rate), and with `--whole-run` every kernel of a second, profiled pass.
+default, bf16 or `--quantization fp8`; `--batch-one`: one request instead) step by step, after 32 of its requests
+warmed every kernel, and reports the whole run's time by forward kind (prefill; decode by batch size, each bucket
+beside its floor: its steps' bytes at copy bandwidth, bench/roofline.py's step_floor), wall time per step and the
+time the host waits for the GPU (event syncs) over stretches of the run, the GPU kernels by total time over 20 steps
+at batch ~256 and 20 steps of the tail (torch.profiler), the host's Python hot spots (cProfile), a roofline of each
+profiled decode window (bench/roofline.py: per kernel class the GPU time, launches, bytes and FLOPs against the
+measured copy bandwidth and bf16 rate), and with `--whole-run` every kernel of a second, profiled pass.
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ def gpu(args: argparse.Namespace) -> None:
         events[0] = (begin, end)
         return out
 
+    _warm(llm)
     sched.engine.forward_and_sample = recording_launch  # type: ignore[method-assign]
     torch.cuda.Event.synchronize = timed_sync  # type: ignore[method-assign]
     submit("r")
@@ -173,18 +175,7 @@ def gpu(args: argparse.Namespace) -> None:
         num_steps += 1
         if tail_at is None and num_steps > 200 and len(sched.running) <= 16:
             tail_at = num_steps
-        for name, begin, length in (
-            ("prefill, the first 10 steps", 1, 10),
-            ("20 decode steps, bs ~256", 150, 20),
-            ("20 decode steps, the tail, bs <= 16", tail_at, 20),
-        ):
-            if begin is not None and num_steps in (begin, begin + length):
-                if num_steps == begin:
-                    starts[name] = begin
-                    windows[name] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-                    windows[name].__enter__()
-                else:
-                    windows[name].__exit__(None, None, None)
+        _profile_windows(num_steps, tail_at, starts, windows)
         if num_steps == 170:
             cpu = cProfile.Profile()
             cpu.enable()
@@ -202,21 +193,55 @@ def gpu(args: argparse.Namespace) -> None:
     total = time.perf_counter() - t_start
     torch.cuda.Event.synchronize = sync  # type: ignore[method-assign]
 
-    gpu_s = _report_steps(num_steps, total, walls, waits, sizes, kinds, spans)
+    shape, fp8 = MODEL_SHAPES[args.shape], args.quantization == "fp8"
+    floors = [  # each decode step's bytes at copy bandwidth (its requests' KV: the running ones' after the step)
+        0.0 if what is None or what[0] else roofline.step_floor(shape, what[1], kv, peak.copy_bytes_s, fp8)
+        for what, kv in zip(kinds, kv_tokens)
+    ]
+    torch.cuda.synchronize()
+    gpu_s = [span[0].elapsed_time(span[1]) / 1000 if span is not None else 0.0 for span in spans]
+    steps = _StepRecord(kinds, kv_tokens, walls, gpu_s, floors)
+    _report_steps(num_steps, total, steps, waits, sizes)
     _report_profiles(windows, cpu)
-    steps = _StepRecord(kinds, kv_tokens, walls, gpu_s)
-    _report_rooflines(starts, windows, steps, MODEL_SHAPES[args.shape], peak, args.quantization == "fp8")
+    _report_rooflines(starts, windows, steps, shape, peak, fp8)
     if args.whole_run:  # the same workload again (prefix cache emptied first), every kernel of it profiled
         _profile_whole_run(sched, submit)
 
 
+def _warm(llm: Any) -> None:
+    """32 requests of the workload (every kernel built, every decode graph replayed), the prefix cache emptied after
+    them: the measured run starts from there."""
+    prompts, max_tokens = workload(32)
+    params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    llm.generate(prompts, params, use_tqdm=False)
+    llm.reset_prefix_cache()
+
+
+def _profile_windows(step: int, tail_at: int | None, starts: dict[str, int], windows: dict[str, Any]) -> None:
+    """Open or close the torch.profiler windows at this step (1-based): the first 10 prefill steps, 20 decode steps
+    at batch ~256 from step 150, and 20 of the tail from tail_at."""
+    for name, begin, length in (
+        ("prefill, the first 10 steps", 1, 10),
+        ("20 decode steps, bs ~256", 150, 20),
+        ("20 decode steps, the tail, bs <= 16", tail_at, 20),
+    ):
+        if begin is not None and step == begin:
+            starts[name] = begin
+            windows[name] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            windows[name].__enter__()
+        elif begin is not None and step == begin + length:
+            windows[name].__exit__(None, None, None)
+
+
 class _StepRecord(NamedTuple):
-    """Per step (0-based): the forward's kind, the running requests' KV tokens, wall and GPU seconds."""
+    """Per step (0-based): the forward's kind, the running requests' KV tokens, wall and GPU seconds, and a decode
+    step's floor (its bytes at copy bandwidth; 0 for a prefill)."""
 
     kinds: list[tuple[bool, int] | None]
     kv_tokens: list[int]
     walls: list[float]
     gpu_s: list[float]
+    floors: list[float]
 
 
 def _report_rooflines(
@@ -243,44 +268,41 @@ def _report_rooflines(
 def _report_steps(
     num_steps: int,
     total: float,
-    walls: list[float],
+    steps: _StepRecord,
     waits: list[float],
     sizes: list[int],
-    kinds: list[tuple[bool, int] | None],
-    spans: list[tuple[torch.cuda.Event, torch.cuda.Event] | None],
-) -> list[float]:
-    """Per-step wall, host waits and GPU time, bucketed by the forward's kind and batch size; each step's GPU
-    seconds."""
+) -> None:
+    """Per-step wall, host waits, GPU time and the floor's share of the wall, bucketed by the forward's kind and
+    batch size."""
+    kinds, walls, gpu_s = steps.kinds, steps.walls, steps.gpu_s
     # Steps whose launch ran a forward; the step's wall is the host loop's, with overlap about the previous
     # step's GPU time. Buckets by the batch size of the forward (decode) or "prefill".
     print(f"\n{num_steps} steps in {total:.2f}s")
-    torch.cuda.synchronize()
-    gpu_s = [span[0].elapsed_time(span[1]) / 1000 if span is not None else 0.0 for span in spans]
     print(
         f"GPU busy {sum(gpu_s):.2f}s (from each forward's first kernel to its sampling's last), "
         f"idle {total - sum(gpu_s):.2f}s"
     )
     buckets: dict[str, list[float]] = {}
-    for what, wall, wait, busy in zip(kinds, walls, waits, gpu_s):
+    for what, wall, wait, busy, floor in zip(kinds, walls, waits, gpu_s, steps.floors):
         if what is None:
             key, n = "no forward", 0
         else:
             key, n = "prefill", what[1]
             if not what[0]:
                 key = next(f"decode bs <= {b}" for b in (8, 32, 64, 128, 192, 256, 10**9) if n <= b)
-        b = buckets.setdefault(key, [0, 0.0, 0.0, 0, 0.0])
-        b[0], b[1], b[2], b[3], b[4] = b[0] + 1, b[1] + wall, b[2] + wait, b[3] + n, b[4] + busy
+        b = buckets.setdefault(key, [0, 0.0, 0.0, 0, 0.0, 0.0])
+        b[0], b[1], b[2], b[3], b[4], b[5] = b[0] + 1, b[1] + wall, b[2] + wait, b[3] + n, b[4] + busy, b[5] + floor
     print(
         f"{'forward':18s} {'steps':>6s} {'seconds':>8s} {'share':>6s} {'ms/step':>8s} {'GPU ms/step':>11s} "
-        f"{'host waits ms':>13s} {'rows':>9s}"
+        f"{'host waits ms':>13s} {'rows':>9s} {'floor s':>8s} {'of wall':>7s}"
     )
     for key in sorted(
         buckets, key=lambda k: (k.startswith("decode"), int(k.split()[-1]) if k.startswith("decode") else 0)
     ):
-        n, wall, wait, rows, busy = buckets[key]
+        n, wall, wait, rows, busy, floor = buckets[key]
         print(
             f"{key:18s} {n:6d} {wall:8.2f} {wall / total:6.1%} {1000 * wall / n:8.2f} {1000 * busy / n:11.2f} "
-            f"{1000 * wait / n:13.2f} {rows:9d}"
+            f"{1000 * wait / n:13.2f} {rows:9d} {floor:8.3f} {floor / wall if wall else 0.0:7.0%}"
         )
     for lo, hi in ((20, 120), (120, 150), (400, 500), (800, 900)):
         w, s = walls[lo:hi], waits[lo:hi]
@@ -289,7 +311,6 @@ def _report_steps(
                 f"steps {lo}-{hi}: running ~{sizes[lo]:3d}, wall {1000 * sum(w) / len(w):6.2f} ms/step, "
                 f"waiting for the GPU {1000 * sum(s) / len(s):6.2f} ms/step"
             )
-    return gpu_s
 
 
 def _report_profiles(windows: dict[str, Any], cpu: cProfile.Profile) -> None:

@@ -54,7 +54,7 @@ OTHER = "other (elementwise, reductions)"
 
 # layers/fused_moe.py's Triton kernels, by their function names (routing, grouping by expert, grouped GEMMs, combine)
 MOE_KERNELS = frozenset(
-    ("route_kernel", "count_kernel", "layout_kernel", "scatter_kernel", "gemm_kernel", "silu_and_mul_kernel")
+    ("route_kernel", "count_kernel", "layout_kernel", "scatter_kernel", "one_program_kernel", "gemm_kernel")
     + ("combine_kernel",)
 )
 
@@ -120,6 +120,11 @@ def step_costs(c: dict[str, Any], batch: float, kv_tokens: float, fp8: bool = Fa
     return costs
 
 
+def step_floor(c: dict[str, Any], batch: float, kv_tokens: float, copy_bytes_s: float, fp8: bool = False) -> float:
+    """Seconds a decode step's bytes (step_costs', every class) take at the copy bandwidth: its floor."""
+    return sum(nbytes for nbytes, _ in step_costs(c, batch, kv_tokens, fp8).values()) / copy_bytes_s
+
+
 @dataclass
 class Window:
     """One profiled stretch of decode steps: the profiler, how many steps, their mean batch and KV tokens, and the
@@ -177,7 +182,7 @@ def report(window: Window, c: dict[str, Any], peak: Peaks, fp8: bool = False) ->
             f" {row['gb_per_step']:8.3f} {bw} {fl}"
         )
     launches = sum(n for _, n in times.values()) / window.steps
-    floor = sum(b for b, _ in costs.values()) / peak.copy_bytes_s
+    floor = step_floor(c, window.batch, window.kv_tokens, peak.copy_bytes_s, fp8)
     print(
         f"{'all kernels':32s} {1000 * total:11.3f} {'':6s} {launches:8.1f}; step wall {1000 * window.wall_s:.3f} ms,"
         f" GPU busy {1000 * window.gpu_s:.3f} ms, host not hidden {1000 * max(0.0, window.wall_s - window.gpu_s):.3f}"
