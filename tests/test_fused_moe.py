@@ -16,7 +16,7 @@ from triton_interpreter import interpreter_or_cuda, run_interpreter_cases
 
 
 def test_the_kernels_in_triton_interpreter_on_the_cpu():
-    run_interpreter_cases(__file__, passed=13, timeout=900)
+    run_interpreter_cases(__file__, passed=15, timeout=900)
 
 
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-interpreter", "cuda"])
@@ -35,8 +35,13 @@ def grouping(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "renormalize"),
-    [(37, 8, 2, False), (5, 16, 4, True), (70, 6, 3, True)],
-    ids=["37-tokens-8-experts-top2", "5-tokens-16-experts-top4", "70-tokens-6-experts-top3"],
+    [(37, 8, 2, False), (5, 16, 4, True), (70, 6, 3, True), (200, 4, 4, True)],
+    ids=[
+        "37-tokens-8-experts-top2",
+        "5-tokens-16-experts-top4",
+        "70-tokens-6-experts-top3",
+        "200-tokens-4-experts-top4-prefill-tiles",
+    ],
 )
 def test_fused_moe_matches_the_expert_loop(device, grouping, tokens, experts, top_k, renormalize):
     """Same experts, same routing weights; float32 in the interpreter, bf16 on a GPU (tolerance to match)."""

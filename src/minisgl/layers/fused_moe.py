@@ -3,9 +3,9 @@
 Per layer: one kernel routes (softmax over the experts, top-k, optional renormalisation); the (token, slot)
 pairs are grouped by expert on the GPU, each expert's group padded to a multiple of the GEMM's BLOCK_M
 (`align_by_expert`: no host sync, static shapes, so a decode step replays from a CUDA graph); a grouped GEMM
-computes every pair's gate and up sums and writes SiLU-and-mul of them (no [pairs, 2I] intermediate: a 16k-token
-prefill chunk of Qwen3-30B-A3B keeps 400 MB less and its gate-up step is ~5% faster on an H200), a second grouped
-GEMM computes the down projection scaled by the pair's routing weight, and the top_k rows of each token are summed.
+computes every pair's gate_up row, SiLU-and-mul halves it (in the GEMM's epilogue where that measures faster:
+`gated_config`), a second grouped GEMM computes the down projection scaled by the pair's routing weight, and the
+top_k rows of each token are summed.
 
 The grouped GEMM is the design of vLLM's / SGLang's fused_moe_kernel: a program owns BLOCK_M rows of one
 expert's group and BLOCK_N output features; blocks past the padded total exit at once. Its block sizes follow
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from minisgl.layers import moe_gemv
+from minisgl.layers.activation import SiluAndMul
 
 
 @functools.cache
@@ -272,6 +273,20 @@ def block_config(tokens: int, top_k: int, num_experts: int) -> dict[str, int]:
     return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
+def gated_config(config: dict[str, int], expert_parallel: bool) -> dict[str, int] | None:
+    """The gate-up GEMM's tiles with SiLU-and-mul in its epilogue (half the columns a program, each with a gate and
+    an up sum), or None where the GEMM and then a SiLU-and-mul kernel measured faster.
+
+    Qwen3-30B-A3B's experts on an H200 (tools/device/moe_grouped_bench.py): in the epilogue at row blocks up to 64
+    (decode and small prefills: 196 against 199 us at 236 tokens, 226 against 242 at 1,024); apart with the prefill
+    tiles (128-row blocks: 1,510 against 1,546-1,691 us at 16k tokens, the two accumulators crowd the registers).
+    Under expert parallelism always in the epilogue: the rows of other ranks' pairs are never written, and a SiLU-and-
+    mul over every row would read them."""
+    if config["BLOCK_M"] > 64 and not expert_parallel:
+        return None
+    return dict(config, BLOCK_N=max(64, config["BLOCK_N"] // 2))
+
+
 def _grouped_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -333,11 +348,15 @@ def fused_moe(
     config = block_config(tokens, top_k, router_logits.shape[1])  # rows per expert over all E: the same per rank
     grouping = align_by_expert(ids, num_local, config["BLOCK_M"], expert_offset)
     pairs = tokens * top_k
-    # SiLU-and-mul in the gate-up GEMM's epilogue: half the columns per program, each with a gate and an up sum
-    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    gated = dict(config, BLOCK_N=max(64, config["BLOCK_N"] // 2))
-    _grouped_gemm(x, gate_up, act, weights, grouping, top_k, False, gated, None if scales is None else scales[0], True)
     expert_parallel = num_local < router_logits.shape[1]  # the other ranks' pairs' rows are never written
+    gated, scale = gated_config(config, expert_parallel), None if scales is None else scales[0]
+    if gated is not None:
+        act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+        _grouped_gemm(x, gate_up, act, weights, grouping, top_k, False, gated, scale, True)
+    else:
+        gate_up_out = torch.empty(pairs, 2 * inter, dtype=x.dtype, device=x.device)
+        _grouped_gemm(x, gate_up, gate_up_out, weights, grouping, top_k, False, config, scale)
+        act = SiluAndMul()(gate_up_out)
     down_out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, down, down_out, weights, grouping, 1, True, config, None if scales is None else scales[1])
     if expert_parallel:
