@@ -35,6 +35,33 @@ def test_kernels_are_classed_by_name(name, cls):
     assert kernel_class(name) == cls
 
 
+def test_minisgl_triton_kernels_are_classed_by_what_they_do():
+    """The profile sees a Triton kernel by its function's name: each of minisgl's own lands in its class (a generic
+    name such as `_draw_kernel` would fall into "other")."""
+    pytest.importorskip("triton")
+    from minisgl.distributed import reduce_norm
+    from minisgl.engine import gumbel
+    from minisgl.layers import fp8_gemm, fused_moe, fused_qkv, gemv, moe_gemv
+
+    fp8 = fp8_gemm._kernels()
+    expected = {
+        "sampling": [*gumbel._kernels()],
+        "gemm": [fp8["w8a16"], fp8["w8a8"], fp8["gemv"], gemv._kernel()],
+        "norm": [fp8["add_rmsnorm"], reduce_norm._kernel()],
+        "rope": [fused_qkv._kernel()],
+        "moe experts": [
+            fused_moe._route_kernel(),
+            fused_moe._gemm_kernel(),
+            *fused_moe._grouping_kernels(),
+            fused_moe._combine_kernel(),
+            *moe_gemv._kernels(),
+        ],
+    }
+    for cls, kernels in expected.items():
+        for kernel in kernels:
+            assert kernel_class(kernel.fn.__name__) == cls, kernel.fn.__name__
+
+
 def _small(shape: dict, **overrides) -> dict:
     return dict(
         shape,

@@ -52,10 +52,11 @@ KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
 OTHER = "other (elementwise, reductions)"
 
 
-# layers/fused_moe.py's Triton kernels, by their function names (routing, grouping by expert, grouped GEMMs, combine)
+# The experts' Triton kernels by their function names: layers/fused_moe.py's (routing, grouping by expert, grouped
+# GEMMs, combine) and layers/moe_gemv.py's one-token pair (each routes the token itself).
 MOE_KERNELS = frozenset(
     ("route_kernel", "count_kernel", "layout_kernel", "scatter_kernel", "one_program_kernel", "gemm_kernel")
-    + ("combine_kernel",)
+    + ("combine_kernel", "moe_up_kernel", "moe_down_kernel")
 )
 
 

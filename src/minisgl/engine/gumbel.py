@@ -82,7 +82,7 @@ if triton is not None:
 
     # Batch-dependent ints are not specialised on: one compiled kernel serves every captured batch size.
     @triton.jit(do_not_specialize=["NBLK", "SPLITS", "SHARD", "COL0"])
-    def _draw_kernel(
+    def gumbel_draw_kernel(
         logits_ptr,
         stride,
         temp_ptr,
@@ -132,7 +132,7 @@ if triton is not None:
             tl.store(best_idx_ptr + row * SPLITS + part, COL0 + tl.min(tl.where(best_v == v, best_i, V), axis=0))
 
     @triton.jit(do_not_specialize=["SPLITS", "STRIDE"])
-    def _reduce_kernel(
+    def gumbel_reduce_kernel(
         best_val_ptr,
         best_idx_ptr,
         temp_ptr,
@@ -164,7 +164,7 @@ def _kernels() -> tuple[Any, Any] | None:
     """(draw kernel, reduce kernel); None when Triton is missing."""
     if triton is None:
         return None
-    return _draw_kernel, _reduce_kernel
+    return gumbel_draw_kernel, gumbel_reduce_kernel
 
 
 def usable(device: torch.device | str) -> bool:

@@ -47,9 +47,9 @@ def _kernels() -> dict[str, Any]:
 
     return {
         "quant_rows": k.quant_rows_kernel,
-        "w8a16": k.w8a16_kernel,
+        "w8a16": k.w8a16_gemm_kernel,
         "gemv": k.gemv_kernel,
-        "w8a8": k.w8a8_kernel,
+        "w8a8": k.w8a8_gemm_kernel,
         "add_rmsnorm": k.add_rmsnorm_kernel,
     }
 

@@ -47,7 +47,7 @@ def quant_rows_kernel(
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count
-def w8a16_kernel(
+def w8a16_gemm_kernel(
     a_ptr, b_ptr, scale_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm, GATE_UP: tl.constexpr,
     PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -84,7 +84,7 @@ def w8a16_kernel(
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count
-def w8a8_kernel(
+def w8a8_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, scale_ptr, c_ptr, M, N, K, stride_am, stride_bn, stride_cm, GATE_UP: tl.constexpr,
     PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip

@@ -4,8 +4,8 @@ layers/fused_moe.py's path takes eleven kernels a layer whatever the token count
 by expert, two grouped GEMMs, SiLU-and-mul, the top-k sum and their buffers' fills), each a launch of a few
 microseconds, and at one token its grouped GEMM computes 16-row tiles for one row. Here instead:
 
-- `up_kernel`, program n-block: the block's gate and up rows of each of the token's top_k experts, SiLU-and-mul;
-- `down_kernel`, program n-block: the block's rows of each of the top_k experts' down projections, weighted by the
+- `moe_up_kernel`, program n-block: the block's gate and up rows of each of the token's top_k experts, SiLU-and-mul;
+- `moe_down_kernel`, program n-block: the block's rows of each of the top_k experts' down projections, weighted by the
   routing weights and summed.
 
 Each program routes the token itself from the router logits (a softmax and top-k over E values, as fused_moe's
@@ -34,9 +34,9 @@ ENABLED = env.GEMV.get()  # MINISGL_GEMV=0: one token takes layers/fused_moe.py'
 
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
-    from minisgl.layers.moe_gemv_kernel import down_kernel, up_kernel  # lazy: imports triton (GPU-only)
+    from minisgl.layers.moe_gemv_kernel import moe_down_kernel, moe_up_kernel  # lazy: imports triton (GPU-only)
 
-    return up_kernel, down_kernel
+    return moe_up_kernel, moe_down_kernel
 
 
 def usable(x: torch.Tensor, num_local: int, num_experts: int, scaled: bool) -> bool:

@@ -53,7 +53,7 @@ def route_kernel(
 
 
 @triton.jit
-def up_kernel(
+def moe_up_kernel(
     logits_ptr,
     x_ptr,
     w_ptr,
@@ -100,7 +100,7 @@ def up_kernel(
 
 
 @triton.jit
-def down_kernel(
+def moe_down_kernel(
     logits_ptr,
     act_ptr,
     w_ptr,
@@ -119,7 +119,7 @@ def down_kernel(
 ):
     """out [N] = sum_k weight_k * (down[expert_k] [N, K] @ act[k]), each term rounded to out's dtype first (as the
     grouped GEMM writes it before the top-k sum); the sum in float32, rounded once. A program takes BLOCK_N rows of
-    every one of the top_k experts at once, as up_kernel does."""
+    every one of the top_k experts at once, as moe_up_kernel does."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
