@@ -237,11 +237,11 @@ def align_by_expert(
     num_pairs = flat.numel()
     rows = -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m) * block_m
     block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
-    block_e = max(16, 1 << (num_experts - 1).bit_length())
+    block_e = _pow2_block(num_experts)
     if 0 < num_pairs <= ONE_PROGRAM_PAIRS:
         sorted_ids = torch.empty(rows, dtype=torch.int32, device=ids.device)
         scratch = torch.empty(2 * block_e + 1, dtype=torch.int32, device=ids.device)  # counts, starts, total
-        block_p = max(16, 1 << (num_pairs - 1).bit_length())
+        block_p = _pow2_block(num_pairs)
         _grouping_kernels()[3][(1,)](
             flat, scratch, sorted_ids, block_expert, num_pairs, expert_offset, num_experts, rows, block_m, block_p,
             block_e, 1024, num_warps=8,
@@ -314,9 +314,14 @@ def _grouped_gemm(
     )  # fmt: skip
 
 
+def _pow2_block(n: int) -> int:
+    """A Triton block covering n: the least power of two >= n, at least 16."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
 def _row_block(width: int) -> int:
     """The columns one program of a row-wise pass takes: the row's width up to 1024, a power of two."""
-    return min(1024, max(16, 1 << (width - 1).bit_length()))
+    return min(1024, _pow2_block(width))
 
 
 def fused_moe(
