@@ -223,8 +223,16 @@ GEMV = _declare(
     "bool",
     True,
     _bool,
-    "CUDA: 0 keeps cuBLAS for one-row GEMMs (no GEMV timing at start-up, layers/gemv.py) and the grouped GEMMs for "
+    "CUDA: 0 keeps cuBLAS for GEMMs of 1-4 rows (no GEMV timing at start-up, layers/gemv.py) and the grouped GEMMs for "
     "one token's experts (layers/moe_gemv.py)",
+)
+GEMV_ROWS = _declare(
+    "MINISGL_GEMV_ROWS",
+    "int",
+    4,
+    int,
+    "CUDA: GEMMs of up to this many rows (1, 2 or 4) may run as the GEMV where it times faster than cuBLAS "
+    "(layers/gemv.py); 1 keeps cuBLAS for every call of two rows or more",
 )
 GEMV_FUSED = _declare(
     "MINISGL_GEMV_FUSED",

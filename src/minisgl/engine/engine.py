@@ -52,10 +52,9 @@ class Engine:
         plugins.get_plugin_manager()  # the plugins' architectures and backends added before any is looked up
         self._load_model(model_source)
         if self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16) and env.GEMV.get():
-            tuned = gemv.tune(
-                self.model, fuse=env.GEMV_FUSED.get()
-            )  # before the KV pool takes the free memory and before any graph capture
-            logger.info("one-row GEMMs: %d linears take the GEMV (layers/gemv.py)", tuned)
+            # before the KV pool takes the free memory and before any graph capture
+            tuned = gemv.tune(self.model, fuse=env.GEMV_FUSED.get(), max_rows=env.GEMV_ROWS.get())
+            logger.info("GEMMs of 1-%d rows: %d linears take the GEMV (layers/gemv.py)", env.GEMV_ROWS.get(), tuned)
         mc = self.model_config
         self.max_seq_len = min(config.max_seq_len or mc.max_position_embeddings, mc.max_position_embeddings)
 

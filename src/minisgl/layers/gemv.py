@@ -1,12 +1,15 @@
-"""One-row GEMMs (batch-1 decode) on a CUDA GPU: a Triton GEMV where it measures faster than cuBLAS.
+"""GEMMs of one to four rows (decode of a few requests) on a CUDA GPU: a Triton GEMV where it measures faster than
+cuBLAS.
 
 At one row a linear is a matrix-vector product bound by reading its weight, and cuBLAS's heuristics do not always
 read it fast: on an H200, Qwen3-0.6B's attention output projection (2,048 -> 1,024, bf16) took 12.1 us per call in
 a CUDA graph against 4.8 us for the Triton kernel below, about 0.2 ms of a 1.5 ms decode step over its 28 layers
-(docs/benchmarks.md). `tune(model)` times both, per distinct weight shape of the model, once after the weights are
-loaded and before any CUDA graph is captured; a shape takes the GEMV only when it is at least MARGIN faster, so
-that close calls (run-to-run noise) keep cuBLAS and a model's numbers do not depend on a coin toss. CpuGemm then
-sends its one-row calls of those shapes here (its other calls, any row count above one, stay with F.linear).
+(docs/benchmarks.md). cuBLAS keeps that kernel up to four rows (10.8 us at 2 and 4 rows, 5.9 at 8), where a GEMV
+that takes each weight tile against every row reads the weight once and takes 3.7 / 5.0 us. `tune(model)` times
+both, per distinct weight shape of the model and per bucket of rows (1, 2, 3-4: ROW_BUCKETS), once after the
+weights are loaded and before any CUDA graph is captured; a shape takes the GEMV only when it is at least MARGIN
+faster, so that close calls (run-to-run noise) keep cuBLAS and a model's numbers do not depend on a coin toss.
+CpuGemm then sends its calls of those shapes and row counts here (its other calls stay with F.linear).
 
 A one-row linear after an RMSNorm can also take the norm into its GEMV (`norm_gemv`): every program needs the whole
 input row anyway, so each computes the norm's sum of squares itself, one writes the residual sum, and the norm's
@@ -15,8 +18,9 @@ launch is gone; a gate_up projection also applies SiLU-and-mul to its output the
 the kernels apart (on an H200 for Qwen3-0.6B, before the narrower tiles: 1.05 against 1.19 ms a decode step at batch
 1; with them 0.88 ms, docs/benchmarks.md).
 
-The kernel (layers/gemv_kernel.py): each program reduces BLOCK_N output channels over the whole input, BLOCK_K at a
-time, in fp32, launched with programmatic dependent launch where the GPU has it.
+The kernels (layers/gemv_kernel.py): each program reduces BLOCK_N output channels over the whole input, BLOCK_K at a
+time, in fp32, launched with programmatic dependent launch where the GPU has it; the one-row kernel also takes the
+norm and SiLU-and-mul, the kernel of 2-4 rows (its row count rounded up to a power of two) only the product.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ MARGIN = 1.25  # the GEMV replaces cuBLAS only when cuBLAS takes at least this m
 FUSED_MARGIN = 1.1  # the norm and its GEMM in one kernel only when the two apart take at least this much longer
 # (BLOCK_N, BLOCK_K, num_warps) tried for each shape: fewer output rows a program, more programs and loads in flight.
 CONFIGS = ((4, 1024, 4), (8, 1024, 8), (8, 512, 4), (2, 1024, 4), (2, 2048, 4), (1, 2048, 4))
+# The same for 2-4 rows: the two that won every shape where the GEMV won at all (1x H200, 2-4 rows, 0.6B and
+# 30B-A3B shapes' linears); wider tiles hold ROWS x BLOCK_N x BLOCK_K products in registers.
+ROWS_CONFIGS = ((4, 1024, 4), (2, 1024, 4))
+ROW_BUCKETS = (1, 2, 4)  # a call of m rows runs the kernel of rows_bucket(m) rows (its rows past m masked)
 MAX_TUNED_BYTES = 64 << 20  # larger weights (an LM head) stream at full speed through cuBLAS already
 CALLS = 28  # one timed CUDA graph replays this many calls, each on its own copy of the weight (not from L2)
 
@@ -52,10 +60,32 @@ def _kernel() -> Any:
     return gemv_kernel
 
 
+@functools.cache
+def _rows_kernel() -> Any:
+    from minisgl.layers.gemv_kernel import gemv_rows_kernel  # lazy, as _kernel
+
+    return gemv_rows_kernel
+
+
+def rows_bucket(m: int) -> int:
+    """The bucket of ROW_BUCKETS that a call of m rows falls in (the smallest with room for them), 0 above them."""
+    return next((b for b in ROW_BUCKETS if m <= b), 0) if m > 0 else 0
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
-    """x [1, K] W^T (+ b) with W [N, K] contiguous: y [1, N] in x's dtype."""
-    y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
-    _launch(config, x, weight, bias, y)
+    """x [M, K] W^T (+ b) for 1 <= M <= ROW_BUCKETS[-1] rows (x's rows contiguous) with W [N, K] contiguous: y [M, N]
+    in x's dtype."""
+    m, (n, k) = x.shape[0], weight.shape
+    assert 1 <= m <= ROW_BUCKETS[-1] and x.stride(-1) == 1
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 1:
+        _launch(config, x, weight, bias, y)
+        return y
+    _rows_kernel()[(-(-n // config.block_n),)](
+        x, weight, bias if bias is not None else weight, y, m, x.stride(0), n, k, HAS_BIAS=bias is not None,
+        ROWS=rows_bucket(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        **pdl_args(x.device),
+    )  # fmt: skip
     return y
 
 
@@ -126,20 +156,21 @@ def _graph_us(fn: Any) -> float:
     return best
 
 
-def _fastest(us_of: Callable[[GemvConfig], float]) -> tuple[float, GemvConfig]:
-    """(microseconds, config) of the fastest of CONFIGS, us_of timing one (the first among equals)."""
-    timed = [(us_of(config), config) for config in map(GemvConfig._make, CONFIGS)]
+def _fastest(us_of: Callable[[GemvConfig], float], configs: tuple[tuple[int, int, int], ...] = CONFIGS):
+    """(microseconds, config) of the fastest of configs, us_of timing one (the first among equals)."""
+    timed = [(us_of(config), config) for config in map(GemvConfig._make, configs)]
     return min(timed, key=lambda t: t[0])
 
 
-def choose(n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemvConfig | None:
-    """The GEMV config for one-row GEMMs of a weight [n, k], or None where cuBLAS (F.linear) is as fast."""
+def choose(n: int, k: int, dtype: torch.dtype, device: torch.device, rows: int = 1) -> GemvConfig | None:
+    """The GEMV config for GEMMs of `rows` rows (a bucket of ROW_BUCKETS) and a weight [n, k], or None where cuBLAS
+    (F.linear) is as fast."""
     weights = [torch.randn(n, k, dtype=dtype, device=device) for _ in range(CALLS)]
-    x = torch.randn(1, k, dtype=dtype, device=device)
+    x = torch.randn(rows, k, dtype=dtype, device=device)
     cublas = _graph_us(lambda i: torch.nn.functional.linear(x, weights[i]))
-    best = _fastest(lambda c: _graph_us(lambda i: gemv(x, weights[i], None, c)))
+    best = _fastest(lambda c: _graph_us(lambda i: gemv(x, weights[i], None, c)), CONFIGS if rows == 1 else ROWS_CONFIGS)
     chosen = best[1] if cublas >= MARGIN * best[0] else None
-    logger.info("one-row GEMM [%d x %d]: cuBLAS %.1f us, GEMV %.1f us -> %s", n, k, cublas, best[0],
+    logger.info("%d-row GEMM [%d x %d]: cuBLAS %.1f us, GEMV %.1f us -> %s", rows, n, k, cublas, best[0],
                 "GEMV" if chosen else "cuBLAS")  # fmt: skip
     return chosen
 
@@ -184,12 +215,13 @@ def fused_norm_linear(
     return norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, config, gated)
 
 
-def tune(model: torch.nn.Module, fuse: bool = True) -> int:
-    """Set `gemm.gemv` on each module of model whose GEMM takes one (layers/linear.py's CpuGemm) and whose weight
-    shape measures faster as a GEMV; how many modules. fuse: then `gemm.norm_gemv` on the linears that the modules'
-    `gemv_norm_pairs()` name, [(norm, linear, gated)], where norm_gemv measures faster than the two apart. For
-    bf16/fp16 weights on a CUDA GPU and one rank, before graph capture."""
-    chosen: dict[tuple[int, int, torch.dtype], GemvConfig | None] = {}
+def tune(model: torch.nn.Module, fuse: bool = True, max_rows: int = ROW_BUCKETS[-1]) -> int:
+    """Set `gemm.gemv` ({rows bucket: config}) on each module of model whose GEMM takes one (layers/linear.py's
+    CpuGemm): the buckets of rows (up to max_rows) where its weight shape measures faster as a GEMV; how many modules
+    got one for some row count. fuse: then `gemm.norm_gemv` on the linears that the modules' `gemv_norm_pairs()` name,
+    [(norm, linear, gated)], where norm_gemv measures faster than the two apart at one row. For bf16/fp16 weights on
+    a CUDA GPU and one rank, before graph capture."""
+    chosen: dict[tuple[int, int, torch.dtype], dict[int, GemvConfig]] = {}
     switched = 0
     for module in model.modules():
         gemm, weight = getattr(module, "gemm", None), getattr(module, "weight", None)
@@ -199,9 +231,11 @@ def tune(model: torch.nn.Module, fuse: bool = True) -> int:
             continue
         key = (*weight.shape, weight.dtype)
         if key not in chosen:
-            chosen[key] = choose(weight.shape[0], weight.shape[1], weight.dtype, weight.device)
+            buckets = [rows for rows in ROW_BUCKETS if rows <= max_rows]
+            configs = {rows: choose(*key[:2], weight.dtype, weight.device, rows) for rows in buckets}
+            chosen[key] = {rows: config for rows, config in configs.items() if config is not None}
         gemm.gemv = chosen[key]
-        switched += chosen[key] is not None
+        switched += bool(chosen[key])
     fused: dict[tuple[int, int, torch.dtype, bool], GemvConfig | None] = {}
     for module in model.modules() if fuse else ():
         for norm, linear, gated in getattr(module, "gemv_norm_pairs", lambda: ())():

@@ -78,3 +78,42 @@ def gemv_kernel(
         up = acc_up.to(dtype).to(tl.float32)
         acc = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(y_ptr + rn, acc.to(dtype), mask=live_n)
+
+
+@triton.jit(do_not_specialize=["M", "stride_x"])
+def gemv_rows_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    stride_x,
+    N,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """y [M, N] = x W^T (+ b) for the M <= ROWS rows of x (row stride stride_x), y contiguous; each program loads its
+    [BLOCK_N, BLOCK_K] tiles of W once and takes them against every row (a [ROWS, BLOCK_N, BLOCK_K] product summed
+    along K), in float32 rounded once to y's dtype. Rows past M are masked: ROWS is M rounded up to a power of two,
+    so that one compiled kernel serves a bucket of row counts."""
+    if PDL:  # as gemv_kernel: the previous kernel's output is complete from here on
+        gdc_wait()
+        gdc_launch_dependents()
+    dtype = y_ptr.dtype.element_ty
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, ROWS)
+    live_n, live_m = rn < N, rm < M
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        live_k = rk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=live_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(dtype), mask=live_m[:, None] & live_n[None, :])

@@ -17,7 +17,7 @@ from minisgl.layers import cpu_quant
 from minisgl.layers.cpu_quant import RESCORED
 from minisgl.layers.fp8 import Fp8Weight
 from minisgl.layers.fp8_gemm import Fp8Gemm
-from minisgl.layers.gemv import GemvConfig, gemv
+from minisgl.layers.gemv import GemvConfig, gemv, rows_bucket
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -95,7 +95,8 @@ class CpuGemm:
         self._key: tuple[int, ...] | None = None
         self._packed: torch.Tensor | None = None
         self.quantized: str | None = None  # "int8" / "fp16": set by quantize_gemms
-        self.gemv: GemvConfig | None = None  # CUDA: one-row calls through layers/gemv.py's kernel (set by its tune)
+        # CUDA: calls of few rows through layers/gemv.py's kernels, {rows bucket: config} (set by its tune)
+        self.gemv: dict[int, GemvConfig] = {}
         self.norm_gemv: GemvConfig | None = None  # CUDA, one row: the norm before it in the same kernel (gemv.tune)
 
     @classmethod
@@ -116,8 +117,8 @@ class CpuGemm:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.quantized is not None and weight.device.type == "cpu" and x.dtype == torch.float32:
             return self._quantized(self.quantized, x, weight, bias)
-        if self.gemv is not None and x.shape[0] == 1 and x.dim() == 2 and x.stride(-1) == 1:
-            return gemv(x, weight, bias, self.gemv)
+        if self.gemv and x.dim() == 2 and x.stride(-1) == 1 and (config := self.gemv.get(rows_bucket(x.shape[0]))):
+            return gemv(x, weight, bias, config)
         if not (weight.device.type == "cpu" and x.dtype == weight.dtype and self.packs(weight.dtype)):
             return F.linear(x, weight, bias)
         key = (weight.data_ptr(), weight._version, weight.dtype)

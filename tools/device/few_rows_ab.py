@@ -1,0 +1,73 @@
+"""Decode time per step at a few requests (batch 1-8) with the GEMV of 2-4 rows (layers/gemv.py) and without it
+(`MINISGL_GEMV_ROWS=1`: cuBLAS from two rows up), each side in its own process, alternating on one GPU.
+
+    python3 tools/device/few_rows_ab.py [--pairs 2] [--batches 1,2,3,4,8] [--shape qwen3-0.6b]
+
+Each process builds the dummy model of `--shape` (bf16, CUDA graphs and overlap on) and, for each batch size b,
+generates b fresh 128-token prompts (random ids, nothing cached) with 1 and with 257 new tokens, greedy, three
+times each; the time per decode step is the difference of the best of each over 256 steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def measure(args: argparse.Namespace) -> dict[str, float]:
+    from minisgl import LLM, SamplingParams, env
+    from minisgl.bench.throughput import write_model_dir
+
+    model_dir = write_model_dir(Path(env.TOKENIZER_DIR.get() or "tok"), args.shape)
+    llm = LLM(str(model_dir), dtype="bfloat16", load_format="dummy")
+    rng = random.Random(f"{args.side}-{args.seed}")
+
+    def best_of_3(batch: int, new_tokens: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        best = float("inf")
+        for _ in range(3):
+            prompts = [[rng.randint(0, 10000) for _ in range(128)] for _ in range(batch)]
+            t0 = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    best_of_3(8, 16)  # warm-up
+    batches = [int(b) for b in args.batches.split(",")]
+    result: dict[str, object] = {str(b): round((best_of_3(b, 257) - best_of_3(b, 1)) / 256 * 1000, 3) for b in batches}
+    gemms = [m for m in llm.scheduler.engine.model.modules() if getattr(getattr(m, "gemm", None), "gemv", None)]
+    result["gemv rows"] = sorted({f"{'x'.join(map(str, m.weight.shape))}: {sorted(m.gemm.gemv)}" for m in gemms})
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--batches", default="1,2,3,4,8")
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--side", choices=["cublas", "gemv"], help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.side is not None:  # one measuring process
+        print("RESULT " + json.dumps(measure(args)), flush=True)
+        return
+    common = ["--batches", args.batches, "--shape", args.shape]
+    for pair in range(args.pairs):
+        for side, rows in (("cublas", "1"), ("gemv", "4")):
+            cmd = [sys.executable, __file__, "--side", side, "--seed", str(pair), *common]
+            env = {**os.environ, "MINISGL_GEMV_ROWS": rows}
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
+            result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+            chosen = result.pop("gemv rows")
+            steps = ", ".join(f"batch {b}: {ms} ms" for b, ms in result.items())
+            print(f"pair {pair} {side:6s} decode step {steps}; GEMV row buckets {chosen}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
