@@ -311,24 +311,28 @@ def test_bf16_greedy_parity_with_hf_transformers(qwen3_dir, hf_fp32):
     assert near_tie_divergences == len(prompts) - same
 
 
-def test_one_request_at_a_time_decodes_with_the_fused_norm_gemvs_as_hf_does(qwen3_dir, hf_fp32, monkeypatch):
-    """Batch-1 decode, where layers/gemv.py runs each RMSNorm inside the GEMV after it (and SiLU-and-mul inside the
-    gate_up GEMV): top-1 against fp32 HF where its margin is clear, as for any batch."""
+@pytest.mark.parametrize("running", [1, 3])
+def test_a_few_requests_at_a_time_decode_with_the_gemvs_as_hf_does(qwen3_dir, hf_fp32, monkeypatch, running):
+    """Decode of one and of three requests (the graph of four rows), where layers/gemv.py runs every linear of up to
+    four rows as its GEMV, each RMSNorm inside the GEMV after it (and SiLU-and-mul inside the gate_up GEMV): top-1
+    against fp32 HF where its margin is clear, as for any batch."""
     from minisgl import LLM, SamplingParams
     from minisgl.layers import gemv
 
-    monkeypatch.setattr(gemv, "FUSED_MARGIN", 0.0)  # fused wherever it runs, however it measured
+    monkeypatch.setattr(gemv, "MARGIN", 0.0)  # the GEMV wherever it runs, however it measured
+    monkeypatch.setattr(gemv, "FUSED_MARGIN", 0.0)  # fused likewise
     prompts = make_prompts(n=4, seed=5)
-    llm = LLM(str(qwen3_dir), **{**ENGINE, "max_running_requests": 1})
+    llm = LLM(str(qwen3_dir), **{**ENGINE, "max_running_requests": running})
     layers = llm.scheduler.engine.model.model.layers
-    assert all(lin.gemm.norm_gemv is not None for layer in layers for _, lin, _ in layer.gemv_norm_pairs())
+    pairs = [lin for layer in layers for _, lin, _ in layer.gemv_norm_pairs()]
+    assert all(set(lin.gemm.norm_gemv) == set(lin.gemm.gemv) == {1, 2, 4} for lin in pairs)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
     llm.check_integrity()
     ours = [o.token_ids for o in outs]
     del llm, layers, outs
     release_gpu()
     metrics = parity(teacher_forced(hf_fp32, prompts, ours), ours)
-    report("parity_batch_1_fused_norm_gemv_vs_hf_fp32", metrics)
+    report(f"parity_batch_{running}_gemv_vs_hf_fp32", metrics)
     assert metrics["top1_clear_margin"] >= 0.99
 
 

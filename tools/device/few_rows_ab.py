@@ -42,7 +42,9 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     batches = [int(b) for b in args.batches.split(",")]
     result: dict[str, object] = {str(b): round((best_of_3(b, 257) - best_of_3(b, 1)) / 256 * 1000, 3) for b in batches}
     gemms = [m for m in llm.scheduler.engine.model.modules() if getattr(getattr(m, "gemm", None), "gemv", None)]
-    result["gemv rows"] = sorted({f"{'x'.join(map(str, m.weight.shape))}: {sorted(m.gemm.gemv)}" for m in gemms})
+    result["gemv rows"] = sorted(
+        {f"{'x'.join(map(str, m.weight.shape))}: {sorted(m.gemm.gemv)} norm {sorted(m.gemm.norm_gemv)}" for m in gemms}
+    )
     return result
 
 

@@ -73,19 +73,10 @@ def rows_bucket(m: int) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
-    """x [M, K] W^T (+ b) for 1 <= M <= ROW_BUCKETS[-1] rows (x's rows contiguous) with W [N, K] contiguous: y [M, N]
+    """x [M, K] W^T (+ b) for 1 <= M <= ROW_BUCKETS[-1] rows (each row contiguous) with W [N, K] contiguous: y [M, N]
     in x's dtype."""
-    m, (n, k) = x.shape[0], weight.shape
-    assert 1 <= m <= ROW_BUCKETS[-1] and x.stride(-1) == 1
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 1:
-        _launch(config, x, weight, bias, y)
-        return y
-    _rows_kernel()[(-(-n // config.block_n),)](
-        x, weight, bias if bias is not None else weight, y, m, x.stride(0), n, k, HAS_BIAS=bias is not None,
-        ROWS=rows_bucket(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-        **pdl_args(x.device),
-    )  # fmt: skip
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    _launch(config, x, weight, bias, y)
     return y
 
 
@@ -99,12 +90,13 @@ def norm_gemv(
     config: GemvConfig,
     gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, residual'): y = RMSNorm(x + residual) W^T (+ b) for one row x [1, K] (RMSNorm(x) where residual is
-    None), and residual' = x + residual (x itself where None), in one kernel instead of a norm and a GEMM.
-    gated: W [2N, K] holds the gate rows, then the up rows, and y = silu(gate) * up, [1, N] (no bias)."""
-    assert x.stride(-1) == 1 and (residual is None or residual.is_contiguous()) and not (gated and bias is not None)
+    """(y, residual'): y = RMSNorm(x + residual) W^T (+ b) for the 1 <= M <= ROW_BUCKETS[-1] rows of x [M, K]
+    (RMSNorm(x) where residual is None; each row normed on its own), and residual' = x + residual (x itself where
+    None), in one kernel instead of a norm and a GEMM. gated: W [2N, K] holds the gate rows, then the up rows, and
+    y = silu(gate) * up, [M, N] (no bias)."""
+    assert (residual is None or residual.is_contiguous()) and not (gated and bias is not None)
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     res_out = x if residual is None else torch.empty_like(residual)
     _launch(config, x, weight, bias, y, residual, res_out, norm_weight, eps, gated)
     return y, res_out
@@ -122,13 +114,33 @@ def _launch(
     eps: float = 0.0,
     gated: bool = False,
 ) -> None:
-    n, k = y.shape[-1], weight.shape[1]
-    _kernel()[(-(-n // config.block_n),)](
-        x, residual if residual is not None else x, res_out if res_out is not None else x,
-        norm_weight if norm_weight is not None else weight, eps, weight, bias if bias is not None else weight, y,
-        n, k, NORM=norm_weight is not None, ADD=residual is not None, GATED=gated, HAS_BIAS=bias is not None,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, **pdl_args(x.device),
-    )  # fmt: skip
+    m, n, k = x.shape[0], y.shape[-1], weight.shape[1]
+    assert 1 <= m <= ROW_BUCKETS[-1] and x.stride(-1) == 1
+    grid = (-(-n // config.block_n),)
+    args = (
+        x,
+        residual if residual is not None else x,
+        res_out if res_out is not None else x,
+        norm_weight if norm_weight is not None else weight,
+        eps,
+        weight,
+        bias if bias is not None else weight,
+        y,
+    )
+    flags = dict(
+        NORM=norm_weight is not None,
+        ADD=residual is not None,
+        GATED=gated,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        **pdl_args(x.device),
+    )
+    if m == 1:
+        _kernel()[grid](*args, n, k, **flags)
+    else:
+        _rows_kernel()[grid](*args, m, x.stride(0), n, k, ROWS=rows_bucket(m), **flags)
 
 
 def _graph_us(fn: Any) -> float:
@@ -175,12 +187,13 @@ def choose(n: int, k: int, dtype: torch.dtype, device: torch.device, rows: int =
     return chosen
 
 
-def choose_fused(norm: torch.nn.Module, linear: torch.nn.Module, gated: bool) -> GemvConfig | None:
-    """The config of norm_gemv for a norm and the linear it feeds, or None where the two (and SiLU-and-mul where
-    gated) as they run unfused, the linear through its own route (set by tune), are as fast."""
+def choose_fused(norm: torch.nn.Module, linear: torch.nn.Module, gated: bool, rows: int = 1) -> GemvConfig | None:
+    """The config of norm_gemv for `rows` rows (a bucket of ROW_BUCKETS) of a norm and the linear it feeds, or None
+    where the two (and SiLU-and-mul where gated) as they run unfused, the linear through its own route (set by tune),
+    are as fast."""
     weight = linear.weight
     weights = [torch.randn_like(weight) for _ in range(CALLS)]
-    x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
     residual = torch.randn_like(x)
     act = None
     if gated:
@@ -196,10 +209,11 @@ def choose_fused(norm: torch.nn.Module, linear: torch.nn.Module, gated: bool) ->
 
     separate = _graph_us(unfused)
     best = _fastest(
-        lambda c: _graph_us(lambda i: norm_gemv(x, residual, norm.weight, norm.eps, weights[i], None, c, gated))
+        lambda c: _graph_us(lambda i: norm_gemv(x, residual, norm.weight, norm.eps, weights[i], None, c, gated)),
+        CONFIGS if rows == 1 else ROWS_CONFIGS,
     )
     chosen = best[1] if separate >= FUSED_MARGIN * best[0] else None
-    logger.info("one-row norm + GEMM [%d x %d]%s: separate %.1f us, fused %.1f us -> %s", *weight.shape,
+    logger.info("%d-row norm + GEMM [%d x %d]%s: separate %.1f us, fused %.1f us -> %s", rows, *weight.shape,
                 " + SiLU-and-mul" if gated else "", separate, best[0], "fused" if chosen else "separate")  # fmt: skip
     return chosen
 
@@ -207,10 +221,10 @@ def choose_fused(norm: torch.nn.Module, linear: torch.nn.Module, gated: bool) ->
 def fused_norm_linear(
     norm: torch.nn.Module, linear: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """norm_gemv for the norm and the linear after it where tune chose it for them and x is one row (else None: the
+    """norm_gemv for the norm and the linear after it where tune chose it for them at x's row count (else None: the
     caller runs them apart). Returns (linear(norm(x + residual)), x + residual), gated: silu(gate) * up."""
-    config = getattr(linear.gemm, "norm_gemv", None)
-    if config is None or x.dim() != 2 or x.shape[0] != 1:
+    configs = getattr(linear.gemm, "norm_gemv", None)
+    if not configs or x.dim() != 2 or x.stride(-1) != 1 or (config := configs.get(rows_bucket(x.shape[0]))) is None:
         return None
     return norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, config, gated)
 
@@ -218,9 +232,10 @@ def fused_norm_linear(
 def tune(model: torch.nn.Module, fuse: bool = True, max_rows: int = ROW_BUCKETS[-1]) -> int:
     """Set `gemm.gemv` ({rows bucket: config}) on each module of model whose GEMM takes one (layers/linear.py's
     CpuGemm): the buckets of rows (up to max_rows) where its weight shape measures faster as a GEMV; how many modules
-    got one for some row count. fuse: then `gemm.norm_gemv` on the linears that the modules' `gemv_norm_pairs()` name,
-    [(norm, linear, gated)], where norm_gemv measures faster than the two apart at one row. For bf16/fp16 weights on
-    a CUDA GPU and one rank, before graph capture."""
+    got one for some row count. fuse: then `gemm.norm_gemv` ({rows bucket: config}) on the linears that the modules'
+    `gemv_norm_pairs()` name, [(norm, linear, gated)], at the buckets where norm_gemv measures faster than the two
+    apart. For bf16/fp16 weights on a CUDA GPU and one rank, before graph capture."""
+    buckets = [rows for rows in ROW_BUCKETS if rows <= max_rows]
     chosen: dict[tuple[int, int, torch.dtype], dict[int, GemvConfig]] = {}
     switched = 0
     for module in model.modules():
@@ -231,19 +246,19 @@ def tune(model: torch.nn.Module, fuse: bool = True, max_rows: int = ROW_BUCKETS[
             continue
         key = (*weight.shape, weight.dtype)
         if key not in chosen:
-            buckets = [rows for rows in ROW_BUCKETS if rows <= max_rows]
             configs = {rows: choose(*key[:2], weight.dtype, weight.device, rows) for rows in buckets}
             chosen[key] = {rows: config for rows, config in configs.items() if config is not None}
         gemm.gemv = chosen[key]
         switched += bool(chosen[key])
-    fused: dict[tuple[int, int, torch.dtype, bool], GemvConfig | None] = {}
+    fused: dict[tuple[int, int, torch.dtype, bool], dict[int, GemvConfig]] = {}
     for module in model.modules() if fuse else ():
         for norm, linear, gated in getattr(module, "gemv_norm_pairs", lambda: ())():
             if not hasattr(linear.gemm, "norm_gemv") or linear.tp_size != 1 or (gated and linear.bias is not None):
                 continue  # under tensor parallelism the norm all-reduces its input first
             key = (*linear.weight.shape, linear.weight.dtype, gated)
             if key not in fused:
-                fused[key] = choose_fused(norm, linear, gated)
+                configs = {rows: choose_fused(norm, linear, gated, rows) for rows in buckets}
+                fused[key] = {rows: config for rows, config in configs.items() if config is not None}
             linear.gemm.norm_gemv = fused[key]
     torch.cuda.empty_cache()
     return switched

@@ -83,6 +83,10 @@ def gemv_kernel(
 @triton.jit(do_not_specialize=["M", "stride_x"])
 def gemv_rows_kernel(
     x_ptr,
+    res_ptr,
+    res_out_ptr,
+    norm_ptr,
+    eps,
     w_ptr,
     b_ptr,
     y_ptr,
@@ -90,16 +94,19 @@ def gemv_rows_kernel(
     stride_x,
     N,
     K: tl.constexpr,
+    NORM: tl.constexpr,
+    ADD: tl.constexpr,
+    GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """y [M, N] = x W^T (+ b) for the M <= ROWS rows of x (row stride stride_x), y contiguous; each program loads its
-    [BLOCK_N, BLOCK_K] tiles of W once and takes them against every row (a [ROWS, BLOCK_N, BLOCK_K] product summed
-    along K), in float32 rounded once to y's dtype. Rows past M are masked: ROWS is M rounded up to a power of two,
-    so that one compiled kernel serves a bucket of row counts."""
+    """gemv_kernel for the M <= ROWS rows of x (row stride stride_x; the residuals and y contiguous): each program
+    loads its [BLOCK_N, BLOCK_K] tiles of W once and takes them against every row (a [ROWS, BLOCK_N, BLOCK_K]
+    product summed along K), in float32; NORM, ADD, GATED and HAS_BIAS as there, row by row. Rows past M are masked:
+    ROWS is M rounded up to a power of two, so that one compiled kernel serves a bucket of row counts."""
     if PDL:  # as gemv_kernel: the previous kernel's output is complete from here on
         gdc_wait()
         gdc_launch_dependents()
@@ -107,13 +114,41 @@ def gemv_rows_kernel(
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, ROWS)
     live_n, live_m = rn < N, rm < M
+    rstd = tl.full((ROWS,), 1.0, dtype=tl.float32)
+    if NORM:
+        squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            mask = live_m[:, None] & (rk < K)[None, :]
+            v = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+            if ADD:
+                v += tl.load(res_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+            squares += v * v
+        rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         live_k = rk < K
-        x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        mask = live_m[:, None] & live_k[None, :]
+        x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            if ADD:
+                x += tl.load(res_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+                if tl.program_id(0) == 0:
+                    tl.store(res_out_ptr + rm[:, None] * K + rk[None, :], x.to(dtype), mask=mask)
+            w_norm = tl.load(norm_ptr + rk, mask=live_k, other=0.0).to(tl.float32)
+            x = (x * rstd[:, None] * w_norm[None, :]).to(dtype).to(tl.float32)
+        w_mask = live_n[:, None] & live_k[None, :]
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if GATED:
+            w_up = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            acc_up += tl.sum(x[:, None, :] * w_up[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=live_n, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        gate = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(dtype), mask=live_m[:, None] & live_n[None, :])

@@ -97,7 +97,7 @@ class CpuGemm:
         self.quantized: str | None = None  # "int8" / "fp16": set by quantize_gemms
         # CUDA: calls of few rows through layers/gemv.py's kernels, {rows bucket: config} (set by its tune)
         self.gemv: dict[int, GemvConfig] = {}
-        self.norm_gemv: GemvConfig | None = None  # CUDA, one row: the norm before it in the same kernel (gemv.tune)
+        self.norm_gemv: dict[int, GemvConfig] = {}  # CUDA, the same buckets: the norm before it in its kernel
 
     @classmethod
     def supports(cls, kind: str) -> bool:
