@@ -173,7 +173,7 @@ def _graph_us(fn: Any) -> float:
 
 def _fastest(us_of: Callable[[GemvConfig], float], configs: tuple[tuple[int, int, int], ...] = CONFIGS):
     """(microseconds, config) of the fastest of configs, us_of timing one (the first among equals)."""
-    timed = [(us_of(config), config) for config in map(GemvConfig._make, configs)]
+    timed = [(us_of(config), config) for config in (GemvConfig(*c) for c in configs)]
     return min(timed, key=lambda t: t[0])
 
 
