@@ -106,10 +106,9 @@ def gemv_rows_kernel(
 ):
     """gemv_kernel for the M <= ROWS rows of x (row stride stride_x; the residuals and y contiguous): each program
     loads its [BLOCK_N, BLOCK_K] tiles of W once and takes them against every row (a [ROWS, BLOCK_N, BLOCK_K]
-    product, in float32); NORM, ADD, GATED and HAS_BIAS as there, row by row. ACC_K 1 sums each product along K at
-    once, ACC_K = BLOCK_K keeps the products apart and sums them after the last block (one cross-lane sum instead of
-    one a block, for twice the registers: faster at 4 rows on some shapes). Rows past M are masked: ROWS is M
-    rounded up to a power of two, so that one compiled kernel serves a bucket of row counts."""
+    product, in float32); NORM, ADD, GATED and HAS_BIAS as there, row by row. ACC_K 1 sums each block's products
+    along K, ACC_K = BLOCK_K sums them after the last block (one cross-lane sum, twice the registers). Rows past M
+    are masked: ROWS is M rounded up to a power of two, so that one compiled kernel serves a bucket of row counts."""
     if PDL:  # as gemv_kernel: the previous kernel's output is complete from here on
         gdc_wait()
         gdc_launch_dependents()
@@ -144,10 +143,16 @@ def gemv_rows_kernel(
             x = (x * rstd[:, None] * w_norm[None, :]).to(dtype).to(tl.float32)
         w_mask = live_n[:, None] & live_k[None, :]
         w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        acc += _products(x, w, ACC_K)
+        if ACC_K == 1:  # a static branch: acc holds [ROWS, BLOCK_N, 1] sums
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2, keep_dims=True)
+        else:
+            acc += x[:, None, :] * w[None, :, :]
         if GATED:
             w_up = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            acc_up += _products(x, w_up, ACC_K)
+            if ACC_K == 1:
+                acc_up += tl.sum(x[:, None, :] * w_up[None, :, :], axis=2, keep_dims=True)
+            else:
+                acc_up += x[:, None, :] * w_up[None, :, :]
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=live_n, other=0.0).to(tl.float32)[None, :]
@@ -156,13 +161,3 @@ def gemv_rows_kernel(
         up = tl.sum(acc_up, axis=2).to(dtype).to(tl.float32)
         y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(dtype), mask=live_m[:, None] & live_n[None, :])
-
-
-@triton.jit
-def _products(x, w, ACC_K: tl.constexpr):
-    """x [ROWS, BLOCK_K] times w [BLOCK_N, BLOCK_K], row by row: [ROWS, BLOCK_N, ACC_K], summed along K where ACC_K
-    is 1."""
-    p = x[:, None, :] * w[None, :, :]
-    if ACC_K == 1:
-        return tl.sum(p, axis=2, keep_dims=True)
-    return p
