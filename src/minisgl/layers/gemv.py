@@ -39,10 +39,9 @@ MARGIN = 1.25  # the GEMV replaces cuBLAS only when cuBLAS takes at least this m
 FUSED_MARGIN = 1.1  # the norm and its GEMM in one kernel only when the two apart take at least this much longer
 # (BLOCK_N, BLOCK_K, num_warps) tried for each shape: fewer output rows a program, more programs and loads in flight.
 CONFIGS = ((4, 1024, 4), (8, 1024, 8), (8, 512, 4), (2, 1024, 4), (2, 2048, 4), (1, 2048, 4))
-# The same for 2-4 rows (a fourth field: the products summed after the last block of K, gemv_rows_kernel's ACC_K):
-# those that won some shape of the 0.6B and 30B-A3B shapes' linears at 2 or 4 rows (1x H200); wider tiles hold
-# ROWS x BLOCK_N x BLOCK_K products in registers.
-ROWS_CONFIGS = ((4, 1024, 4), (2, 1024, 4), (2, 512, 4, True), (4, 512, 4, True))
+# The same for 2-4 rows: the two that won every shape where the GEMV won at all (1x H200, 2-4 rows, 0.6B and
+# 30B-A3B shapes' linears); wider tiles hold ROWS x BLOCK_N x BLOCK_K products in registers.
+ROWS_CONFIGS = ((4, 1024, 4), (2, 1024, 4))
 ROW_BUCKETS = (1, 2, 4)  # a call of m rows runs the kernel of rows_bucket(m) rows (its rows past m masked)
 MAX_TUNED_BYTES = 64 << 20  # larger weights (an LM head) stream at full speed through cuBLAS already
 CALLS = 28  # one timed CUDA graph replays this many calls, each on its own copy of the weight (not from L2)
@@ -52,7 +51,6 @@ class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int
-    defer: bool = False  # 2-4 rows: sum the products along K after the last block (one-row calls ignore it)
 
 
 @functools.cache
@@ -142,8 +140,7 @@ def _launch(
     if m == 1:
         _kernel()[grid](*args, n, k, **flags)
     else:
-        acc_k = config.block_k if config.defer else 1
-        _rows_kernel()[grid](*args, m, x.stride(0), n, k, ROWS=rows_bucket(m), ACC_K=acc_k, **flags)
+        _rows_kernel()[grid](*args, m, x.stride(0), n, k, ROWS=rows_bucket(m), **flags)
 
 
 def _graph_us(fn: Any) -> float:
@@ -173,7 +170,7 @@ def _graph_us(fn: Any) -> float:
 
 def _fastest(us_of: Callable[[GemvConfig], float], configs: tuple[tuple[int, int, int], ...] = CONFIGS):
     """(microseconds, config) of the fastest of configs, us_of timing one (the first among equals)."""
-    timed = [(us_of(config), config) for config in (GemvConfig(*c) for c in configs)]
+    timed = [(us_of(config), config) for config in map(GemvConfig._make, configs)]
     return min(timed, key=lambda t: t[0])
 
 

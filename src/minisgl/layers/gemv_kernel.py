@@ -101,14 +101,12 @@ def gemv_rows_kernel(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ACC_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """gemv_kernel for the M <= ROWS rows of x (row stride stride_x; the residuals and y contiguous): each program
     loads its [BLOCK_N, BLOCK_K] tiles of W once and takes them against every row (a [ROWS, BLOCK_N, BLOCK_K]
-    product, in float32); NORM, ADD, GATED and HAS_BIAS as there, row by row. ACC_K 1 sums each block's products
-    along K, ACC_K = BLOCK_K sums them after the last block (one cross-lane sum, twice the registers). Rows past M
-    are masked: ROWS is M rounded up to a power of two, so that one compiled kernel serves a bucket of row counts."""
+    product summed along K), in float32; NORM, ADD, GATED and HAS_BIAS as there, row by row. Rows past M are masked:
+    ROWS is M rounded up to a power of two, so that one compiled kernel serves a bucket of row counts."""
     if PDL:  # as gemv_kernel: the previous kernel's output is complete from here on
         gdc_wait()
         gdc_launch_dependents()
@@ -127,8 +125,8 @@ def gemv_rows_kernel(
                 v += tl.load(res_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
             squares += v * v
         rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
-    acc = tl.zeros((ROWS, BLOCK_N, ACC_K), dtype=tl.float32)
-    acc_up = tl.zeros((ROWS, BLOCK_N, ACC_K), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         live_k = rk < K
@@ -143,21 +141,14 @@ def gemv_rows_kernel(
             x = (x * rstd[:, None] * w_norm[None, :]).to(dtype).to(tl.float32)
         w_mask = live_n[:, None] & live_k[None, :]
         w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        if ACC_K == 1:  # a static branch: acc holds [ROWS, BLOCK_N, 1] sums
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2, keep_dims=True)
-        else:
-            acc += x[:, None, :] * w[None, :, :]
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         if GATED:
             w_up = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            if ACC_K == 1:
-                acc_up += tl.sum(x[:, None, :] * w_up[None, :, :], axis=2, keep_dims=True)
-            else:
-                acc_up += x[:, None, :] * w_up[None, :, :]
-    y = tl.sum(acc, axis=2)
+            acc_up += tl.sum(x[:, None, :] * w_up[None, :, :], axis=2)
     if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=live_n, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + rn, mask=live_n, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        gate = y.to(dtype).to(tl.float32)
-        up = tl.sum(acc_up, axis=2).to(dtype).to(tl.float32)
-        y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(dtype), mask=live_m[:, None] & live_n[None, :])
+        gate = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        acc = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(dtype), mask=live_m[:, None] & live_n[None, :])
