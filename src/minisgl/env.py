@@ -239,7 +239,7 @@ GEMV_FUSED = _declare(
     "bool",
     True,
     _bool,
-    "CUDA: 0 keeps a one-row GEMM's RMSNorm (and SiLU-and-mul) in kernels of their own (layers/gemv.py)",
+    "CUDA: 0 keeps the RMSNorm (and SiLU-and-mul) of a GEMM of 1-4 rows in kernels of their own (layers/gemv.py)",
 )
 ONEDNN = _declare(
     "MINISGL_ONEDNN",
