@@ -11,16 +11,17 @@ weights are loaded and before any CUDA graph is captured; a shape takes the GEMV
 faster, so that close calls (run-to-run noise) keep cuBLAS and a model's numbers do not depend on a coin toss.
 CpuGemm then sends its calls of those shapes and row counts here (its other calls stay with F.linear).
 
-A one-row linear after an RMSNorm can also take the norm into its GEMV (`norm_gemv`): every program needs the whole
-input row anyway, so each computes the norm's sum of squares itself, one writes the residual sum, and the norm's
-launch is gone; a gate_up projection also applies SiLU-and-mul to its output there. `tune` chooses it per
-(norm, linear) pair that a model's layers name (`gemv_norm_pairs()`) where it is at least FUSED_MARGIN faster than
-the kernels apart (on an H200 for Qwen3-0.6B, before the narrower tiles: 1.05 against 1.19 ms a decode step at batch
-1; with them 0.88 ms, docs/benchmarks.md).
+A linear after an RMSNorm can also take the norm into its GEMV (`norm_gemv`): every program needs the whole input
+rows anyway, so each computes the norm's sums of squares itself, one writes the residual sums, and the norm's launch
+is gone; a gate_up projection also applies SiLU-and-mul to its output there. `tune` chooses it per (norm, linear)
+pair that a model's layers name (`gemv_norm_pairs()`) and bucket of rows where it is at least FUSED_MARGIN faster
+than the kernels apart (on an H200 for Qwen3-0.6B, before the narrower tiles: 1.05 against 1.19 ms a decode step at
+batch 1; with them 0.88 ms, docs/benchmarks.md).
 
 The kernels (layers/gemv_kernel.py): each program reduces BLOCK_N output channels over the whole input, BLOCK_K at a
-time, in fp32, launched with programmatic dependent launch where the GPU has it; the one-row kernel also takes the
-norm and SiLU-and-mul, the kernel of 2-4 rows (its row count rounded up to a power of two) only the product.
+time, in fp32, launched with programmatic dependent launch where the GPU has it; one kernel for one row, one for 2-4
+rows (its row count rounded up to a power of two, the rows past it masked), which takes each weight tile against
+every row.
 """
 
 from __future__ import annotations
