@@ -18,6 +18,7 @@ ROWS_CASES = [  # (rows, n, k, block): a K over several blocks, masked tails in 
     (2, 96, 256, (4, 256, 4)),
     (3, 37, 200, (2, 64, 4)),
     (4, 9, 300, (4, 128, 4)),
+    (3, 37, 200, (2, 64, 4, True)),  # the products summed after the last block
 ]
 
 

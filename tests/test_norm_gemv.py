@@ -19,6 +19,7 @@ CASES = [  # (n, k, block) : a K split over several blocks, masked tails in N an
     (96, 256, (4, 256, 4)),
     (37, 200, (8, 64, 4)),
     (9, 300, (1, 128, 4)),  # one output row a program (tune's narrow tiles)
+    (37, 200, (2, 64, 4, True)),  # 2-4 rows: the products summed after the last block
 ]
 
 

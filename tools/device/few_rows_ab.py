@@ -1,7 +1,9 @@
 """Decode time per step at a few requests (batch 1-8) with the GEMV of 2-4 rows (layers/gemv.py) and without it
 (`MINISGL_GEMV_ROWS=1`: cuBLAS from two rows up), each side in its own process, alternating on one GPU.
 
-    python3 tools/device/few_rows_ab.py [--pairs 2] [--batches 1,2,3,4,8] [--shape qwen3-0.6b]
+    python3 tools/device/few_rows_ab.py [--pairs 3] [--batches 1,2,3,4,8] [--shape qwen3-0.6b] [--rows 1,4]
+
+`--rows` lists the MINISGL_GEMV_ROWS of the sides (1: cuBLAS from two rows up; 2: the GEMV up to two rows).
 
 Each process builds the dummy model of `--shape` (bf16, CUDA graphs and overlap on) and, for each batch size b,
 generates b fresh 128-token prompts (random ids, nothing cached) with 1 and with 257 new tokens, greedy, three
@@ -14,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -50,25 +53,33 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--batches", default="1,2,3,4,8")
     p.add_argument("--shape", default="qwen3-0.6b")
-    p.add_argument("--side", choices=["cublas", "gemv"], help=argparse.SUPPRESS)
+    p.add_argument("--rows", default="1,4", help="MINISGL_GEMV_ROWS of each side, in the order they run")
+    p.add_argument("--side", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.side is not None:  # one measuring process
         print("RESULT " + json.dumps(measure(args)), flush=True)
         return
     common = ["--batches", args.batches, "--shape", args.shape]
+    runs: dict[str, dict[str, list[float]]] = {}
     for pair in range(args.pairs):
-        for side, rows in (("cublas", "1"), ("gemv", "4")):
+        for rows in args.rows.split(","):
+            side = "cublas" if rows == "1" else f"rows{rows}"
             cmd = [sys.executable, __file__, "--side", side, "--seed", str(pair), *common]
             env = {**os.environ, "MINISGL_GEMV_ROWS": rows}
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
             result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
             chosen = result.pop("gemv rows")
+            for b, ms in result.items():
+                runs.setdefault(side, {}).setdefault(b, []).append(ms)
             steps = ", ".join(f"batch {b}: {ms} ms" for b, ms in result.items())
             print(f"pair {pair} {side:6s} decode step {steps}; GEMV row buckets {chosen}", flush=True)
+    for side, by_batch in runs.items():
+        cells = (f"batch {b}: {statistics.median(v):.3f} ms ({min(v):.3f}-{max(v):.3f})" for b, v in by_batch.items())
+        print(f"median of {args.pairs} {side:6s} " + ", ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

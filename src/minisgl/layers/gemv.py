@@ -40,9 +40,13 @@ MARGIN = 1.25  # the GEMV replaces cuBLAS only when cuBLAS takes at least this m
 FUSED_MARGIN = 1.1  # the norm and its GEMM in one kernel only when the two apart take at least this much longer
 # (BLOCK_N, BLOCK_K, num_warps) tried for each shape: fewer output rows a program, more programs and loads in flight.
 CONFIGS = ((4, 1024, 4), (8, 1024, 8), (8, 512, 4), (2, 1024, 4), (2, 2048, 4), (1, 2048, 4))
-# The same for 2-4 rows: the two that won every shape where the GEMV won at all (1x H200, 2-4 rows, 0.6B and
-# 30B-A3B shapes' linears); wider tiles hold ROWS x BLOCK_N x BLOCK_K products in registers.
+# The same for 2-4 rows: those that won some shape of the 0.6B and 30B-A3B shapes' linears at 2 or 4 rows (1x H200);
+# wider tiles hold ROWS x BLOCK_N x BLOCK_K products in registers.
 ROWS_CONFIGS = ((4, 1024, 4), (2, 1024, 4))
+# At 3-4 rows also tiles that sum the products along K after the last block (the fourth field, gemv_rows_kernel's
+# DEFER): the down projection of the 0.6B shape at 4 rows in 5.7 us against 7.0 and cuBLAS's 7.5; a decode step of 3-4
+# requests 1.25 against 1.32 ms (1x H200, docs/benchmarks.md). At 2 rows the GEMV keeps the tilings above.
+DEFERRED_CONFIGS = ((2, 512, 4, True), (4, 512, 4, True))
 ROW_BUCKETS = (1, 2, 4)  # a call of m rows runs the kernel of rows_bucket(m) rows (its rows past m masked)
 MAX_TUNED_BYTES = 64 << 20  # larger weights (an LM head) stream at full speed through cuBLAS already
 CALLS = 28  # one timed CUDA graph replays this many calls, each on its own copy of the weight (not from L2)
@@ -52,6 +56,7 @@ class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int
+    defer: bool = False  # 2-4 rows: sum the products along K after the last block (one-row calls ignore it)
 
 
 @functools.cache
@@ -141,7 +146,7 @@ def _launch(
     if m == 1:
         _kernel()[grid](*args, n, k, **flags)
     else:
-        _rows_kernel()[grid](*args, m, x.stride(0), n, k, ROWS=rows_bucket(m), **flags)
+        _rows_kernel()[grid](*args, m, x.stride(0), n, k, ROWS=rows_bucket(m), DEFER=config.defer, **flags)
 
 
 def _graph_us(fn: Any) -> float:
@@ -169,9 +174,14 @@ def _graph_us(fn: Any) -> float:
     return best
 
 
-def _fastest(us_of: Callable[[GemvConfig], float], configs: tuple[tuple[int, int, int], ...] = CONFIGS):
+def _configs(rows: int) -> tuple[tuple, ...]:
+    """The tilings that tune tries for calls of `rows` rows (a bucket of ROW_BUCKETS)."""
+    return CONFIGS if rows == 1 else ROWS_CONFIGS + (DEFERRED_CONFIGS if rows >= 4 else ())
+
+
+def _fastest(us_of: Callable[[GemvConfig], float], configs: tuple[tuple, ...]):
     """(microseconds, config) of the fastest of configs, us_of timing one (the first among equals)."""
-    timed = [(us_of(config), config) for config in map(GemvConfig._make, configs)]
+    timed = [(us_of(config), config) for config in (GemvConfig(*c) for c in configs)]
     return min(timed, key=lambda t: t[0])
 
 
@@ -181,7 +191,7 @@ def choose(n: int, k: int, dtype: torch.dtype, device: torch.device, rows: int =
     weights = [torch.randn(n, k, dtype=dtype, device=device) for _ in range(CALLS)]
     x = torch.randn(rows, k, dtype=dtype, device=device)
     cublas = _graph_us(lambda i: torch.nn.functional.linear(x, weights[i]))
-    best = _fastest(lambda c: _graph_us(lambda i: gemv(x, weights[i], None, c)), CONFIGS if rows == 1 else ROWS_CONFIGS)
+    best = _fastest(lambda c: _graph_us(lambda i: gemv(x, weights[i], None, c)), _configs(rows))
     chosen = best[1] if cublas >= MARGIN * best[0] else None
     logger.info("%d-row GEMM [%d x %d]: cuBLAS %.1f us, GEMV %.1f us -> %s", rows, n, k, cublas, best[0],
                 "GEMV" if chosen else "cuBLAS")  # fmt: skip
@@ -211,7 +221,7 @@ def choose_fused(norm: torch.nn.Module, linear: torch.nn.Module, gated: bool, ro
     separate = _graph_us(unfused)
     best = _fastest(
         lambda c: _graph_us(lambda i: norm_gemv(x, residual, norm.weight, norm.eps, weights[i], None, c, gated)),
-        CONFIGS if rows == 1 else ROWS_CONFIGS,
+        _configs(rows),
     )
     chosen = best[1] if separate >= FUSED_MARGIN * best[0] else None
     logger.info("%d-row norm + GEMM [%d x %d]%s: separate %.1f us, fused %.1f us -> %s", rows, *weight.shape,

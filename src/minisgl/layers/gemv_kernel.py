@@ -101,12 +101,14 @@ def gemv_rows_kernel(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DEFER: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """gemv_kernel for the M <= ROWS rows of x (row stride stride_x; the residuals and y contiguous): each program
     loads its [BLOCK_N, BLOCK_K] tiles of W once and takes them against every row (a [ROWS, BLOCK_N, BLOCK_K]
-    product summed along K), in float32; NORM, ADD, GATED and HAS_BIAS as there, row by row. Rows past M are masked:
-    ROWS is M rounded up to a power of two, so that one compiled kernel serves a bucket of row counts."""
+    product, in float32); NORM, ADD, GATED and HAS_BIAS as there, row by row. By default it sums each block's products
+    along K; DEFER keeps them apart and sums them after the last block (one cross-lane sum, more registers). Rows past M
+    are masked: ROWS is M rounded up to a power of two, so that one compiled kernel serves a bucket of row counts."""
     if PDL:  # as gemv_kernel: the previous kernel's output is complete from here on
         gdc_wait()
         gdc_launch_dependents()
@@ -125,8 +127,12 @@ def gemv_rows_kernel(
                 v += tl.load(res_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
             squares += v * v
         rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    if DEFER:  # static branches: [ROWS, BLOCK_N, BLOCK_K] products until the last block, else [ROWS, BLOCK_N] sums
+        acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         live_k = rk < K
@@ -141,10 +147,19 @@ def gemv_rows_kernel(
             x = (x * rstd[:, None] * w_norm[None, :]).to(dtype).to(tl.float32)
         w_mask = live_n[:, None] & live_k[None, :]
         w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if DEFER:
+            acc += x[:, None, :] * w[None, :, :]
+        else:
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         if GATED:
             w_up = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            acc_up += tl.sum(x[:, None, :] * w_up[None, :, :], axis=2)
+            if DEFER:
+                acc_up += x[:, None, :] * w_up[None, :, :]
+            else:
+                acc_up += tl.sum(x[:, None, :] * w_up[None, :, :], axis=2)
+    if DEFER:
+        acc = tl.sum(acc, axis=2)
+        acc_up = tl.sum(acc_up, axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=live_n, other=0.0).to(tl.float32)[None, :]
     if GATED:
