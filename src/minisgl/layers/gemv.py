@@ -21,7 +21,8 @@ batch 1; with them 0.88 ms, docs/benchmarks.md).
 The kernels (layers/gemv_kernel.py): each program reduces BLOCK_N output channels over the whole input, BLOCK_K at a
 time, in fp32, launched with programmatic dependent launch where the GPU has it; one kernel for one row, one for 2-4
 rows (its row count rounded up to a power of two, the rows past it masked), which takes each weight tile against
-every row.
+every row and sums the products along K block by block or, at 3-4 rows where that times faster, once after the last
+block (DEFERRED_CONFIGS).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int
-    defer: bool = False  # 2-4 rows: sum the products along K after the last block (one-row calls ignore it)
+    defer: bool = False  # sum the products along K after the last block (tune: 3-4 rows; one-row calls ignore it)
 
 
 @functools.cache
