@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import statistics
@@ -28,6 +29,9 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     from minisgl.bench.throughput import write_model_dir
 
     model_dir = write_model_dir(Path(env.TOKENIZER_DIR.get() or "tok"), args.shape)
+    timings = _TuneLog()  # what layers/gemv.py's tune measured for each shape and bucket of rows
+    logging.getLogger("minisgl").addHandler(timings)
+    logging.getLogger("minisgl").setLevel(logging.INFO)
     llm = LLM(str(model_dir), dtype="bfloat16", load_format="dummy")
     rng = random.Random(f"{args.side}-{args.seed}")
 
@@ -48,7 +52,20 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     result["gemv rows"] = sorted(
         {f"{'x'.join(map(str, m.weight.shape))}: {sorted(m.gemm.gemv)} norm {sorted(m.gemm.norm_gemv)}" for m in gemms}
     )
+    result["tune"] = timings.lines
     return result
+
+
+class _TuneLog(logging.Handler):
+    """Keeps the lines that tune logs (one per weight shape and bucket of rows: cuBLAS against the GEMV)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name == "minisgl" and "-row " in (message := record.getMessage()):
+            self.lines.append(message)
 
 
 def main() -> None:
@@ -72,7 +89,9 @@ def main() -> None:
             env = {**os.environ, "MINISGL_GEMV_ROWS": rows}
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
             result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
-            chosen = result.pop("gemv rows")
+            chosen, tuned = result.pop("gemv rows"), result.pop("tune")
+            if pair == 0:
+                print("\n".join(f"  {side} tune: {line}" for line in tuned), flush=True)
             for b, ms in result.items():
                 runs.setdefault(side, {}).setdefault(b, []).append(ms)
             steps = ", ".join(f"batch {b}: {ms} ms" for b, ms in result.items())
