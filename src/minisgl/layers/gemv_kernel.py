@@ -80,6 +80,31 @@ def gemv_kernel(
     tl.store(y_ptr + rn, acc.to(dtype), mask=live_n)
 
 
+@triton.jit
+def _rows_rstd(
+    x_ptr,
+    res_ptr,
+    eps,
+    rm,
+    live_m,
+    stride_x,
+    K: tl.constexpr,
+    ADD: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """RMSNorm's 1 / rms of each row rm of x (+ the residual where ADD), summed in float32 as gemv_kernel's."""
+    squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mask = live_m[:, None] & (rk < K)[None, :]
+        v = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        if ADD:
+            v += tl.load(res_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        squares += v * v
+    return tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+
+
 @triton.jit(do_not_specialize=["M", "stride_x"])
 def gemv_rows_kernel(
     x_ptr,
@@ -118,15 +143,7 @@ def gemv_rows_kernel(
     live_n, live_m = rn < N, rm < M
     rstd = tl.full((ROWS,), 1.0, dtype=tl.float32)
     if NORM:
-        squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            mask = live_m[:, None] & (rk < K)[None, :]
-            v = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-            if ADD:
-                v += tl.load(res_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-            squares += v * v
-        rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+        rstd = _rows_rstd(x_ptr, res_ptr, eps, rm, live_m, stride_x, K, ADD, ROWS, BLOCK_K)
     if DEFER:  # static branches: [ROWS, BLOCK_N, BLOCK_K] products until the last block, else [ROWS, BLOCK_N] sums
         acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
