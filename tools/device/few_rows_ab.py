@@ -3,7 +3,8 @@
 
     python3 tools/device/few_rows_ab.py [--pairs 3] [--batches 1,2,3,4,8] [--shape qwen3-0.6b] [--rows 1,4]
 
-`--rows` lists the MINISGL_GEMV_ROWS of the sides (1: cuBLAS from two rows up; 2: the GEMV up to two rows).
+`--rows` lists the MINISGL_GEMV_ROWS of the sides (1: cuBLAS from two rows up; 2: the GEMV up to two rows);
+`--baseline REV` adds a side that runs git revision REV's src/ (with the last of `--rows`), first in each round.
 
 Each process builds the dummy model of `--shape` (bf16, CUDA graphs and overlap on) and, for each batch size b,
 generates b fresh 128-token prompts (random ids, nothing cached) with 1 and with 257 new tokens, greedy, three
@@ -20,6 +21,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,12 +70,31 @@ class _TuneLog(logging.Handler):
             self.lines.append(message)
 
 
+def baseline_src(rev: str, into: Path) -> Path:
+    """src/ of git revision rev exported under into (git archive), for a side that runs the earlier code."""
+    root = Path(__file__).resolve().parents[2]
+    archive = subprocess.run(["git", "-C", str(root), "archive", rev, "src"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / "src"
+
+
+def run_side(side: str, rows: str, src: Path | None, seed: int, common: list[str]) -> dict:
+    """One measuring process: MINISGL_GEMV_ROWS=rows, and src (an earlier revision's) first on PYTHONPATH if given."""
+    env = {**os.environ, "MINISGL_GEMV_ROWS": rows}
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, __file__, "--side", side, "--seed", str(seed), *common]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--batches", default="1,2,3,4,8")
     p.add_argument("--shape", default="qwen3-0.6b")
     p.add_argument("--rows", default="1,4", help="MINISGL_GEMV_ROWS of each side, in the order they run")
+    p.add_argument("--baseline", help="a git revision: one more side, first in each round, runs its code")
     p.add_argument("--side", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -81,21 +102,22 @@ def main() -> None:
         print("RESULT " + json.dumps(measure(args)), flush=True)
         return
     common = ["--batches", args.batches, "--shape", args.shape]
-    runs: dict[str, dict[str, list[float]]] = {}
-    for pair in range(args.pairs):
-        for rows in args.rows.split(","):
-            side = "cublas" if rows == "1" else f"rows{rows}"
-            cmd = [sys.executable, __file__, "--side", side, "--seed", str(pair), *common]
-            env = {**os.environ, "MINISGL_GEMV_ROWS": rows}
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
-            result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
-            chosen, tuned = result.pop("gemv rows"), result.pop("tune")
-            if pair == 0:
-                print("\n".join(f"  {side} tune: {line}" for line in tuned), flush=True)
-            for b, ms in result.items():
-                runs.setdefault(side, {}).setdefault(b, []).append(ms)
-            steps = ", ".join(f"batch {b}: {ms} ms" for b, ms in result.items())
-            print(f"pair {pair} {side:6s} decode step {steps}; GEMV row buckets {chosen}", flush=True)
+    rows_list = args.rows.split(",")
+    sides = [("cublas" if rows == "1" else f"rows{rows}", rows, None) for rows in rows_list]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.baseline:
+            sides.insert(0, (args.baseline, rows_list[-1], baseline_src(args.baseline, Path(tmp))))
+        runs: dict[str, dict[str, list[float]]] = {}
+        for pair in range(args.pairs):
+            for side, rows, src in sides:
+                result = run_side(side, rows, src, pair, common)
+                chosen, tuned = result.pop("gemv rows"), result.pop("tune")
+                if pair == 0:
+                    print("\n".join(f"  {side} tune: {line}" for line in tuned), flush=True)
+                for b, ms in result.items():
+                    runs.setdefault(side, {}).setdefault(b, []).append(ms)
+                steps = ", ".join(f"batch {b}: {ms} ms" for b, ms in result.items())
+                print(f"pair {pair} {side:6s} decode step {steps}; GEMV row buckets {chosen}", flush=True)
     for side, by_batch in runs.items():
         cells = (f"batch {b}: {statistics.median(v):.3f} ms ({min(v):.3f}-{max(v):.3f})" for b, v in by_batch.items())
         print(f"median of {args.pairs} {side:6s} " + ", ".join(cells), flush=True)
