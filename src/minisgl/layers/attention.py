@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from minisgl.layers.context import get_context
+from minisgl.layers.fused_qkv import stores_into as fused_qkv_stores_into
 from minisgl.layers.fused_qkv import usable as fused_qkv_usable
 
 if TYPE_CHECKING:
@@ -26,13 +27,17 @@ class AttentionLayer(nn.Module):
     def pool_for_fused_store(self, qkv: torch.Tensor) -> "KVPool | None":
         """The KV pool the model may store this layer's k, v into itself (then forward(q, None, None)).
 
-        None unless layers.fused_qkv can run on qkv and the current backend attends from its pool.
+        None unless layers.fused_qkv can run on qkv and store into the pool the current backend attends from.
         """
         if not fused_qkv_usable(qkv, self.head_dim):
             return None
         ctx = get_context()
         assert ctx.attn_backend is not None and ctx.batch is not None, "run the model inside Context.forward_batch"
-        return ctx.attn_backend.kv_pool_for(ctx.batch)
+        pool = ctx.attn_backend.kv_pool_for(ctx.batch)
+        if pool is not None and pool.is_fp8:  # an fp8 pool: only where Triton converts to its dtype
+            if not fused_qkv_stores_into(pool.dtype, torch.cuda.get_device_capability(qkv.device)):
+                return None
+        return pool
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor | None = None

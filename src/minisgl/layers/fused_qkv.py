@@ -8,7 +8,7 @@ once (the unfused path rounds after the norm too). At batch 1 each of the five l
 per layer, about a seventh of a Qwen3-0.6B decode step on an H100 (docs/benchmarks.md).
 
 Used when the attention backend lets the layer store the KV itself (`kv_pool_for`), the tensors
-are fp16/bf16 on CUDA and Triton imports.
+are fp16/bf16 on CUDA, Triton imports and it can convert to the pool's dtype on this GPU (`stores_into`).
 
 On Hopper and later the kernel is launched with programmatic dependent launch (PDL), as FlashInfer launches its
 norms, activations and attention: it waits for the QKV projection at its first instruction (`gdc_wait`, before any
@@ -44,6 +44,13 @@ def _kernel() -> Any:
 def usable(qkv: torch.Tensor, head_dim: int) -> bool:
     """Whether fused_qkv can run on this tensor (CUDA, fp16/bf16, Triton importable, even head_dim)."""
     return qkv.is_cuda and qkv.dtype in _DTYPES and head_dim % 2 == 0 and _kernel() is not None
+
+
+def stores_into(pool_dtype: torch.dtype, capability: tuple[int, int]) -> bool:
+    """Whether the kernel can write a KV pool of pool_dtype on a GPU of this compute capability: Triton converts to
+    float8_e4m3fn only from 8.9 (Ada, Hopper; an A100 has e5m2 alone), so there the unfused path stores (torch
+    converts on any GPU)."""
+    return pool_dtype != torch.float8_e4m3fn or capability >= (8, 9)
 
 
 def fused_qkv(
