@@ -175,7 +175,7 @@ def _graph_us(fn: Any) -> float:
     return best
 
 
-def _configs(rows: int) -> tuple[tuple, ...]:
+def configs_for(rows: int) -> tuple[tuple, ...]:
     """The tilings that tune tries for calls of `rows` rows (a bucket of ROW_BUCKETS)."""
     return CONFIGS if rows == 1 else ROWS_CONFIGS + (DEFERRED_CONFIGS if rows >= 4 else ())
 
@@ -192,7 +192,7 @@ def choose(n: int, k: int, dtype: torch.dtype, device: torch.device, rows: int =
     weights = [torch.randn(n, k, dtype=dtype, device=device) for _ in range(CALLS)]
     x = torch.randn(rows, k, dtype=dtype, device=device)
     cublas = _graph_us(lambda i: torch.nn.functional.linear(x, weights[i]))
-    best = _fastest(lambda c: _graph_us(lambda i: gemv(x, weights[i], None, c)), _configs(rows))
+    best = _fastest(lambda c: _graph_us(lambda i: gemv(x, weights[i], None, c)), configs_for(rows))
     chosen = best[1] if cublas >= MARGIN * best[0] else None
     logger.info("%d-row GEMM [%d x %d]: cuBLAS %.1f us, GEMV %.1f us -> %s", rows, n, k, cublas, best[0],
                 "GEMV" if chosen else "cuBLAS")  # fmt: skip
@@ -222,7 +222,7 @@ def choose_fused(norm: torch.nn.Module, linear: torch.nn.Module, gated: bool, ro
     separate = _graph_us(unfused)
     best = _fastest(
         lambda c: _graph_us(lambda i: norm_gemv(x, residual, norm.weight, norm.eps, weights[i], None, c, gated)),
-        _configs(rows),
+        configs_for(rows),
     )
     chosen = best[1] if separate >= FUSED_MARGIN * best[0] else None
     logger.info("%d-row norm + GEMM [%d x %d]%s: separate %.1f us, fused %.1f us -> %s", rows, *weight.shape,

@@ -1,0 +1,161 @@
+"""minisgl's decode-path Triton kernels compiled for NVIDIA GPUs on any machine: Triton's compiler and the ptxas it
+ships build each kernel for Hopper (sm_90, with programmatic dependent launch) and Ampere (sm_80, without), no GPU
+needed.
+
+The interpreter tests check the kernels' arithmetic on the CPU, but never take the paths that only a GPU has: PDL's
+grid-dependency controls, inline PTX (the sampling's lg2.approx), an fp8 KV cache's conversions, and Triton's code
+generator and ptxas at the tilings tune may pick. Each case is a combination of constexprs that a launcher passes;
+the argument types are those of the launchers' tensors (bf16 activations and weights, float32 and int64 where the
+launchers use them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("triton") is None or importlib.util.find_spec("triton.backends.nvidia") is None:
+    pytest.skip("needs Triton with its NVIDIA backend", allow_module_level=True)
+
+HOPPER, AMPERE = 90, 80
+GEMV_FLAGS = {  # NORM, ADD, GATED, HAS_BIAS: a plain linear, with its bias, after a fused add + norm, gated
+    "plain": (False, False, False, False),
+    "bias": (False, False, False, True),
+    "add-norm": (True, True, False, False),
+    "add-norm-gated": (True, True, True, False),
+    "norm-gated": (True, False, True, False),
+}
+
+
+def _gemv(flags: str, rows: int, config: tuple) -> dict[str, Any]:
+    norm, add, gated, bias = GEMV_FLAGS[flags]
+    block_n, block_k, warps, *defer = config
+    consts = dict(K=1024, NORM=norm, ADD=add, GATED=gated, HAS_BIAS=bias, BLOCK_N=block_n, BLOCK_K=block_k)
+    if rows > 1:
+        consts.update(ROWS=rows, DEFER=bool(defer and defer[0]))
+    return dict(kernel="gemv_kernel" if rows == 1 else "gemv_rows_kernel", consts=consts, warps=warps)
+
+
+def _gemv_cases() -> list[Any]:
+    from minisgl.layers import gemv
+
+    cases = [pytest.param(_gemv(f, 1, gemv.CONFIGS[0]), id=f"gemv-1-{f}") for f in GEMV_FLAGS]
+    for rows in gemv.ROW_BUCKETS[1:]:  # the first tiling of each kind that tune tries at rows
+        configs = gemv.configs_for(rows)
+        configs = [configs[0]] + [c for c in configs if len(c) > 3][:1]
+        cases += [pytest.param(_gemv(f, rows, c), id=f"gemv-{rows}-{f}-{c}") for f in GEMV_FLAGS for c in configs]
+    return cases
+
+
+QKV_TYPES = {"pos_ptr": "*i64", "loc_ptr": "*i64", "cos_sin_ptr": "*fp32"}
+GUMBEL_TYPES = {
+    "temp_ptr": "*fp32",
+    "step_ptr": "*i64",
+    "seed": "i64",
+    "best_val_ptr": "*fp32",
+    "best_idx_ptr": "*i32",
+    "out_ptr": "*i64",
+}
+MOE = dict(TOP_K=8, RENORM=True, BLOCK_E=128, BLOCK_TOP=8)
+QKV = dict(H=16, HKV=8, D=128)
+E4M3_CACHE = {**QKV_TYPES, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+E5M2_CACHE = {**QKV_TYPES, "k_cache_ptr": "*fp8e5", "v_cache_ptr": "*fp8e5"}
+
+
+MODULES = {  # each kernel's module
+    "gemv_kernel": "minisgl.layers.gemv_kernel",
+    "gemv_rows_kernel": "minisgl.layers.gemv_kernel",
+    "qkv_kernel": "minisgl.layers.fused_qkv_kernel",
+    "gumbel_draw_kernel": "minisgl.engine.gumbel",
+    "gumbel_reduce_kernel": "minisgl.engine.gumbel",
+    "moe_up_kernel": "minisgl.layers.moe_gemv_kernel",
+    "moe_down_kernel": "minisgl.layers.moe_gemv_kernel",
+    "route_kernel": "minisgl.layers.moe_gemv_kernel",
+}
+
+
+def _case(name: str, kernel: str, consts: dict, warps: int = 4, types: dict | None = None) -> Any:
+    return pytest.param(dict(kernel=kernel, consts=consts, warps=warps, types=types), id=name)
+
+
+OTHER_CASES = [
+    *(
+        _case(f"qkv-tb{tb}-norm-{norm}", "qkv_kernel", dict(HAS_NORM=norm, KV_MAX=0.0, TB=tb, **QKV), w, QKV_TYPES)
+        for tb, w in ((1, 1), (8, 4))
+        for norm in (True, False)
+    ),
+    _case("qkv-e5m2-cache", "qkv_kernel", dict(HAS_NORM=True, KV_MAX=57344.0, TB=8, **QKV), 4, E5M2_CACHE),
+    *(
+        _case(f"gumbel-draw-{n}-shards", "gumbel_draw_kernel", dict(SHARDS=n, BLOCK=1024, FAST=True), 4, GUMBEL_TYPES)
+        for n in (1, 2)
+    ),
+    *(
+        _case(f"gumbel-reduce-{n}-shards", "gumbel_reduce_kernel", dict(SHARDS=n, S=32), 4, GUMBEL_TYPES)
+        for n in (1, 2)
+    ),
+    _case("moe-up", "moe_up_kernel", dict(K=2048, BLOCK_N=2, BLOCK_K=1024, **MOE)),
+    _case("moe-down", "moe_down_kernel", dict(K=768, BLOCK_N=2, BLOCK_K=256, **MOE)),
+    _case("moe-route", "route_kernel", MOE, types={"weights_ptr": "*fp32", "ids_ptr": "*i32"}),
+]
+
+
+def _kernel(name: str) -> Any:
+    mod = importlib.import_module(MODULES[name])
+    if name.startswith("gumbel_"):  # defined where Triton imports: the module hands them out
+        draw, reduce = mod._kernels()
+        return draw if name == "gumbel_draw_kernel" else reduce
+    return getattr(mod, name)
+
+
+def compile_for(arch: int, kernel: str, consts: dict, warps: int, types: dict | None = None) -> Any:
+    """kernel compiled for sm_<arch> with consts (and PDL where it takes it: on from Hopper): pointers are
+    bf16 and scalars int32 unless types says otherwise (eps: float32)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _kernel(kernel)
+    consts = dict(consts)
+    if "PDL" in fn.arg_names:
+        consts["PDL"] = arch >= HOPPER
+    types = {"eps": "fp32", **(types or {})}
+    signature = {
+        name: "constexpr" if name in consts else types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+        for name in fn.arg_names
+    }
+    source = ASTSource(fn, signature, consts)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+
+
+@pytest.mark.parametrize("arch", [HOPPER, AMPERE], ids=["sm90", "sm80"])
+@pytest.mark.parametrize("case", _gemv_cases() + OTHER_CASES)
+def test_the_kernel_compiles_for_the_gpu(arch, case):
+    compiled = compile_for(arch, **case)
+    assert compiled.asm["cubin"]  # ptxas built it for the target
+    assert f"sm_{arch}" in compiled.asm["ptx"]
+
+
+def test_the_pdl_controls_are_in_the_hopper_build_only():
+    """With PDL the kernel waits on the previous grid (griddepcontrol) before its first load; without, no such
+    instruction, so an Ampere build runs as before."""
+    case = _gemv("add-norm", 4, (2, 512, 4, True))
+    assert "griddepcontrol.wait" in compile_for(HOPPER, **case).asm["ptx"]
+    assert "griddepcontrol" not in compile_for(AMPERE, **case).asm["ptx"]
+
+
+def test_an_e4m3_kv_pool_is_stored_by_the_fused_kernel_only_where_triton_converts_to_it():
+    """Triton has float8_e4m3fn from compute capability 8.9: on an A100 (8.0) the kernel does not build for that pool,
+    and fused_qkv.stores_into sends its stores down the unfused path (e5m2 builds on both)."""
+    import torch
+
+    from minisgl.layers.fused_qkv import stores_into
+
+    case = dict(kernel="qkv_kernel", consts=dict(HAS_NORM=True, KV_MAX=448.0, TB=8, **QKV), warps=4, types=E4M3_CACHE)
+    assert compile_for(HOPPER, **case).asm["cubin"] and stores_into(torch.float8_e4m3fn, (9, 0))
+    with pytest.raises(Exception, match="fp8e4nv"):
+        compile_for(AMPERE, **case)
+    assert not stores_into(torch.float8_e4m3fn, (8, 0))
+    assert stores_into(torch.float8_e5m2, (8, 0)) and stores_into(torch.bfloat16, (8, 0))
