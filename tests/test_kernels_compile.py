@@ -77,8 +77,37 @@ MODULES = {  # each kernel's module
 }
 
 
-def _case(name: str, kernel: str, consts: dict, warps: int = 4, types: dict | None = None) -> Any:
-    return pytest.param(dict(kernel=kernel, consts=consts, warps=warps, types=types), id=name)
+def _case(name: str, kernel: str, consts: dict, warps: int = 4, types: dict | None = None, stages: int = 3) -> Any:
+    return pytest.param(dict(kernel=kernel, consts=consts, warps=warps, types=types, stages=stages), id=name)
+
+
+MOE_GEMM_TYPES = {"weights_ptr": "*fp32", "b_scale_ptr": "*fp32"}
+MOE_GEMM_TYPES.update({f"{name}_ptr": "*i32" for name in ("sorted_ids", "block_expert", "total")})
+
+
+def _moe_gemm_cases() -> list[Any]:
+    """fused_moe's grouped GEMM at the smallest and the largest tiling block_config picks: the gate-up GEMM (rows of
+    x read top_k times; SiLU-and-mul in it where gated_config says) and the down GEMM (times the routing weights)."""
+    from minisgl.layers.fused_moe import block_config, gated_config
+
+    cases = []
+    for tokens in (16, 16384):  # Qwen3-30B-A3B's 128 experts, top-8: decode's smallest tiles and the prefill's
+        config = block_config(tokens, 8, 128)
+        for step, row_div, weighted, tiles in (
+            ("gate-up", 8, False, gated_config(config, False)),
+            ("down", 1, True, None),
+        ):
+            tiles = tiles or config
+            gated = tiles is not config
+            tiling = {key: tiles[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+            consts = dict(
+                A_ROW_DIV=row_div, MUL_WEIGHT=weighted, B_SCALED=False, GATED=gated, PRECISION="tf32", **tiling
+            )
+            name = f"moe-gemm-{step}-{tiles['BLOCK_M']}x{tiles['BLOCK_N']}"
+            cases.append(
+                _case(name, "moe_gemm_kernel", consts, tiles["num_warps"], MOE_GEMM_TYPES, tiles["num_stages"])
+            )
+    return cases
 
 
 OTHER_CASES = [
@@ -99,10 +128,13 @@ OTHER_CASES = [
     _case("moe-up", "moe_up_kernel", dict(K=2048, BLOCK_N=2, BLOCK_K=1024, **MOE)),
     _case("moe-down", "moe_down_kernel", dict(K=768, BLOCK_N=2, BLOCK_K=256, **MOE)),
     _case("moe-route", "route_kernel", MOE, types={"weights_ptr": "*fp32", "ids_ptr": "*i32"}),
+    *_moe_gemm_cases(),
 ]
 
 
 def _kernel(name: str) -> Any:
+    if name == "moe_gemm_kernel":  # built on first use: the module hands it out
+        return importlib.import_module("minisgl.layers.fused_moe")._gemm_kernel()
     mod = importlib.import_module(MODULES[name])
     if name.startswith("gumbel_"):  # defined where Triton imports: the module hands them out
         draw, reduce = mod._kernels()
@@ -110,7 +142,7 @@ def _kernel(name: str) -> Any:
     return getattr(mod, name)
 
 
-def compile_for(arch: int, kernel: str, consts: dict, warps: int, types: dict | None = None) -> Any:
+def compile_for(arch: int, kernel: str, consts: dict, warps: int, types: dict | None = None, stages: int = 3) -> Any:
     """kernel compiled for sm_<arch> with consts (and PDL where it takes it: on from Hopper): pointers are
     bf16 and scalars int32 unless types says otherwise (eps: float32)."""
     import triton
@@ -127,7 +159,8 @@ def compile_for(arch: int, kernel: str, consts: dict, warps: int, types: dict | 
         for name in fn.arg_names
     }
     source = ASTSource(fn, signature, consts)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    options = {"num_warps": warps, "num_stages": stages}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 @pytest.mark.parametrize("arch", [HOPPER, AMPERE], ids=["sm90", "sm80"])
