@@ -1,4 +1,4 @@
-"""minisgl's decode-path Triton kernels compiled for NVIDIA GPUs on any machine: Triton's compiler and the ptxas it
+"""minisgl's Triton kernels compiled for NVIDIA GPUs on any machine: Triton's compiler and the ptxas it
 ships build each kernel for Hopper (sm_90, with programmatic dependent launch) and Ampere (sm_80, without), no GPU
 needed.
 
@@ -81,6 +81,7 @@ def _case(name: str, kernel: str, consts: dict, warps: int = 4, types: dict | No
     return pytest.param(dict(kernel=kernel, consts=consts, warps=warps, types=types, stages=stages), id=name)
 
 
+REDUCE_TYPES = {"bufs_ptr": "*i64", "flags_ptr": "*i64"}  # the ranks' buffers' and flags' addresses
 MOE_GEMM_TYPES = {"weights_ptr": "*fp32", "b_scale_ptr": "*fp32"}
 MOE_GEMM_TYPES.update({f"{name}_ptr": "*i32" for name in ("sorted_ids", "block_expert", "total")})
 
@@ -110,6 +111,33 @@ def _moe_gemm_cases() -> list[Any]:
     return cases
 
 
+FP8_TYPES = {"b_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "a_scale_ptr": "*fp32", "q_ptr": "*fp8e4nv"}
+
+
+def _fp8_cases() -> list[Any]:
+    """layers/fp8_gemm.py's kernels (Hopper only: the FP8 GEMMs run from compute capability 9.0): the weight-only GEMV
+    and tensor-core kernel, the FP8 x FP8 kernel at its smallest and largest tiles, the norm that quantizes for it."""
+    from minisgl.layers import fp8_gemm
+
+    cases = []
+    for gate_up in (False, True):
+        gemv = {**fp8_gemm.gemv_config(4096, 4096), "ROWS": 1}
+        cases.append(_fp8("gemv", dict(gemv, GATE_UP=gate_up)))
+        cases.append(_fp8("w8a16", dict(fp8_gemm.W8A16_CONFIG, GATE_UP=gate_up)))
+        cases += [_fp8("w8a8", dict(fp8_gemm.w8a8_config(m, gate_up), GATE_UP=gate_up)) for m in (16, 128)]
+    for quant, early in ((True, False), (False, True)):
+        cases.append(_fp8("add_rmsnorm", dict(FP8_MAX=448.0, QUANT=quant, EARLY=early, BLOCK=4096, num_warps=8)))
+    return cases + [_fp8("quant_rows", dict(FP8_MAX=448.0, BLOCK=4096, num_warps=4))]
+
+
+def _fp8(kernel: str, config: dict) -> Any:
+    config = dict(config)
+    warps, stages = config.pop("num_warps"), config.pop("num_stages", 3)
+    name = f"fp8-{kernel}-" + "-".join(f"{key}{value}" for key, value in config.items() if key != "FP8_MAX")
+    types = {**FP8_TYPES, "a_ptr": "*fp8e4nv"} if kernel == "w8a8" else FP8_TYPES  # x quantized too
+    return _case(name, f"fp8:{kernel}", config, warps, types, stages)
+
+
 OTHER_CASES = [
     *(
         _case(f"qkv-tb{tb}-norm-{norm}", "qkv_kernel", dict(HAS_NORM=norm, KV_MAX=0.0, TB=tb, **QKV), w, QKV_TYPES)
@@ -129,12 +157,23 @@ OTHER_CASES = [
     _case("moe-down", "moe_down_kernel", dict(K=768, BLOCK_N=2, BLOCK_K=256, **MOE)),
     _case("moe-route", "route_kernel", MOE, types={"weights_ptr": "*fp32", "ids_ptr": "*i32"}),
     *_moe_gemm_cases(),
+    *_fp8_cases(),
+    *(
+        _case(
+            f"reduce-norm-{world}-ranks", "reduce_norm_kernel", dict(H=5120, BLOCK=8192, WORLD=world), 8, REDUCE_TYPES
+        )
+        for world in (1, 2)
+    ),
 ]
 
 
 def _kernel(name: str) -> Any:
-    if name == "moe_gemm_kernel":  # built on first use: the module hands it out
+    if name == "moe_gemm_kernel":  # built on first use: the modules hand them out
         return importlib.import_module("minisgl.layers.fused_moe")._gemm_kernel()
+    if name == "reduce_norm_kernel":
+        return importlib.import_module("minisgl.distributed.reduce_norm")._kernel()
+    if name.startswith("fp8:"):
+        return importlib.import_module("minisgl.layers.fp8_gemm")._kernels()[name[4:]]
     mod = importlib.import_module(MODULES[name])
     if name.startswith("gumbel_"):  # defined where Triton imports: the module hands them out
         draw, reduce = mod._kernels()
@@ -163,9 +202,18 @@ def compile_for(arch: int, kernel: str, consts: dict, warps: int, types: dict | 
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-@pytest.mark.parametrize("arch", [HOPPER, AMPERE], ids=["sm90", "sm80"])
-@pytest.mark.parametrize("case", _gemv_cases() + OTHER_CASES)
-def test_the_kernel_compiles_for_the_gpu(arch, case):
+def _builds() -> list[Any]:
+    """(case, arch) for every case on Hopper, and on Ampere those that run there (not the FP8 GEMMs)."""
+    return [
+        pytest.param(case.values[0], arch, id=f"{case.id}-sm{arch}")
+        for case in _gemv_cases() + OTHER_CASES
+        for arch in (HOPPER, AMPERE)
+        if arch >= HOPPER or not case.values[0]["kernel"].startswith("fp8:")  # layers/fp8_gemm.py: supported()
+    ]
+
+
+@pytest.mark.parametrize("case, arch", _builds())
+def test_the_kernel_compiles_for_the_gpu(case, arch):
     compiled = compile_for(arch, **case)
     assert compiled.asm["cubin"]  # ptxas built it for the target
     assert f"sm_{arch}" in compiled.asm["ptx"]
