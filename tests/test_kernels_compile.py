@@ -65,12 +65,10 @@ E4M3_CACHE = {**QKV_TYPES, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 E5M2_CACHE = {**QKV_TYPES, "k_cache_ptr": "*fp8e5", "v_cache_ptr": "*fp8e5"}
 
 
-MODULES = {  # each kernel's module
+MODULES = {  # the module of each kernel defined at its top level
     "gemv_kernel": "minisgl.layers.gemv_kernel",
     "gemv_rows_kernel": "minisgl.layers.gemv_kernel",
     "qkv_kernel": "minisgl.layers.fused_qkv_kernel",
-    "gumbel_draw_kernel": "minisgl.engine.gumbel",
-    "gumbel_reduce_kernel": "minisgl.engine.gumbel",
     "moe_up_kernel": "minisgl.layers.moe_gemv_kernel",
     "moe_down_kernel": "minisgl.layers.moe_gemv_kernel",
     "route_kernel": "minisgl.layers.moe_gemv_kernel",
@@ -81,6 +79,9 @@ def _case(name: str, kernel: str, consts: dict, warps: int = 4, types: dict | No
     return pytest.param(dict(kernel=kernel, consts=consts, warps=warps, types=types, stages=stages), id=name)
 
 
+IDS_TYPES = {f"{name}_ptr": "*i32" for name in ("ids", "counts", "cursor", "block_expert", "total", "sorted_ids")}
+IDS_TYPES["scratch_ptr"] = "*i32"
+ONE_PROGRAM = dict(BLOCK_SIZE_M=16, BLOCK_P=2048, BLOCK_E=128, BLOCK_R=1024)  # align_by_expert's one-program path
 REDUCE_TYPES = {"bufs_ptr": "*i64", "flags_ptr": "*i64"}  # the ranks' buffers' and flags' addresses
 MOE_GEMM_TYPES = {"weights_ptr": "*fp32", "b_scale_ptr": "*fp32"}
 MOE_GEMM_TYPES.update({f"{name}_ptr": "*i32" for name in ("sorted_ids", "block_expert", "total")})
@@ -157,6 +158,11 @@ OTHER_CASES = [
     _case("moe-down", "moe_down_kernel", dict(K=768, BLOCK_N=2, BLOCK_K=256, **MOE)),
     _case("moe-route", "route_kernel", MOE, types={"weights_ptr": "*fp32", "ids_ptr": "*i32"}),
     *_moe_gemm_cases(),
+    _case("moe-count", "moe_count_kernel", dict(BLOCK=1024), types=IDS_TYPES),
+    _case("moe-layout", "moe_layout_kernel", dict(BLOCK_SIZE_M=16, BLOCK_E=128, BLOCK_B=64), types=IDS_TYPES),
+    _case("moe-scatter", "moe_scatter_kernel", dict(BLOCK=1024), types=IDS_TYPES),
+    _case("moe-one-program", "moe_one_program_kernel", ONE_PROGRAM, 8, IDS_TYPES),
+    _case("moe-combine", "moe_combine_kernel", dict(TOP_K=8, BLOCK_H=1024), types={"ids_ptr": "*i32"}),
     *_fp8_cases(),
     *(
         _case(
@@ -167,18 +173,28 @@ OTHER_CASES = [
 ]
 
 
+# Kernels that their modules build on first use (Triton imported lazily): (module, factory, index in what it returns).
+BUILT = {
+    "moe_gemm_kernel": ("minisgl.layers.fused_moe", "_gemm_kernel", None),
+    "moe_count_kernel": ("minisgl.layers.fused_moe", "_grouping_kernels", 0),
+    "moe_layout_kernel": ("minisgl.layers.fused_moe", "_grouping_kernels", 1),
+    "moe_scatter_kernel": ("minisgl.layers.fused_moe", "_grouping_kernels", 2),
+    "moe_one_program_kernel": ("minisgl.layers.fused_moe", "_grouping_kernels", 3),
+    "moe_combine_kernel": ("minisgl.layers.fused_moe", "_combine_kernel", None),
+    "reduce_norm_kernel": ("minisgl.distributed.reduce_norm", "_kernel", None),
+    "gumbel_draw_kernel": ("minisgl.engine.gumbel", "_kernels", 0),
+    "gumbel_reduce_kernel": ("minisgl.engine.gumbel", "_kernels", 1),
+}
+
+
 def _kernel(name: str) -> Any:
-    if name == "moe_gemm_kernel":  # built on first use: the modules hand them out
-        return importlib.import_module("minisgl.layers.fused_moe")._gemm_kernel()
-    if name == "reduce_norm_kernel":
-        return importlib.import_module("minisgl.distributed.reduce_norm")._kernel()
     if name.startswith("fp8:"):
         return importlib.import_module("minisgl.layers.fp8_gemm")._kernels()[name[4:]]
-    mod = importlib.import_module(MODULES[name])
-    if name.startswith("gumbel_"):  # defined where Triton imports: the module hands them out
-        draw, reduce = mod._kernels()
-        return draw if name == "gumbel_draw_kernel" else reduce
-    return getattr(mod, name)
+    if name in BUILT:
+        module, factory, index = BUILT[name]
+        built = getattr(importlib.import_module(module), factory)()
+        return built if index is None else built[index]
+    return getattr(importlib.import_module(MODULES[name]), name)
 
 
 def compile_for(arch: int, kernel: str, consts: dict, warps: int, types: dict | None = None, stages: int = 3) -> Any:
@@ -240,3 +256,15 @@ def test_an_e4m3_kv_pool_is_stored_by_the_fused_kernel_only_where_triton_convert
         compile_for(AMPERE, **case)
     assert not stores_into(torch.float8_e4m3fn, (8, 0))
     assert stores_into(torch.float8_e5m2, (8, 0)) and stores_into(torch.bfloat16, (8, 0))
+
+
+def test_every_kernel_of_the_kernel_modules_has_a_case():
+    """A kernel added to one of these modules gets a case above (the factories' kernels are listed in BUILT)."""
+    import triton
+
+    compiled = {id(_kernel(param.values[0]["kernel"])) for param in _gemv_cases() + OTHER_CASES}
+    for module in ("gemv_kernel", "fused_qkv_kernel", "moe_gemv_kernel", "fp8_gemm_kernels"):
+        mod = importlib.import_module(f"minisgl.layers.{module}")
+        for name, fn in vars(mod).items():
+            if isinstance(fn, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
+                assert id(fn) in compiled, f"layers/{module}.py: {name} has no case in {__name__}"
