@@ -70,3 +70,55 @@ def test_keys_it_cannot_read_are_a_config_error_that_says_how_to_get_them(tcp_da
             Client("tiny", tcp_daemon.address, auto_start=False, timeout=5)
     finally:
         shutil.move(secret.with_suffix(".away"), secret)
+
+
+class _Starting:
+    """A daemon process that is still running (wait_ready's proc)."""
+
+    returncode = None
+
+    def poll(self) -> None:
+        return None
+
+    def wait(self, timeout: float) -> None:
+        import subprocess
+
+        raise subprocess.TimeoutExpired("minisgl serve", timeout)
+
+
+def _refusing(times: int) -> Any:
+    """launcher.ping that refuses the CURVE handshake `times` times (the daemon has bound its socket, not yet
+    registered its keys), then answers ready."""
+    from minisgl.runtime.protocol import Pong
+
+    calls = []
+
+    def ping(address: str, timeout: float, curve: Any = None) -> Pong:
+        calls.append(curve)
+        if len(calls) <= times:
+            raise DaemonError(f"the daemon at {address} refused the connection (CURVE handshake failed)")
+        return Pong("r", "ready", 1, "tiny", address, "0", {})
+
+    return ping
+
+
+def test_waiting_for_a_started_tcp_daemon_outlasts_the_refusal_before_it_registers_its_keys(monkeypatch) -> None:
+    from minisgl.runtime import launcher
+
+    monkeypatch.setattr(launcher, "ping", _refusing(3))
+    monkeypatch.setattr(launcher, "registered_curve", lambda address: None)  # not registered yet
+    pong = launcher.wait_ready("tcp://127.0.0.1:9", 10, proc=_Starting())
+    assert pong.state == "ready"
+
+
+def test_a_refusal_that_outlasts_the_wait_is_the_daemons_typed_error(monkeypatch) -> None:
+    from minisgl.runtime import launcher
+
+    monkeypatch.setattr(launcher, "ping", _refusing(10**9))
+    monkeypatch.setattr(launcher, "registered_curve", lambda address: None)
+    t0 = time.monotonic()
+    with pytest.raises(DaemonError, match="CURVE handshake failed"):
+        launcher.wait_ready("tcp://127.0.0.1:9", 0.5, proc=_Starting())
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(DaemonError, match="CURVE handshake failed"):  # no process of ours: at once
+        launcher.wait_ready("tcp://127.0.0.1:9", 30)

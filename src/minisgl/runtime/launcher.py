@@ -108,10 +108,14 @@ def wait_ready(
     while True:
         try:
             pong = ping(address, min(PING_TIMEOUT_S, max(0.1, deadline - time.monotonic())), curve)
-        except DaemonError:
-            if curve is None and time.monotonic() < deadline and registered_curve(address) is not None:
-                time.sleep(0.05)
-                continue  # a tcp daemon refused the ping sent before it registered its keys: take them now
+        except DaemonError as refused:
+            # A tcp daemon binds its CURVE socket, then registers its keys: a ping without keys in between is
+            # refused. Retry where the keys are registered now (ping takes them), or where it is the daemon this
+            # process started and it is still starting (its keys come next).
+            if curve is None and address.startswith("tcp://") and time.monotonic() < deadline:
+                if (proc is not None and proc.poll() is None) or registered_curve(address) is not None:
+                    time.sleep(0.05)
+                    continue
             # A daemon that fails to start (an unknown model, say) closes its socket, possibly in the
             # middle of our handshake: its own typed error is the one to report, not the handshake's.
             if proc is None:
@@ -119,7 +123,7 @@ def wait_ready(
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                raise  # it is alive: the refusal is real (CURVE keys)
+                raise refused from None  # it is alive: the refusal is real (CURVE keys)
             raise _start_failure(address, proc.returncode, log_path) from None
         if pong is not None and pong.state == "ready":
             return pong
