@@ -109,7 +109,9 @@ def _moe_gemm_cases() -> list[Any]:
             cases.append(
                 _case(name, "moe_gemm_kernel", consts, tiles["num_warps"], MOE_GEMM_TYPES, tiles["num_stages"])
             )
-    return cases
+    fp8 = dict(cases[-1].values[0], types={**MOE_GEMM_TYPES, "b_ptr": "*fp8e4nv"})  # FP8 experts, per-channel scales
+    fp8["consts"] = dict(fp8["consts"], B_SCALED=True)
+    return cases + [pytest.param(fp8, id="fp8-moe-gemm-down")]
 
 
 FP8_TYPES = {"b_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "a_scale_ptr": "*fp32", "q_ptr": "*fp8e4nv"}
@@ -224,7 +226,7 @@ def _builds() -> list[Any]:
         pytest.param(case.values[0], arch, id=f"{case.id}-sm{arch}")
         for case in _gemv_cases() + OTHER_CASES
         for arch in (HOPPER, AMPERE)
-        if arch >= HOPPER or not case.values[0]["kernel"].startswith("fp8:")  # layers/fp8_gemm.py: supported()
+        if arch >= HOPPER or not case.id.startswith("fp8-")  # FP8 GEMMs from compute capability 9.0 (supported())
     ]
 
 
