@@ -76,7 +76,9 @@ def _kernel() -> Any:
             offs = row * H + cols  # < 2**31: a slot holds at most a few million elements
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for p in range(WORLD):
-                part = tl.load(bufs_ptr + p).to(tl.pointer_type(dtype))
+                # 16-byte aligned (reduce_add_rmsnorm), which Triton cannot see in an address loaded from memory:
+                # without the hint it reads the partial sums 2 bytes at a time.
+                part = tl.multiple_of(tl.load(bufs_ptr + p).to(tl.pointer_type(dtype)), 16)
                 acc += tl.load(part + offs, mask=mask, other=0.0).to(tl.float32)
             x = acc.to(dtype).to(tl.float32) + tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(residual_ptr + offs, x.to(dtype), mask=mask)
@@ -99,8 +101,9 @@ def reduce_add_rmsnorm(
     """norm(sum of every rank's partial sums + residual), with the residual updated in place to that sum.
 
     bufs: int64 [world] on the device, the address of each rank's partial sums ([rows, hidden], contiguous,
-    residual's dtype); flags: int64 [world], the address of each rank's barrier flags (int32, MAX_PROGRAMS x world,
-    zero at the start); rank: this rank's index. Every rank calls it with the same rows and programs.
+    residual's dtype, 16-byte aligned); flags: int64 [world], the address of each rank's barrier flags (int32,
+    MAX_PROGRAMS x world, zero at the start); rank: this rank's index. Every rank calls it with the same rows and
+    programs.
     """
     world, hidden = bufs.numel(), residual.shape[-1]
     assert residual.is_contiguous() and residual.dtype in _DTYPES and residual.shape[0] == rows
@@ -134,6 +137,7 @@ class SymmReduceNorm:
     def __init__(self, device: torch.device, group: Any, rank: int, world: int, slot_bytes: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem  # private torch API, CUDA only: where it is used
 
+        assert slot_bytes % 16 == 0, "the kernel reads the slots 16 bytes at a time"
         self.rank, self.slot_bytes = rank, slot_bytes
         self.flag_bytes = MAX_PROGRAMS * world * 4
         stride = slot_bytes + self.flag_bytes
@@ -164,8 +168,15 @@ class SymmReduceNorm:
         return x.data_ptr() in (self.slots[0].data_ptr(), self.slots[1].data_ptr())
 
     def __call__(
-        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self,
+        partial: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        programs: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         k = 0 if partial.data_ptr() == self.slots[0].data_ptr() else 1
-        out = reduce_add_rmsnorm(self.bufs[k], self.flags[k], self.rank, partial.shape[0], residual, weight, eps)
+        out = reduce_add_rmsnorm(
+            self.bufs[k], self.flags[k], self.rank, partial.shape[0], residual, weight, eps, programs
+        )
         return out, residual

@@ -179,15 +179,15 @@ class Engine:
         return None
 
     def _piecewise_ok(self, max_tokens: int) -> bool:
-        """Prefill runs in piecewise CUDA graphs on one CUDA GPU, with a graph-capable backend and a model that
-        splits at attention (engine/piecewise.py). Not under TP yet: the pieces would capture the all-reduces,
-        which has not been checked on several GPUs."""
+        """Prefill runs in piecewise CUDA graphs on CUDA GPUs, with a graph-capable backend and a model that
+        splits at attention (engine/piecewise.py). Under TP the pieces hold the all-reduces, as decode graphs do:
+        every rank replays the same pieces in the same order (the same batch), and a piece's reductions alternate
+        the fused all-reduce's two slots starting from the first, as every forward's (an even number a forward)."""
         return (
             self.device.type == "cuda"
             and not self.config.disable_cuda_graph
             and max_tokens > 0
             and getattr(self.attn_backend, "supports_cuda_graph", False)
-            and get_tp_info().size == 1
             and supports_piecewise(self.model)
         )
 
