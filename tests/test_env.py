@@ -82,7 +82,7 @@ def test_variables_are_read_when_asked_for(monkeypatch):
     [
         ("MINISGL_TP_FUSED_MB", "lots", "MINISGL_TP_FUSED_MB='lots' is not a valid int"),
         ("MINISGL_XQA", "maybe", "MINISGL_XQA='maybe' is not a valid bool"),
-        ("MINISGL_TP_ALLREDUCE", "mpi", "MINISGL_TP_ALLREDUCE must be one of nccl, symm_mem, fused"),
+        ("MINISGL_TP_ALLREDUCE", "mpi", "MINISGL_TP_ALLREDUCE must be one of nccl, symm_mem, fused, fused_ll"),
         ("MINISGL_MOE_PARALLEL", "dp", "MINISGL_MOE_PARALLEL must be one of auto, tp, ep"),
     ],
 )

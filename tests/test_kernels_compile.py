@@ -83,6 +83,7 @@ IDS_TYPES = {f"{name}_ptr": "*i32" for name in ("ids", "counts", "cursor", "bloc
 IDS_TYPES["scratch_ptr"] = "*i32"
 ONE_PROGRAM = dict(BLOCK_SIZE_M=16, BLOCK_P=2048, BLOCK_E=128, BLOCK_R=1024)  # align_by_expert's one-program path
 REDUCE_TYPES = {"bufs_ptr": "*i64", "flags_ptr": "*i64"}  # the ranks' buffers' and flags' addresses
+REDUCE_LL_TYPES = {"inbox_ptrs": "*i64"}
 MOE_GEMM_TYPES = {"weights_ptr": "*fp32", "b_scale_ptr": "*fp32"}
 MOE_GEMM_TYPES.update({f"{name}_ptr": "*i32" for name in ("sorted_ids", "block_expert", "total")})
 
@@ -172,6 +173,7 @@ OTHER_CASES = [
         )
         for world in (1, 2)
     ),
+    _case("reduce-norm-ll-2-ranks", "reduce_norm_ll_kernel", dict(H=5120, BLOCK=8192, WORLD=2), 8, REDUCE_LL_TYPES),
 ]
 
 
@@ -184,6 +186,7 @@ BUILT = {
     "moe_one_program_kernel": ("minisgl.layers.fused_moe", "_grouping_kernels", 3),
     "moe_combine_kernel": ("minisgl.layers.fused_moe", "_combine_kernel", None),
     "reduce_norm_kernel": ("minisgl.distributed.reduce_norm", "_kernel", None),
+    "reduce_norm_ll_kernel": ("minisgl.distributed.reduce_norm", "_ll_kernel", None),
     "gumbel_draw_kernel": ("minisgl.engine.gumbel", "_kernels", 0),
     "gumbel_reduce_kernel": ("minisgl.engine.gumbel", "_kernels", 1),
 }
@@ -260,9 +263,10 @@ def test_the_pdl_controls_are_in_the_hopper_build_only():
 def test_the_fused_all_reduce_reads_the_ranks_partial_sums_16_bytes_at_a_time():
     """Its partial sums' addresses come from memory (the peers' symmetric-memory mappings), whose alignment Triton
     cannot see: without its hint every thread would read them 2 bytes at a time (over NVLink, for the peers')."""
-    case = dict(kernel="reduce_norm_kernel", consts=dict(H=5120, BLOCK=8192, WORLD=2), warps=8, types=REDUCE_TYPES)
-    ptx = compile_for(HOPPER, **case, aligned=True).asm["ptx"]
-    assert "ld.global.v4.b32" in ptx and "ld.global.b16" not in ptx and "st.global.b16" not in ptx
+    for kernel, types in (("reduce_norm_kernel", REDUCE_TYPES), ("reduce_norm_ll_kernel", REDUCE_LL_TYPES)):
+        case = dict(kernel=kernel, consts=dict(H=5120, BLOCK=8192, WORLD=2), warps=8, types=types)
+        ptx = compile_for(HOPPER, **case, aligned=True).asm["ptx"]
+        assert "ld.global.v4.b32" in ptx and "ld.global.b16" not in ptx and "st.global.b16" not in ptx, kernel
 
 
 def test_an_e4m3_kv_pool_is_stored_by_the_fused_kernel_only_where_triton_converts_to_it():

@@ -13,7 +13,7 @@ CACHE_KINDS = ("radix", "naive")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's and SGLang's --kv-cache-dtype names
 # --reasoning-parser names (vLLM's and SGLang's); all of these models write <think>...</think>.
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
-TP_ALLREDUCES = ("nccl", "symm_mem", "fused")
+TP_ALLREDUCES = ("nccl", "symm_mem", "fused", "fused_ll")
 MOE_PARALLELS = (
     "auto",
     "tp",
@@ -59,7 +59,8 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of node 0's rendezvous (default: a free loopback port)
     dist_timeout: float = 120.0  # seconds before a silent rank is declared dead
-    # One CUDA host: "fused" (default) all-reduces with the residual RMSNorm in one kernel, "symm_mem", "nccl"
+    # One CUDA host: "fused" (default) all-reduces with the residual RMSNorm in one kernel ("fused_ll": its variant
+    # without a barrier), "symm_mem", "nccl"
     tp_allreduce: str = _from_env(env.TP_ALLREDUCE.get)
     tp_fused_mb: int = _from_env(env.TP_FUSED_MB.get)  # tp_allreduce="fused": MB of each of its two slots
     # Opt-in: the decode graphs sample each rank's vocabulary shard and gather only the winners

@@ -171,10 +171,11 @@ TP_ALLREDUCE = _declare(
     "fused",
     str,
     "TP on one CUDA host: `fused` sums a row-parallel projection's partial sums, adds the residual and applies the "
-    "RMSNorm in one symmetric-memory kernel (1.07x NCCL's throughput on 2x H200), `symm_mem` all-reduces up to 8 MB "
+    "RMSNorm in one symmetric-memory kernel (1.07x NCCL's throughput on 2x H200; `fused_ll`: the same without its "
+    "barrier, each rank storing its rows into its peers' memory), `symm_mem` all-reduces up to 8 MB "
     "through symmetric memory, `nccl` NCCL's all-reduce (fastest to report a dead rank); several hosts and the CPU "
     "always take the process group's (`EngineConfig.tp_allreduce`)",
-    choices=("nccl", "symm_mem", "fused"),
+    choices=("nccl", "symm_mem", "fused", "fused_ll"),
 )
 TP_FUSED_MB = _declare(
     "MINISGL_TP_FUSED_MB",

@@ -4,7 +4,8 @@
 
 - nccl: NCCL's all-reduce, then flashinfer's fused_add_rmsnorm (what `tp_allreduce="nccl"` runs);
 - fused: distributed/reduce_norm.py as the engine runs it;
-- fused+programs=N: the same with N programs (the grid) instead of one a row.
+- fused_ll: its variant without a barrier (`tp_allreduce="fused_ll"`);
+- fused+programs=N, fused_ll+programs=N: with N programs (the grid) instead of one a row.
 
 One process per GPU. Each way is a CUDA graph of 20 calls; the figure is the median over 5 replays of a replay's
 time / 20 (CUDA events), the ranks lined up by a barrier before each replay, and the spread (min-max) beside it.
@@ -72,7 +73,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, q) -> Non
     if hasattr(symm_mem, "enable_symm_mem_for_group"):
         symm_mem.enable_symm_mem_for_group(group)
     max_rows, hidden_max = max(args.rows), max(args.hidden)
-    fused = SymmReduceNorm(device, group, rank, world, max_rows * hidden_max * 2)
+    ways = {
+        "fused": SymmReduceNorm(device, group, rank, world, max_rows * hidden_max * 2),
+        "fused_ll": SymmReduceNorm(device, group, rank, world, max_rows * hidden_max * 2, low_latency=True),
+    }
     stream = torch.cuda.Stream()
     results = []
     for hidden in args.hidden:
@@ -87,12 +91,13 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, q) -> Non
             dist.all_reduce(x)
             flashinfer.norm.fused_add_rmsnorm(x, res_n, weight, EPS)
             row = {"hidden": hidden, "rows": rows, "MB": round(rows * hidden * 2 / 2**20, 2)}
-            slot = fused.partial_out(rows, hidden, torch.bfloat16)
-            slot.copy_(part)
-            res_f = residual.clone()
-            out_f, _ = fused(slot, res_f, weight, EPS)
-            row["residual identical"] = bool(torch.equal(res_f, res_n))
-            row["norm max diff"] = float((out_f.float() - x.float()).abs().max())
+            for name, fused in ways.items():
+                slot = fused.partial_out(rows, hidden, torch.bfloat16)
+                slot.copy_(part)
+                res_f = residual.clone()
+                out_f, _ = fused(slot, res_f, weight, EPS)
+                row[name + ": residual identical"] = bool(torch.equal(res_f, res_n))
+                row[name + ": norm max diff"] = float((out_f.float() - x.float()).abs().max())
             buf, res = part.clone(), residual.clone()
 
             def nccl():
@@ -100,12 +105,13 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, q) -> Non
                 flashinfer.norm.fused_add_rmsnorm(buf, res, weight, EPS)
 
             row["nccl"] = timed(nccl, stream)
-            for programs in [None, *args.programs]:
+            for name, fused in ways.items():
+                for programs in [None, *args.programs]:
 
-                def fused_call(programs=programs):
-                    fused(fused.partial_out(rows, hidden, torch.bfloat16), res, weight, EPS, programs)
+                    def fused_call(fused=fused, programs=programs):
+                        fused(fused.partial_out(rows, hidden, torch.bfloat16), res, weight, EPS, programs)
 
-                row["fused" + (f"+programs={programs}" if programs else "")] = timed(fused_call, stream)
+                    row[name + (f"+programs={programs}" if programs else "")] = timed(fused_call, stream)
             results.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)

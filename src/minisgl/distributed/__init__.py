@@ -108,16 +108,17 @@ _REDUCE_NORM: Any = None  # reduce_norm.SymmReduceNorm where tp_allreduce="fused
 def setup_symm_mem(device: torch.device, choice: str, fused_mb: int) -> None:
     """After the process group exists, on every rank: the symmetric-memory all-reduce where it can run.
 
-    choice and fused_mb: EngineConfig.tp_allreduce ("nccl", "symm_mem" or "fused") and tp_fused_mb."""
+    choice and fused_mb: EngineConfig.tp_allreduce ("nccl", "symm_mem", "fused" or "fused_ll") and tp_fused_mb."""
     global _SYMM, _REDUCE_NORM
     _SYMM = _REDUCE_NORM = None
     if choice == "symm_mem" and device.type == "cuda":
         _SYMM = SymmMemAllReduce(device)
         logger.info("tensor-parallel all-reduce up to %d MB through symmetric memory", SYMM_MEM_MAX_BYTES >> 20)
-    elif choice == "fused" and device.type == "cuda":
+    elif choice in ("fused", "fused_ll") and device.type == "cuda":
         # Each of its two slots holds one reduction: 8 MB takes decode's (batch 256 x 5,120 x bf16: 2.6 MB);
         # tp_fused_mb=192 takes a 16k-token prefill chunk's too (bigger slots: less memory for the KV).
-        _REDUCE_NORM = SymmReduceNorm(device, symm_mem_group(), _TP.rank, _TP.size, fused_mb << 20)
+        low_latency = choice == "fused_ll"
+        _REDUCE_NORM = SymmReduceNorm(device, symm_mem_group(), _TP.rank, _TP.size, fused_mb << 20, low_latency)
         logger.info(
             "tensor-parallel all-reduce + residual + RMSNorm fused, up to %d MB, through symmetric memory", fused_mb
         )

@@ -88,6 +88,111 @@ def _kernel() -> Any:
     return reduce_norm_kernel
 
 
+@functools.cache
+def _ll_kernel() -> Any:
+    """The low-latency variant (no barrier: the data is its own flag), compiled on first use; None without Triton."""
+    try:
+        import triton  # lazy: triton is GPU-only
+        import triton.language as tl  # lazy: triton is GPU-only
+    except ImportError:
+        return None
+
+    @triton.jit(do_not_specialize=["M", "rank"])
+    def reduce_norm_ll_kernel(
+        part_ptr,
+        inbox_ptrs,
+        residual_ptr,
+        weight_ptr,
+        out_ptr,
+        M,
+        rank,
+        eps,
+        seg,
+        H: tl.constexpr,
+        BLOCK: tl.constexpr,
+        WORLD: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        dtype = out_ptr.dtype.element_ty
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        empty = tl.full([BLOCK], -32768, tl.int16).to(dtype, bitcast=True)  # -0.0 marks a cell not yet written
+        for row in range(pid, M, nprog):  # this rank's rows, -0.0 made +0.0, into segment `rank` of every peer's inbox
+            x = tl.load(part_ptr + row * H + cols, mask=mask, other=0.0)
+            x = tl.where(x.to(tl.int16, bitcast=True) == -32768, 0.0, x).to(dtype)
+            for p in range(WORLD):
+                if p != rank:
+                    inbox = tl.multiple_of(tl.load(inbox_ptrs + p).to(tl.pointer_type(dtype)) + rank * seg, 16)
+                    tl.store(inbox + row * H + cols, x, mask=mask)
+        mine = tl.multiple_of(tl.load(inbox_ptrs + rank).to(tl.pointer_type(dtype)), 16)
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        for row in range(pid, M, nprog):
+            offs = row * H + cols  # < 2**31: a slot holds at most a few million elements
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for p in range(WORLD):  # the ranks in order, as NCCL sums them: every rank the same bits
+                if p == rank:
+                    v = tl.load(part_ptr + offs, mask=mask, other=0.0)
+                    v = tl.where(v.to(tl.int16, bitcast=True) == -32768, 0.0, v).to(dtype)
+                else:  # wait until every cell of peer p's row has arrived, then mark the row empty again
+                    cell = tl.multiple_of(mine + p * seg, 16) + offs
+                    v = tl.load(cell, mask=mask, other=0.0, volatile=True)
+                    while tl.sum(((v.to(tl.int16, bitcast=True) == -32768) & mask).to(tl.int32), axis=0) > 0:
+                        v = tl.load(cell, mask=mask, other=0.0, volatile=True)
+                    tl.store(cell, empty, mask=mask)
+                acc += v.to(tl.float32)
+            x = acc.to(dtype).to(tl.float32) + tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(residual_ptr + offs, x.to(dtype), mask=mask)
+            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+            tl.store(out_ptr + offs, (x * rstd * w).to(dtype), mask=mask)
+
+    return reduce_norm_ll_kernel
+
+
+def reduce_add_rmsnorm_ll(
+    part: torch.Tensor,
+    inboxes: torch.Tensor,
+    seg: int,
+    rank: int,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    programs: int | None = None,
+) -> torch.Tensor:
+    """reduce_add_rmsnorm without the barrier: each rank stores its partial sums (part: [rows, hidden], local) into
+    its peers' inboxes, and each waits on its own inbox's cells until they hold data (-0.0 marks an empty cell: the
+    senders send -0.0 as +0.0, the same sum), then marks them empty again.
+
+    inboxes: int64 [world] on the device, the address of each rank's inbox: world segments of seg elements
+    (segment r: rank r's rows), 16-byte aligned, every cell -0.0 at the start. Every rank calls it with the same
+    rows and programs, and uses an inbox again only two reductions later (SymmReduceNorm's two slots)."""
+    rows, hidden = part.shape
+    assert (
+        residual.is_contiguous() and part.is_contiguous() and residual.dtype in _DTYPES and residual.shape == part.shape
+    )
+    out = torch.empty_like(residual)
+    if rows == 0:
+        return out
+    grid = min(rows, programs or MAX_PROGRAMS, MAX_PROGRAMS)
+    block = 1 << (hidden - 1).bit_length()
+    _ll_kernel()[(grid,)](
+        part,
+        inboxes,
+        residual,
+        weight,
+        out,
+        rows,
+        rank,
+        eps,
+        seg,
+        H=hidden,
+        BLOCK=block,
+        WORLD=inboxes.numel(),
+        num_warps=8 if block >= 8192 else 4,
+    )
+    return out
+
+
 def reduce_add_rmsnorm(
     bufs: torch.Tensor,
     flags: torch.Tensor,
@@ -132,24 +237,34 @@ def reduce_add_rmsnorm(
 
 
 class SymmReduceNorm:
-    """The two slots in symmetric memory, their addresses and barrier flags, and the call (CUDA only)."""
+    """The two slots in symmetric memory, their addresses and barrier flags, and the call (CUDA only).
 
-    def __init__(self, device: torch.device, group: Any, rank: int, world: int, slot_bytes: int) -> None:
+    low_latency: reduce_add_rmsnorm_ll instead, each slot followed by its inbox (world segments of a slot's size)."""
+
+    def __init__(
+        self, device: torch.device, group: Any, rank: int, world: int, slot_bytes: int, low_latency: bool = False
+    ) -> None:
         import torch.distributed._symmetric_memory as symm_mem  # private torch API, CUDA only: where it is used
 
         assert slot_bytes % 16 == 0, "the kernel reads the slots 16 bytes at a time"
-        self.rank, self.slot_bytes = rank, slot_bytes
+        self.rank, self.slot_bytes, self.low_latency = rank, slot_bytes, low_latency
         self.flag_bytes = MAX_PROGRAMS * world * 4
-        stride = slot_bytes + self.flag_bytes
+        data = slot_bytes * (1 + world) if low_latency else slot_bytes
+        stride = data + self.flag_bytes
         self.mem = symm_mem.empty(2 * stride, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.mem, group)  # collective: every rank at the same point
         for k in range(2):
-            self.mem[k * stride + slot_bytes : (k + 1) * stride].zero_()
+            self.mem[k * stride + data : (k + 1) * stride].zero_()
+            if low_latency:  # every inbox cell empty (-0.0)
+                self.mem[k * stride + slot_bytes : k * stride + data].view(torch.int16).fill_(-32768)
         torch.cuda.synchronize(device)
         dist.barrier()  # no rank signals a peer before the peer's flags are zero
         ptrs = [int(p) for p in handle.buffer_ptrs]
         self.bufs = [torch.tensor([p + k * stride for p in ptrs], dtype=torch.int64, device=device) for k in range(2)]
         self.flags = [
+            torch.tensor([p + k * stride + data for p in ptrs], dtype=torch.int64, device=device) for k in range(2)
+        ]
+        self.inboxes = [
             torch.tensor([p + k * stride + slot_bytes for p in ptrs], dtype=torch.int64, device=device)
             for k in range(2)
         ]
@@ -176,6 +291,10 @@ class SymmReduceNorm:
         programs: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         k = 0 if partial.data_ptr() == self.slots[0].data_ptr() else 1
+        if self.low_latency:
+            seg = self.slot_bytes // partial.element_size()
+            out = reduce_add_rmsnorm_ll(partial, self.inboxes[k], seg, self.rank, residual, weight, eps, programs)
+            return out, residual
         out = reduce_add_rmsnorm(
             self.bufs[k], self.flags[k], self.rank, partial.shape[0], residual, weight, eps, programs
         )
