@@ -97,7 +97,7 @@ def test_engine_settings_default_from_the_environment_and_keywords_override(monk
     for name in ("TP_ALLREDUCE", "TP_FUSED_MB", "TP_VOCAB_SAMPLING", "XQA", "PIECEWISE_GRAPH"):
         monkeypatch.delenv(f"MINISGL_{name}", raising=False)
     plain = EngineConfig()
-    assert (plain.tp_allreduce, plain.tp_fused_mb, plain.tp_vocab_sampling) == ("fused", 8, True)
+    assert (plain.tp_allreduce, plain.tp_fused_mb, plain.tp_vocab_sampling) == ("fused_ll", 8, True)
     assert (plain.disable_xqa, plain.piecewise_cuda_graph_max_tokens) == (False, 4096)
     monkeypatch.setenv("MINISGL_TP_ALLREDUCE", "nccl")
     monkeypatch.setenv("MINISGL_TP_FUSED_MB", "192")

@@ -59,10 +59,10 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of node 0's rendezvous (default: a free loopback port)
     dist_timeout: float = 120.0  # seconds before a silent rank is declared dead
-    # One CUDA host: "fused" (default) all-reduces with the residual RMSNorm in one kernel ("fused_ll": its variant
-    # without a barrier), "symm_mem", "nccl"
+    # One CUDA host: "fused_ll" (default) all-reduces with the residual RMSNorm in one kernel ("fused": its variant
+    # with a barrier), "symm_mem", "nccl"
     tp_allreduce: str = _from_env(env.TP_ALLREDUCE.get)
-    tp_fused_mb: int = _from_env(env.TP_FUSED_MB.get)  # tp_allreduce="fused": MB of each of its two slots
+    tp_fused_mb: int = _from_env(env.TP_FUSED_MB.get)  # tp_allreduce="fused"/"fused_ll": MB of each of its two slots
     # Opt-in: the decode graphs sample each rank's vocabulary shard and gather only the winners
     tp_vocab_sampling: bool = _from_env(env.TP_VOCAB_SAMPLING.get)
     # MoE under TP: "tp" splits every expert's intermediate dimension, "ep" gives each rank whole experts

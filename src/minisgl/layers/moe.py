@@ -143,7 +143,7 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         router_logits = self.gate(x)
         if x.is_cuda:
-            # Partial sums the next norm reduces go straight into its buffer (tp_allreduce="fused").
+            # Partial sums the next norm reduces go straight into its buffer (tp_allreduce="fused" / "fused_ll").
             into = None if reduce or self.shared_expert is not None else partial_out(x.shape[0], x.shape[1], x.dtype)
             out = fused_moe(
                 x,

@@ -47,8 +47,8 @@ HEARTBEAT_TIMEOUT_S = 30.0  # a rank > 0 that hears nothing from rank 0 this lon
 FAILURE_GRACE_S = 2.0  # after a collective errors out, how long rank 0 looks for the rank that failed
 EXIT_WAIT_S = 10.0  # how long a clean shutdown waits for the other ranks to leave
 STUCK_EXIT_S = 15.0  # after a failure, how long rank 0's step in flight may take to return before the process ends
-# The same with a symmetric-memory all-reduce (tp_allreduce "symm_mem" / "fused" on CUDA): its kernels wait for the
-# dead peer forever, so a step in flight never returns; only a step still before its first collective could.
+# The same with a symmetric-memory all-reduce (tp_allreduce "symm_mem" / "fused" / "fused_ll" on CUDA): its kernels
+# wait for the dead peer forever, so a step in flight never returns; only a step before its first collective could.
 SYMM_STUCK_EXIT_S = 0.5
 
 
