@@ -72,6 +72,8 @@ MODULES = {  # the module of each kernel defined at its top level
     "moe_up_kernel": "minisgl.layers.moe_gemv_kernel",
     "moe_down_kernel": "minisgl.layers.moe_gemv_kernel",
     "route_kernel": "minisgl.layers.moe_gemv_kernel",
+    "reduce_norm_kernel": "minisgl.distributed.reduce_norm_kernel",
+    "reduce_norm_ll_kernel": "minisgl.distributed.reduce_norm_kernel",
 }
 
 
@@ -185,8 +187,6 @@ BUILT = {
     "moe_scatter_kernel": ("minisgl.layers.fused_moe", "_grouping_kernels", 2),
     "moe_one_program_kernel": ("minisgl.layers.fused_moe", "_grouping_kernels", 3),
     "moe_combine_kernel": ("minisgl.layers.fused_moe", "_combine_kernel", None),
-    "reduce_norm_kernel": ("minisgl.distributed.reduce_norm", "_kernel", None),
-    "reduce_norm_ll_kernel": ("minisgl.distributed.reduce_norm", "_ll_kernel", None),
     "gumbel_draw_kernel": ("minisgl.engine.gumbel", "_kernels", 0),
     "gumbel_reduce_kernel": ("minisgl.engine.gumbel", "_kernels", 1),
 }
@@ -289,8 +289,9 @@ def test_every_kernel_of_the_kernel_modules_has_a_case():
     import triton
 
     compiled = {id(_kernel(param.values[0]["kernel"])) for param in _gemv_cases() + OTHER_CASES}
-    for module in ("gemv_kernel", "fused_qkv_kernel", "moe_gemv_kernel", "fp8_gemm_kernels"):
-        mod = importlib.import_module(f"minisgl.layers.{module}")
+    for module in ("layers.gemv_kernel", "layers.fused_qkv_kernel", "layers.moe_gemv_kernel", "layers.fp8_gemm_kernels",
+                   "distributed.reduce_norm_kernel"):  # fmt: skip
+        mod = importlib.import_module(f"minisgl.{module}")
         for name, fn in vars(mod).items():
             if isinstance(fn, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
-                assert id(fn) in compiled, f"layers/{module}.py: {name} has no case in {__name__}"
+                assert id(fn) in compiled, f"{module}.py: {name} has no case in {__name__}"

@@ -47,7 +47,7 @@ def test_minisgl_triton_kernels_are_classed_by_what_they_do():
     expected = {
         "sampling": [*gumbel._kernels()],
         "gemm": [fp8["w8a16"], fp8["w8a8"], fp8["gemv"], gemv._kernel()],
-        "norm": [fp8["add_rmsnorm"], reduce_norm._kernel()],
+        "norm": [fp8["add_rmsnorm"], *reduce_norm._kernels()],
         "rope": [fused_qkv._kernel()],
         "moe experts": [
             fused_moe._route_kernel(),

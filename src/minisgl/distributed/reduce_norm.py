@@ -41,120 +41,21 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 
 @functools.cache
-def _kernel() -> Any:
-    """The Triton kernel, compiled on first use; None without Triton."""
+def _kernels() -> Any:
+    """(the barrier kernel, the low-latency kernel), compiled on first use; None without Triton."""
     try:
-        import triton  # lazy: triton is GPU-only
-        import triton.language as tl  # lazy: triton is GPU-only
+        from minisgl.distributed import reduce_norm_kernel as k  # lazy: the kernels' module imports triton (GPU-only)
     except ImportError:
         return None
-
-    @triton.jit(do_not_specialize=["M", "rank"])
-    def reduce_norm_kernel(
-        bufs_ptr,
-        flags_ptr,
-        residual_ptr,
-        weight_ptr,
-        out_ptr,
-        M,
-        rank,
-        eps,
-        H: tl.constexpr,
-        BLOCK: tl.constexpr,
-        WORLD: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        dtype = out_ptr.dtype.element_ty
-        if WORLD > 1:  # this program's barrier with the same program of every peer
-            mine = tl.load(flags_ptr + rank).to(tl.pointer_type(tl.int32)) + pid * WORLD
-            for p in range(WORLD):
-                if p != rank:  # tell peer p that this rank's partial sums are ready (its flag for us: 0 -> 1)
-                    theirs = tl.load(flags_ptr + p).to(tl.pointer_type(tl.int32)) + pid * WORLD + rank
-                    while tl.atomic_cas(theirs, 0, 1, sem="release", scope="sys") != 0:
-                        pass
-            for p in range(WORLD):
-                if p != rank:  # wait until peer p has told us (our flag for it: 1 -> 0)
-                    while tl.atomic_cas(mine + p, 1, 0, sem="acquire", scope="sys") != 1:
-                        pass
-        cols = tl.arange(0, BLOCK)
-        mask = cols < H
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        for row in range(pid, M, nprog):
-            offs = row * H + cols  # < 2**31: a slot holds at most a few million elements
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for p in range(WORLD):
-                # 16-byte aligned (reduce_add_rmsnorm), which Triton cannot see in an address loaded from memory:
-                # without the hint it reads the partial sums 2 bytes at a time.
-                part = tl.multiple_of(tl.load(bufs_ptr + p).to(tl.pointer_type(dtype)), 16)
-                acc += tl.load(part + offs, mask=mask, other=0.0).to(tl.float32)
-            x = acc.to(dtype).to(tl.float32) + tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(residual_ptr + offs, x.to(dtype), mask=mask)
-            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-            tl.store(out_ptr + offs, (x * rstd * w).to(dtype), mask=mask)
-
-    return reduce_norm_kernel
+    return k.reduce_norm_kernel, k.reduce_norm_ll_kernel
 
 
-@functools.cache
-def _ll_kernel() -> Any:
-    """The low-latency variant (no barrier: the data is its own flag), compiled on first use; None without Triton."""
-    try:
-        import triton  # lazy: triton is GPU-only
-        import triton.language as tl  # lazy: triton is GPU-only
-    except ImportError:
-        return None
-
-    @triton.jit(do_not_specialize=["M", "rank"])
-    def reduce_norm_ll_kernel(
-        part_ptr,
-        inbox_ptrs,
-        residual_ptr,
-        weight_ptr,
-        out_ptr,
-        M,
-        rank,
-        eps,
-        seg,
-        H: tl.constexpr,
-        BLOCK: tl.constexpr,
-        WORLD: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        dtype = out_ptr.dtype.element_ty
-        cols = tl.arange(0, BLOCK)
-        mask = cols < H
-        empty = tl.full([BLOCK], -32768, tl.int16).to(dtype, bitcast=True)  # -0.0 marks a cell not yet written
-        for row in range(pid, M, nprog):  # this rank's rows, -0.0 made +0.0, into segment `rank` of every peer's inbox
-            x = tl.load(part_ptr + row * H + cols, mask=mask, other=0.0)
-            x = tl.where(x.to(tl.int16, bitcast=True) == -32768, 0.0, x).to(dtype)
-            for p in range(WORLD):
-                if p != rank:
-                    inbox = tl.multiple_of(tl.load(inbox_ptrs + p).to(tl.pointer_type(dtype)) + rank * seg, 16)
-                    tl.store(inbox + row * H + cols, x, mask=mask)
-        mine = tl.multiple_of(tl.load(inbox_ptrs + rank).to(tl.pointer_type(dtype)), 16)
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        for row in range(pid, M, nprog):
-            offs = row * H + cols  # < 2**31: a slot holds at most a few million elements
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for p in range(WORLD):  # the ranks in order, as NCCL sums them: every rank the same bits
-                if p == rank:
-                    v = tl.load(part_ptr + offs, mask=mask, other=0.0)
-                    v = tl.where(v.to(tl.int16, bitcast=True) == -32768, 0.0, v).to(dtype)
-                else:  # wait until every cell of peer p's row has arrived, then mark the row empty again
-                    cell = tl.multiple_of(mine + p * seg, 16) + offs
-                    v = tl.load(cell, mask=mask, other=0.0, volatile=True)
-                    while tl.sum(((v.to(tl.int16, bitcast=True) == -32768) & mask).to(tl.int32), axis=0) > 0:
-                        v = tl.load(cell, mask=mask, other=0.0, volatile=True)
-                    tl.store(cell, empty, mask=mask)
-                acc += v.to(tl.float32)
-            x = acc.to(dtype).to(tl.float32) + tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(residual_ptr + offs, x.to(dtype), mask=mask)
-            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-            tl.store(out_ptr + offs, (x * rstd * w).to(dtype), mask=mask)
-
-    return reduce_norm_ll_kernel
+def _launch(kernel: Any, rows: int, programs: int | None, hidden: int, world: int, *args: Any) -> None:
+    """A program a row (up to MAX_PROGRAMS), 8 warps from 8,192 columns: on an H100 with one rank, 256 rows x 5,120
+    took 3.6 µs so, 4.1-7.2 µs with 64 or 132 programs or 4, 16 or 32 warps (flashinfer's norm alone: 3.1 µs)."""
+    grid = min(rows, programs or MAX_PROGRAMS, MAX_PROGRAMS)
+    block = 1 << (hidden - 1).bit_length()
+    kernel[(grid,)](*args, H=hidden, BLOCK=block, WORLD=world, num_warps=8 if block >= 8192 else 4)
 
 
 def reduce_add_rmsnorm_ll(
@@ -175,29 +76,14 @@ def reduce_add_rmsnorm_ll(
     (segment r: rank r's rows), 16-byte aligned, every cell -0.0 at the start. Every rank calls it with the same
     rows and programs, and uses an inbox again only two reductions later (SymmReduceNorm's two slots)."""
     rows, hidden = part.shape
-    assert (
-        residual.is_contiguous() and part.is_contiguous() and residual.dtype in _DTYPES and residual.shape == part.shape
-    )
+    assert residual.is_contiguous() and part.is_contiguous() and residual.dtype in _DTYPES
+    assert residual.shape == part.shape
     out = torch.empty_like(residual)
-    if rows == 0:
-        return out
-    grid = min(rows, programs or MAX_PROGRAMS, MAX_PROGRAMS)
-    block = 1 << (hidden - 1).bit_length()
-    _ll_kernel()[(grid,)](
-        part,
-        inboxes,
-        residual,
-        weight,
-        out,
-        rows,
-        rank,
-        eps,
-        seg,
-        H=hidden,
-        BLOCK=block,
-        WORLD=inboxes.numel(),
-        num_warps=8 if block >= 8192 else 4,
-    )
+    if rows:
+        kernel = _kernels()[1]
+        _launch(
+            kernel, rows, programs, hidden, inboxes.numel(), part, inboxes, residual, weight, out, rows, rank, eps, seg
+        )
     return out
 
 
@@ -221,26 +107,8 @@ def reduce_add_rmsnorm(
     world, hidden = bufs.numel(), residual.shape[-1]
     assert residual.is_contiguous() and residual.dtype in _DTYPES and residual.shape[0] == rows
     out = torch.empty_like(residual)
-    if rows == 0:
-        return out
-    # A program a row (up to MAX_PROGRAMS), 8 warps from 8,192 columns: on an H100 with one rank, 256 rows x 5,120
-    # took 3.6 µs so, 4.1-7.2 µs with 64 or 132 programs or 4, 16 or 32 warps (flashinfer's norm alone: 3.1 µs).
-    grid = min(rows, programs or MAX_PROGRAMS, MAX_PROGRAMS)
-    block = 1 << (hidden - 1).bit_length()
-    _kernel()[(grid,)](
-        bufs,
-        flags,
-        residual,
-        weight,
-        out,
-        rows,
-        rank,
-        eps,
-        H=hidden,
-        BLOCK=block,
-        WORLD=world,
-        num_warps=8 if block >= 8192 else 4,
-    )
+    if rows:
+        _launch(_kernels()[0], rows, programs, hidden, world, bufs, flags, residual, weight, out, rows, rank, eps)
     return out
 
 
@@ -282,7 +150,7 @@ class SymmReduceNorm:
     def partial_out(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The next slot as a [rows, cols] tensor for a row-parallel projection's partial sums, or None where
         they do not fit (they then take the plain all-reduce). Each one must go to __call__ before the next."""
-        if dtype not in _DTYPES or rows * cols * 2 > self.slot_bytes or _kernel() is None:
+        if dtype not in _DTYPES or rows * cols * 2 > self.slot_bytes or _kernels() is None:
             return None
         k, self.next = self.next, self.next ^ 1
         return self.slots[k][: rows * cols * 2].view(dtype).view(rows, cols)
