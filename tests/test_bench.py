@@ -341,3 +341,43 @@ def test_latency_runs_reports_the_median_and_every_run(monkeypatch):
     result = throughput.latency_runs(object(), 3)
     assert result["decode_ms_per_token_bs1"] == 1.2 and result["ttft_ms_bs1"] == 8.8
     assert result["decode_ms_per_token_bs1_runs"] == [1.3, 1.1, 1.2]
+
+
+def test_bench_tp_tput_repeat_takes_each_configs_median_run_in_turn(tmp_path, monkeypatch, capsys):
+    """`bench tp all --stages tput --repeat 3`: TP=1, TP=2 and each --tp2-env run in turn three times; each figure is
+    its median run (latency included), the speedup the ratio of the medians, the profile the first round's."""
+    import argparse
+    import statistics
+
+    from minisgl.bench import tp_stages
+    from minisgl.bench.tp_report import print_table
+
+    tok_s = {"1": [100.0, 120.0, 110.0], "2": [190.0, 170.0, 180.0], "2x": [150.0, 210.0, 200.0]}
+    calls: list[tuple[str, bool]] = []
+
+    def fake_run_child(cmd, timeout, env=None, log=None):
+        tp = cmd[cmd.index("--tp") + 1] + ("x" if env and "X" in env else "")
+        calls.append((tp, "--profile-dir" in cmd))
+        value = tok_s[tp][sum(1 for c in calls if c[0] == tp) - 1]
+        lines = [f"RESULT {json.dumps(dict(output_tok_s=value, seconds=1.0, kv_pages=8, init_s=1.0))}"]
+        lines.append(f"LATENCY {json.dumps(dict(decode_ms_per_token_bs1=value / 100))}")
+        return 0, "\n".join(lines)
+
+    monkeypatch.setattr(tp_stages, "run_child", fake_run_child)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    args = argparse.Namespace(
+        shape="qwen3-14b", tokenizer_dir=str(tok), num_requests=4, tp2_env="X=1", repeat=3, latency=True,
+        profile=False, bench_timeout=10,
+    )  # fmt: skip
+    res: dict = {}
+    tp_stages.stage_tput(args, tmp_path, res, tmp_path / "log")
+    assert [c[0] for c in calls] == ["1", "2", "2x"] * 3
+    t = res["tput"]
+    for key, tp in (("tp1", "1"), ("tp2", "2"), ("tp2 X=1", "2x")):
+        assert t[key]["output_tok_s"] == statistics.median(tok_s[tp])
+        assert t[key]["decode_ms_per_token_bs1"] == statistics.median(tok_s[tp]) / 100
+        assert sorted(t[key]["output_tok_s_runs"]) == sorted(tok_s[tp])
+    assert t["speedup"] == round(180.0 / 110.0, 2) and t["tp2 X=1"]["speedup"] == round(200.0 / 110.0, 2)
+    print_table(res)
+    assert "median of 3: 170-190" in capsys.readouterr().out

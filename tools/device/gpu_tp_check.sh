@@ -4,7 +4,7 @@
 # two "nodes" on one host, throughput, a rank killed under `minisgl serve --tp 2`, the HF drop-in and agents.
 # It prints a table last and leaves tp.json (+ runs.log, hfpatch.json, agents_*.json) in the output directory.
 #   bash tools/device/gpu_tp_check.sh [OUT_DIR]     # OUT_DIR: first argument, or $OUT_DIR, default ${OUT:-./out}
-# TP_ARGS go to `minisgl bench tp all` (e.g. --stages parity,nodes,tput --profile --tp2-env "VAR=v;VAR=w");
+# TP_ARGS go to `minisgl bench tp all` (e.g. --stages parity,nodes,tput --profile --repeat 3 --tp2-env "VAR=v;VAR=w");
 # TP_TIMEOUT bounds it (seconds, default 560). Needs pyzmq (`minisgl serve --node-rank 1`).
 set -uo pipefail
 OUT_DIR=${1:-${OUT_DIR:-${OUT:-./out}}}

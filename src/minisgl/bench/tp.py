@@ -122,6 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="qwen3-14b", help="tput: the dummy model's shape (bench throughput's shapes)")
     p.add_argument("--tp2-env", default="", help='tput and kill: more TP=2 runs, ";"-separated, each "VAR=value ..."')
     p.add_argument("--profile", action="store_true", help="all/tput: profile each run's ranks over one batch after it")
+    p.add_argument("--repeat", type=int, default=1, help="tput: run TP=1, TP=2, ... in turn this many times (medians)")
     p.add_argument("--profile-dir", help="bench: profile the ranks over one batch after the run, into this directory")
     p.add_argument("--teacher-force", help="gen: also score these outputs (json) teacher-forced")
     p.add_argument("--num-prompts", type=int, default=32)

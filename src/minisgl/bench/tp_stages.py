@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl.bench.throughput import QWEN3_06B, SHAPES
+from minisgl.bench.tp_report import print_table
 from minisgl.bench.tp_support import (
     PARITY_ENGINE,
     VOCAB,
@@ -246,32 +247,25 @@ def stage_tput(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], log
     runs: list[tuple[str, int, dict[str, str]]] = [("tp1", 1, {"CUDA_VISIBLE_DEVICES": "0"}), ("tp2", 2, {})]
     for extra in filter(None, args.tp2_env.split(";")):  # more TP=2 runs, each with its environment variables
         runs.append((f"tp2 {extra}", 2, dict(kv.split("=", 1) for kv in extra.split())))
-    for key, tp, env in runs:
-        cmd = [
-            sys.executable,
-            "-m",
-            "minisgl",
-            "bench",
-            "tp",
-            "bench",
-            "--model-dir",
-            str(model),
-            "--tp",
-            str(tp),
-            "--num-requests",
-            str(args.num_requests),
-        ] + (["--latency"] if args.latency else [])
-        if args.profile:
-            cmd += ["--profile-dir", str(out_dir / (key.replace(" ", "_").replace("=", "-") + "_profile"))]
-        code, out = run_child(cmd, args.bench_timeout, env=env, log=log)
-        r = parse(out, "RESULT") or {"error": f"exit {code}"}
-        lat = parse(out, "LATENCY")
-        if lat:
-            r.update(lat)
-        prof = parse(out, "PROFILE")
-        if prof:
-            r["profile"] = prof
-        t[key] = r
+    rounds: dict[str, list[dict[str, Any]]] = {key: [] for key, _, _ in runs}
+    for round_ in range(args.repeat):  # the runs in turn, `repeat` times: each figure the median of its runs
+        for key, tp, env in runs:
+            cmd = [sys.executable, "-m", "minisgl", "bench", "tp", "bench", "--model-dir", str(model), "--tp", str(tp)]
+            cmd += ["--num-requests", str(args.num_requests)] + (["--latency"] if args.latency else [])
+            if args.profile and round_ == 0:
+                cmd += ["--profile-dir", str(out_dir / (key.replace(" ", "_").replace("=", "-") + "_profile"))]
+            code, out = run_child(cmd, args.bench_timeout, env=env, log=log)
+            r = parse(out, "RESULT") or {"error": f"exit {code}"}
+            r.update(parse(out, "LATENCY") or {})
+            profile = parse(out, "PROFILE")
+            if profile:
+                r["profile"] = profile
+            rounds[key].append(r)
+    for key, rs in rounds.items():  # the median run (its latency too), every run's throughput, the profile
+        ok = sorted((r for r in rs if "output_tok_s" in r), key=lambda r: r["output_tok_s"])
+        t[key] = dict(ok[len(ok) // 2], output_tok_s_runs=[r["output_tok_s"] for r in ok]) if ok else rs[0]
+        if "profile" in rs[0]:
+            t[key]["profile"] = rs[0]["profile"]
     for key, _, _ in runs[1:]:
         if "output_tok_s" in t.get("tp1", {}) and "output_tok_s" in t[key]:
             t[key]["speedup"] = round(t[key]["output_tok_s"] / t["tp1"]["output_tok_s"], 2)
@@ -367,94 +361,6 @@ def stage_agents(args: argparse.Namespace, out_dir: Path, res: dict[str, Any], l
             a["speedup_radix_vs_naive"] = round(a["naive"]["seconds"] / a["radix"]["seconds"], 2)
             a["pass"] = a["ttft_p50_ratio_naive_over_radix"] >= 5 and a["radix"]["hit_ratio_of_max"] >= 0.95
         res.setdefault("agents", {})[budget] = a
-
-
-def _print_parity(r: dict[str, Any]) -> None:
-    p = r.get("parity", {})
-    if "tp2_vs_tp1_teacher_forced" in p:
-        tf, h2, h1 = p["tp2_vs_tp1_teacher_forced"], p["tp2_vs_hf_fp32"], p["tp1_vs_hf_fp32"]
-        print(
-            f"parity ({p['prompts']} prompts x {p['new_tokens']} greedy tokens, {p['dtype']}, {tf['positions']} "
-            f"positions; "
-            f"clear = fp32 HF top-2 margin > 1%, {tf['clear_positions']:.1%} of positions)"
-        )
-        print(
-            f"  TP=2 tokens vs TP=1 teacher-forced top-1: {tf['top1']:.2%} all, {tf['top1_clear_margin']:.2%} clear "
-            f"-> {'PASS' if p['pass'] else 'FAIL'} (>= 99%)"
-        )
-        print(
-            f"  vs HF fp32 top-1: TP=2 {h2['top1']:.2%} / {h2['top1_clear_margin']:.2%} clear; "
-            f"TP=1 {h1['top1']:.2%} / {h1['top1_clear_margin']:.2%} clear"
-        )
-        print(
-            f"  greedy sequences identical TP=1 vs TP=2: {p['greedy_identical_tp1_tp2']}; "
-            f"first divergences at {p['first_divergence_positions']}"
-        )
-    elif p:
-        print(f"parity: {p}")
-    n = r.get("nodes")
-    if n:
-        print(
-            f"two nodes (nnodes 2, 1 GPU each, tcp 127.0.0.1) vs TP=2 one node: identical {n.get('identical_outputs')} "
-            f"-> {'PASS' if n.get('pass') else 'FAIL'} (exits node0={n['node0_exit']} node1={n['node1_exit']})"
-        )
-
-
-def print_table(r: dict[str, Any]) -> None:
-    print(f"\n## {r.get('gpu')}, {r.get('date')}")
-    _print_parity(r)
-    t = r.get("tput")
-    if t:
-        print(f"throughput, {t['model']}, {t['requests']} requests (the offline workload)")
-        for key in [k for k in t if k.startswith("tp")]:
-            x = t[key]
-            name = key.replace("tp", "TP=", 1)
-            if "output_tok_s" in x:
-                lat = f", bs1 {x['decode_ms_per_token_bs1']} ms/token" if "decode_ms_per_token_bs1" in x else ""
-                speedup = f" = {x['speedup']}x TP=1" if "speedup" in x else ""
-                print(
-                    f"  {name}: {x['output_tok_s']:.1f} output tok/s{speedup}, {x['seconds']:.2f}s, "
-                    f"{x['kv_pages']} KV slots, init {x['init_s']}s{lat}"
-                )
-            else:
-                print(f"  {name}: {x}")
-            for rank, y in x.get("profile", {}).items():
-                print(
-                    f"    {rank} profile: {y['steps']} steps, wall {y['wall_ms_per_step']} ms/step, host "
-                    f"{y['host_ms_per_step']}, ops wait {y['ops_wait_ms_per_step']}, device wait "
-                    f"{y['device_wait_ms_per_step']}; GPU {y['gpu_total_ms_per_step']} ms/step {y['gpu_ms_per_step']}"
-                )
-        if "speedup" in t:
-            print(f"  TP=2 / TP=1 = {t['speedup']}x -> {'PASS' if t['pass'] else 'FAIL'} (>= 1.6x)")
-    for h in r.get("hfpatch", []):
-        if "speedup" in h:
-            print(
-                f"HF generate drop-in, {h['num_prompts']} {h.get('prompt_set', 'random')} prompts, "
-                f"{h['output_len']} new tokens: HF {h['hf_output_tok_s']} tok/s, patched "
-                f"{h['minisgl_output_tok_s']} tok/s = {h['speedup']}x ({'PASS' if h['pass'] else 'FAIL'} >= 10x); "
-                f"identical rows {h['identical_rows']}"
-            )
-        else:
-            print(f"hfpatch: {h}")
-    for key in [k for k in r if k.startswith("kill")]:
-        k = r[key]
-        print(
-            f"{key}: rank 1 SIGKILLed mid-stream (serve --tp 2): stream error after "
-            f"{k.get('seconds_to_stream_error')}s "
-            f"({k.get('stream_error')}); daemon exit {k.get('daemon_exit')} after {k.get('seconds_to_daemon_exit')}s; "
-            f"left behind {k.get('left_behind')} -> {'PASS' if k.get('pass') else 'FAIL'}"
-        )
-    for budget, a in r.get("agents", {}).items():
-        if "ttft_p50_ratio_naive_over_radix" in a:
-            ra, na = a["radix"], a["naive"]
-            print(
-                f"agents K=64 T=6, max_prefill_tokens {budget}: TTFT p50 radix {ra['ttft_p50_ms']} ms vs naive "
-                f"{na['ttft_p50_ms']} ms = {a['ttft_p50_ratio_naive_over_radix']}x; hit ratio of max "
-                f"{ra['hit_ratio_of_max']:.1%}; end to end {ra['seconds']}s vs {na['seconds']}s -> "
-                f"{'PASS' if a['pass'] else 'FAIL'}"
-            )
-        else:
-            print(f"agents ({budget}): {a}")
 
 
 def cmd_all(args: argparse.Namespace) -> None:
