@@ -134,7 +134,7 @@ class SymmReduceNorm:
             if low_latency:  # every inbox cell empty (-0.0)
                 self.mem[k * stride + slot_bytes : k * stride + data].view(torch.int16).fill_(-32768)
         torch.cuda.synchronize(device)
-        dist.barrier()  # no rank signals a peer before the peer's flags are zero
+        dist.barrier()  # no rank signals a peer (or stores into its inbox) before the peer's flags are zero (empty)
         ptrs = [int(p) for p in handle.buffer_ptrs]
         self.bufs = [torch.tensor([p + k * stride for p in ptrs], dtype=torch.int64, device=device) for k in range(2)]
         self.flags = [
