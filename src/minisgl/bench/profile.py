@@ -19,7 +19,8 @@ beside its floor: its steps' bytes at copy bandwidth, bench/roofline.py's step_f
 time the host waits for the GPU (event syncs) over stretches of the run, the GPU kernels by total time over 20 steps
 at batch ~256 and 20 steps of the tail (torch.profiler), the host's Python hot spots (cProfile), a roofline of each
 profiled decode window (bench/roofline.py: per kernel class the GPU time, launches, bytes and FLOPs against the
-measured copy bandwidth and bf16 rate), and with `--whole-run` every kernel of a second, profiled pass.
+measured copy bandwidth and bf16 rate), and with `--whole-run` every kernel of a second, profiled pass. `--tp 2`:
+the same on two GPUs, rank 0 profiled (each rank's floor: half the bytes), without the roofline tables.
 """
 
 from __future__ import annotations
@@ -127,13 +128,19 @@ def _dummy_llm(args: argparse.Namespace) -> Any:
         disable_cuda_graph=args.disable_cuda_graph,
         attention_backend=args.attention_backend,
         page_size=args.page_size,
+        tp=args.tp,
     )
 
 
 def gpu(args: argparse.Namespace) -> None:
     peak = roofline.peaks()  # before the engine sizes its KV pool from the free memory
-    llm = _dummy_llm(args)  # held for the whole run: it owns the engine the scheduler drives
+    with _dummy_llm(args) as llm:  # held for the whole run: it owns the engine the scheduler drives
+        _profile_run(args, llm, peak)
+
+
+def _profile_run(args: argparse.Namespace, llm: Any, peak: roofline.Peaks) -> None:
     sched = llm.scheduler
+    local = getattr(sched, "sched", sched)  # under TP: rank 0's own scheduler (the other ranks mirror its steps)
     # --batch-one: one request (a 128-token prompt, 512 new tokens), so that every decode step has batch 1
     prompts, max_tokens = ([list(range(1000, 1128))], [512]) if args.batch_one else workload()
 
@@ -150,7 +157,7 @@ def gpu(args: argparse.Namespace) -> None:
         waited[0] += time.perf_counter() - t0
 
     kind: list[tuple[bool, int] | None] = [None]  # this step's forward: (prefill, tokens or rows), None: none
-    launch = sched.engine.forward_and_sample
+    launch = local.engine.forward_and_sample
 
     events: list[tuple[torch.cuda.Event, torch.cuda.Event] | None] = [None]  # this step's forward + sampling on the GPU
 
@@ -164,7 +171,7 @@ def gpu(args: argparse.Namespace) -> None:
         return out
 
     _warm(llm)
-    sched.engine.forward_and_sample = recording_launch  # type: ignore[method-assign]
+    local.engine.forward_and_sample = recording_launch  # type: ignore[method-assign]
     torch.cuda.Event.synchronize = timed_sync  # type: ignore[method-assign]
     submit("r")
     walls, waits, sizes, kinds, spans, windows, kv_tokens = [], [], [], [], [], {}, []
@@ -173,7 +180,7 @@ def gpu(args: argparse.Namespace) -> None:
     t_start = time.perf_counter()
     while sched.has_work:
         num_steps += 1
-        if tail_at is None and num_steps > 200 and len(sched.running) <= 16:
+        if tail_at is None and num_steps > 200 and len(local.running) <= 16:
             tail_at = num_steps
         _profile_windows(num_steps, tail_at, starts, windows)
         if num_steps == 170:
@@ -186,16 +193,17 @@ def gpu(args: argparse.Namespace) -> None:
         sched.step()
         walls.append(time.perf_counter() - t0)
         waits.append(waited[0])
-        sizes.append(len(sched.running))
-        kv_tokens.append(sum(req.seq_len for req in sched.running))
+        sizes.append(len(local.running))
+        kv_tokens.append(sum(req.seq_len for req in local.running))
         kinds.append(kind[0])
         spans.append(events[0])
     total = time.perf_counter() - t_start
     torch.cuda.Event.synchronize = sync  # type: ignore[method-assign]
 
     shape, fp8 = MODEL_SHAPES[args.shape], args.quantization == "fp8"
-    floors = [  # each decode step's bytes at copy bandwidth (its requests' KV: the running ones' after the step)
-        0.0 if what is None or what[0] else roofline.step_floor(shape, what[1], kv, peak.copy_bytes_s, fp8)
+    floors = [  # each decode step's bytes at copy bandwidth (its requests' KV: the running ones' after the step);
+        # under TP each rank reads 1/tp of them (its shard of the weights and of the KV heads)
+        0.0 if what is None or what[0] else roofline.step_floor(shape, what[1], kv, peak.copy_bytes_s, fp8) / args.tp
         for what, kv in zip(kinds, kv_tokens)
     ]
     torch.cuda.synchronize()
@@ -203,7 +211,8 @@ def gpu(args: argparse.Namespace) -> None:
     steps = _StepRecord(kinds, kv_tokens, walls, gpu_s, floors)
     _report_steps(num_steps, total, steps, waits, sizes)
     _report_profiles(windows, cpu)
-    _report_rooflines(starts, windows, steps, shape, peak, fp8)
+    if args.tp == 1:  # the roofline's bytes are the whole model's
+        _report_rooflines(starts, windows, steps, shape, peak, fp8)
     if args.whole_run:  # the same workload again (prefix cache emptied first), every kernel of it profiled
         _profile_whole_run(sched, submit)
 
@@ -356,6 +365,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=None, help="default: 16 with FlashInfer on a GPU, else 1")
     p.add_argument("--whole-run", action="store_true", help="gpu: then the whole workload again under torch.profiler")
     p.add_argument("--batch-one", action="store_true", help="gpu: one request, every decode step at batch 1")
+    p.add_argument(
+        "--tp", type=int, default=1, help="gpu: tensor-parallel ranks (rank 0 is profiled, the rest mirror it)"
+    )
     p.set_defaults(func=run)
 
 
