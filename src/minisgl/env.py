@@ -185,14 +185,6 @@ TP_FUSED_MB = _declare(
     int,
     "`tp_allreduce=fused` / `fused_ll`: MB of each of its two symmetric-memory slots (`EngineConfig.tp_fused_mb`)",
 )
-TP_OVERLAP_ROWS = _declare(
-    "MINISGL_TP_OVERLAP_ROWS",
-    "int",
-    2048,
-    int,
-    "TP: a forward of at least this many rows (a prefill) reduces each decoder layer's row-parallel sums in two halves "
-    "of rows, each half's all-reduce running while the other half computes; 0 turns it off",
-)
 FP8_WEIGHT_ONLY_ROWS = _declare(
     "MINISGL_FP8_WEIGHT_ONLY_ROWS",
     "int",

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minisgl import env
 from minisgl.distributed.reduce_norm import SymmReduceNorm
 
 logger = logging.getLogger("minisgl")
@@ -107,8 +106,6 @@ class SymmMemAllReduce:
 
 _SYMM: SymmMemAllReduce | None = None
 _REDUCE_NORM: Any = None  # reduce_norm.SymmReduceNorm where tp_allreduce="fused" or "fused_ll"
-# All-reduces started and not yet waited for (start_all_reduce): the tensor's address -> the collectives' handles.
-_IN_FLIGHT: dict[int, list[Any]] = {}
 
 
 def setup_symm_mem(device: torch.device, choice: str, fused_mb: int) -> None:
@@ -133,37 +130,6 @@ def setup_symm_mem(device: torch.device, choice: str, fused_mb: int) -> None:
 def reset_symm_mem() -> None:
     global _SYMM, _REDUCE_NORM
     _SYMM = _REDUCE_NORM = None
-
-
-def overlap_halves(rows: int, cols: int) -> bool:
-    """Whether a decoder layer reduces this forward's row-parallel sums ([rows, cols], bf16 or fp16) in two halves of
-    rows, each half's all-reduce running while the other half computes: tensor parallelism, at least
-    MINISGL_TP_OVERLAP_ROWS rows (a prefill), halves too big for the fused kernel's slots (they take the process
-    group's all-reduce, whose kernels overlap the GEMMs), and not while a CUDA graph is being captured."""
-    min_rows = env.TP_OVERLAP_ROWS.get()
-    if _TP.size == 1 or min_rows <= 0 or rows < max(min_rows, 2):
-        return False
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return False
-    return _REDUCE_NORM is None or (rows // 2) * cols * 2 > _REDUCE_NORM.slot_bytes
-
-
-def start_all_reduce(x: torch.Tensor, key: torch.Tensor | None = None) -> None:
-    """all_reduce(x) in place, started and not waited for: the process group runs it on its own stream while this
-    one goes on. wait_reduced(key) (key: x, or the tensor x is a slice of) waits for it and every other one started
-    under the same key."""
-    if _TP.size == 1:
-        return
-    work = dist.all_reduce(x, async_op=True)
-    _IN_FLIGHT.setdefault((x if key is None else key).data_ptr(), []).append(work)
-
-
-def wait_reduced(x: torch.Tensor) -> bool:
-    """Wait (on the device) for the all-reduces started under x; False when none was."""
-    works = _IN_FLIGHT.pop(x.data_ptr(), None)
-    for work in works or ():
-        work.wait()
-    return works is not None
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

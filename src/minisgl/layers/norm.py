@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl.distributed import all_reduce, fused_reduce_norm, wait_reduced
+from minisgl.distributed import all_reduce, fused_reduce_norm
 from minisgl.layers.fp8_gemm import Fp8Gemm, add_rmsnorm
 from minisgl.layers.fused import fused_ops
 from minisgl.layers.linear import copy_checked
@@ -67,6 +67,4 @@ class RMSNorm(nn.Module):
         fused = fused_reduce_norm(partial, residual, self.weight, self.eps)
         if fused is not None:
             return fused
-        if wait_reduced(partial):  # its all-reduce is in flight already (LlamaDecoderLayer's halves)
-            return self(partial, residual)
         return self(all_reduce(partial), residual)

@@ -16,7 +16,6 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from minisgl.distributed import overlap_halves, start_all_reduce, wait_reduced
 from minisgl.errors import ModelLoadError, WeightsError
 from minisgl.layers import (
     AttentionLayer,
@@ -177,8 +176,6 @@ class LlamaDecoderLayer(nn.Module):
     def attention_output(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after the output projection, the post-attention norm and the MLP; hidden is the MLP's
         partial sums under tensor parallelism (the next norm's reduce_forward reduces them)."""
-        if overlap_halves(attn_out.shape[0], residual.shape[-1]):
-            return self._attention_output_in_halves(attn_out, residual)
         partial = self.self_attn.o_proj(attn_out, reduce=False)
         if isinstance(self.mlp, LlamaMLP):
             fused = fused_norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, partial, residual, True)
@@ -187,30 +184,6 @@ class LlamaDecoderLayer(nn.Module):
                 return self.mlp.down(act, reduce=False), residual
         hidden, residual = self.post_attention_layernorm.reduce_forward(partial, residual)
         return self.mlp(hidden, reduce=False), residual
-
-    def _attention_output_in_halves(
-        self, attn_out: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """attention_output for many rows under tensor parallelism, in two halves of rows so that each all-reduce
-        runs while the other half computes: o_proj of each half (the first half's sums reducing while the second's
-        GEMM runs), then per half the norm and the MLP, whose sums go into one tensor whose halves are reduced as they
-        are done; the next norm waits for them (distributed.wait_reduced). Only the last half's MLP reduction is
-        left exposed, and the GEMMs of half the rows are still large (at least MINISGL_TP_OVERLAP_ROWS / 2)."""
-        rows = attn_out.shape[0]
-        halves = (slice(0, rows // 2), slice(rows // 2, rows))
-        parts = []
-        for half in halves:
-            parts.append(self.self_attn.o_proj(attn_out[half], reduce=False))
-            start_all_reduce(parts[-1])
-        out = torch.empty_like(residual)
-        for half, part in zip(halves, parts):
-            wait_reduced(part)
-            hidden, summed = self.post_attention_layernorm(part, residual[half])  # in place on a GPU
-            if summed.data_ptr() != residual[half].data_ptr():
-                residual[half].copy_(summed)
-            out[half].copy_(self.mlp(hidden, reduce=False))
-            start_all_reduce(out[half], key=out)
-        return out, residual
 
     def gemv_norm_pairs(self) -> list[tuple[nn.Module, nn.Module, bool]]:
         """The (norm, linear, gated) pairs that layers/gemv.py may run as one kernel at one row."""
