@@ -28,9 +28,7 @@ if installed; then
   exit 0
 fi
 rm -f "$STAMP"
-# --no-compile: Python byte-compiles the modules it imports on first use; compiling every installed file up front
-# took ~80 s of a fresh install on two cores (212 against 132 s).
-PIP="python -m pip install --disable-pip-version-check -q --no-compile"
+PIP="python -m pip install --disable-pip-version-check -q"
 # The CPU build first: the constraint keeps every later install from pulling CUDA torch.
 if ! python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
    && ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
