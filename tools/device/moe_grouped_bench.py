@@ -9,6 +9,7 @@ router logits; microseconds per call from a CUDA graph (tools/device/graph_timin
   gated            the same GEMM with SiLU-and-mul in its epilogue (fused_moe.gated_config: where fused_moe runs it),
                    writing [pairs, I], with gated_config's tiles at every token count;
   down             the down projection's grouped GEMM;
+  top-k sum        each token's top_k rows of the down output summed: torch.sum / fused_moe.topk_sum's kernel;
   grouping         align_by_expert in one program (up to fused_moe.ONE_PROGRAM_PAIRS pairs) and in three kernels;
   layer            the whole fused_moe (routing, grouping, both GEMMs, the top-k sum).
 Before each row's timing the gated output is compared with GEMM + SiLU-and-mul, and fused_moe's output with the one
@@ -56,6 +57,16 @@ def row(tokens: int, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, flo
     r = {"tokens": tokens, "gated_error": gated_error}
     r["gate_up_silu_us"], r["gated_us"] = graph_us(unfused, 10), graph_us(fused, 10)
     r["down_us"] = graph_us(lambda: fm._grouped_gemm(act, down, out, weights, grouping, 1, True, config), 10)
+    summed = {}
+    for name, kernel in (("torch", False), ("kernel", True)):
+        saved, fm.TOPK_SUM_KERNEL = fm.TOPK_SUM_KERNEL, kernel
+        try:
+            r[f"topk_sum_{name}_us"] = graph_us(lambda: fm.topk_sum(out, ids, 0, EXPERTS, None, False), 20)
+            summed[name] = fm.topk_sum(out, ids, 0, EXPERTS, None, False).float()
+        finally:
+            fm.TOPK_SUM_KERNEL = saved
+    sum_error = ((summed["kernel"] - summed["torch"]).abs().max() / summed["torch"].abs().max()).item()
+    assert sum_error < 1e-2, f"{tokens} tokens: the top-k sums differ by {sum_error:.2e} of the largest"
     layer = {}
     for name, limit in (("one_program", fm.ONE_PROGRAM_PAIRS), ("three_kernels", 0)):
         if name == "one_program" and pairs > limit:
@@ -81,7 +92,8 @@ def main() -> None:
     gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
     down = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) * 0.02
     print(
-        f"{'tokens':>6s} {'gate-up+SiLU':>12s} {'gated':>8s} {'down':>8s} {'grouping 1 / 3':>16s} {'layer 1 / 3':>18s}"
+        f"{'tokens':>6s} {'gate-up+SiLU':>12s} {'gated':>8s} {'down':>8s} {'top-k sum t / k':>16s}"
+        f" {'grouping 1 / 3':>16s} {'layer 1 / 3':>18s}"
     )
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
@@ -92,6 +104,7 @@ def main() -> None:
         layer = f"{r['layer_one_program_us']:8.1f} / " if one is not None else "       - / "
         print(
             f"{tokens:6d} {r['gate_up_silu_us']:12.1f} {r['gated_us']:8.1f} {r['down_us']:8.1f}"
+            f" {r['topk_sum_torch_us']:7.1f} / {r['topk_sum_kernel_us']:6.1f}"
             f" {grouping}{r['grouping_three_kernels_us']:6.1f} {layer}{r['layer_three_kernels_us']:7.1f}",
             flush=True,
         )
