@@ -99,7 +99,7 @@ def test_the_step_counter_gives_new_draws_and_replays_reproduce(device):
     step give the same draws, another seed other ones; rows of one call draw independently."""
     from minisgl.engine import gumbel
 
-    rows, vocab = 128, 64
+    rows, vocab = 64, 64
     logits = torch.zeros(rows, vocab, device=device)  # uniform: every draw is the noise alone
     temps = torch.ones(rows, device=device)
     ws = gumbel.Workspace(rows, vocab, device, seed=3)
@@ -109,7 +109,7 @@ def test_the_step_counter_gives_new_draws_and_replays_reproduce(device):
     gumbel.sample_into(logits, temps, second, ws)
     assert ws.step.item() == 2
     assert (first != second).float().mean().item() > 0.9  # 1/64 agree by chance
-    assert len(set(first.tolist())) > 40  # rows differ from each other (~55 values expected in 128 draws)
+    assert len(set(first.tolist())) > 30  # rows differ from each other (~40.5 values expected in 64 draws)
     ws.step.zero_()
     again = torch.empty_like(first)
     gumbel.sample_into(logits, temps, again, ws)
