@@ -30,6 +30,14 @@ from minisgl.layers.activation import SiluAndMul
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 
 
+def random_experts() -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [E, 2I, H], down [E, H, I]): the layer's experts, random bf16 on the GPU (seed 0)."""
+    torch.manual_seed(0)
+    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
+    down = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) * 0.02
+    return gate_up, down
+
+
 def row(tokens: int, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, float]:
     """One token count's timings and checks."""
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -88,9 +96,7 @@ def main() -> None:
     p.add_argument("--tokens", default="16,64,236,1024,4096,16384")
     p.add_argument("--out", default="moe_grouped.json")
     args = p.parse_args()
-    torch.manual_seed(0)
-    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
-    down = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) * 0.02
+    gate_up, down = random_experts()
     print(
         f"{'tokens':>6s} {'gate-up+SiLU':>12s} {'gated':>8s} {'down':>8s} {'top-k sum t / k':>16s}"
         f" {'grouping 1 / 3':>16s} {'layer 1 / 3':>18s}"

@@ -17,10 +17,9 @@ import json
 
 import torch
 from graph_timing import graph_us
+from moe_grouped_bench import EXPERTS, HIDDEN, INTER, TOP_K, random_experts
 
 from minisgl.layers import fused_moe as fm
-
-EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 
 
 def grid(tokens: int) -> list[dict[str, int]]:
@@ -86,9 +85,7 @@ def main() -> None:
     p.add_argument("--tokens", default="16,64,128,236,16384")
     p.add_argument("--out", default="moe_tile_sweep.json")
     args = p.parse_args()
-    torch.manual_seed(0)
-    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
-    down = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) * 0.02
+    gate_up, down = random_experts()
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         rows += sweep(tokens, gate_up, down)
