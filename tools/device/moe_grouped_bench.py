@@ -9,7 +9,7 @@ router logits; microseconds per call from a CUDA graph (tools/device/graph_timin
   gated            the same GEMM with SiLU-and-mul in its epilogue (fused_moe.gated_config: where fused_moe runs it),
                    writing [pairs, I], with gated_config's tiles at every token count;
   down             the down projection's grouped GEMM;
-  top-k sum        each token's top_k rows of the down output summed: torch.sum / fused_moe.topk_sum's kernel;
+  top-k sum        each token's top_k rows of the down output summed: torch.sum / fused_moe.topk_sum (a Triton kernel);
   grouping         align_by_expert in one program (up to fused_moe.ONE_PROGRAM_PAIRS pairs) and in three kernels;
   layer            the whole fused_moe (routing, grouping, both GEMMs, the top-k sum).
 Before each row's timing the gated output is compared with GEMM + SiLU-and-mul, and fused_moe's output with the one
@@ -65,14 +65,9 @@ def row(tokens: int, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, flo
     r = {"tokens": tokens, "gated_error": gated_error}
     r["gate_up_silu_us"], r["gated_us"] = graph_us(unfused, 10), graph_us(fused, 10)
     r["down_us"] = graph_us(lambda: fm._grouped_gemm(act, down, out, weights, grouping, 1, True, config), 10)
-    summed = {}
-    for name, kernel in (("torch", False), ("kernel", True)):
-        saved, fm.TOPK_SUM_KERNEL = fm.TOPK_SUM_KERNEL, kernel
-        try:
-            r[f"topk_sum_{name}_us"] = graph_us(lambda: fm.topk_sum(out, ids, 0, EXPERTS, None, False), 20)
-            summed[name] = fm.topk_sum(out, ids, 0, EXPERTS, None, False).float()
-        finally:
-            fm.TOPK_SUM_KERNEL = saved
+    summed = {"kernel": fm.topk_sum(out, ids, 0, EXPERTS).float(), "torch": out.view(tokens, TOP_K, -1).sum(1).float()}
+    r["topk_sum_torch_us"] = graph_us(lambda: out.view(tokens, TOP_K, -1).sum(1), 20)
+    r["topk_sum_kernel_us"] = graph_us(lambda: fm.topk_sum(out, ids, 0, EXPERTS), 20)
     sum_error = ((summed["kernel"] - summed["torch"]).abs().max() / summed["torch"].abs().max()).item()
     assert sum_error < 1e-2, f"{tokens} tokens: the top-k sums differ by {sum_error:.2e} of the largest"
     layer = {}

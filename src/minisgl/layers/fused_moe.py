@@ -5,7 +5,7 @@ pairs are grouped by expert on the GPU, each expert's group padded to a multiple
 (`align_by_expert`: no host sync, static shapes, so a decode step replays from a CUDA graph); a grouped GEMM
 computes every pair's gate_up row, SiLU-and-mul halves it (in the GEMM's epilogue where that measures faster:
 `gated_config`), a second grouped GEMM computes the down projection scaled by the pair's routing weight, and the
-top_k rows of each token are summed.
+top_k rows of each token are summed (`topk_sum`).
 
 The grouped GEMM is the design of vLLM's / SGLang's fused_moe_kernel: a program owns BLOCK_M rows of one
 expert's group and BLOCK_N output features; blocks past the padded total exit at once. Its block sizes follow
@@ -177,7 +177,8 @@ def _grouping_kernels() -> tuple[Any, Any, Any, Any]:
 
 @functools.cache
 def _combine_kernel() -> Any:
-    """Expert parallelism's top-k sum: it reads only the rows of the pairs of local experts."""
+    """The top-k sum (`topk_sum`): it reads only the rows of the pairs of local experts (all of them without expert
+    parallelism)."""
     import triton  # lazy: triton is GPU-only
     import triton.language as tl  # lazy: triton is GPU-only
 
@@ -213,9 +214,6 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
         )
     return weights, ids
 
-
-# The top-k sum in `_combine_kernel` (False: torch.sum, for comparison; expert parallelism always takes the kernel).
-TOPK_SUM_KERNEL = True
 
 # Up to this many (token, slot) pairs (a decode step of 256 tokens at top-8) one program groups them: one launch
 # instead of five (two fills, count, layout, scatter) in every MoE layer of a decode graph.
@@ -370,16 +368,11 @@ def fused_moe(
         act = SiluAndMul()(gate_up_out)
     down_out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, down, down_out, weights, grouping, 1, True, config, None if scales is None else scales[1])
-    return topk_sum(down_out, ids, expert_offset, num_local, out, expert_parallel)
+    return topk_sum(down_out, ids, expert_offset, num_local, out)
 
 
 def topk_sum(
-    down_out: torch.Tensor,
-    ids: torch.Tensor,
-    expert_offset: int,
-    num_local: int,
-    out: torch.Tensor | None,
-    expert_parallel: bool,
+    down_out: torch.Tensor, ids: torch.Tensor, expert_offset: int, num_local: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """out[t] = the sum of token t's rows of down_out [T * top_k, H] whose expert is local, in float32, rounded
     once, by `_combine_kernel` (a program per token and 1,024 columns): Qwen3-30B-A3B's shape on an H200, 2.8 us
@@ -387,8 +380,6 @@ def topk_sum(
     tokens, top_k = ids.shape
     hidden = down_out.shape[1]
     out = torch.empty(tokens, hidden, dtype=down_out.dtype, device=down_out.device) if out is None else out
-    if not TOPK_SUM_KERNEL and not expert_parallel:  # other ranks' rows were never written
-        return torch.sum(down_out.view(tokens, top_k, hidden), dim=1, out=out)
     block_h = _row_block(hidden)
     _combine_kernel()[(tokens, -(-hidden // block_h))](
         down_out, ids, out, hidden, expert_offset, num_local, out.stride(0), top_k, block_h
