@@ -25,12 +25,13 @@ def device(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.fixture(params=[True, False], ids=["one-program", "three-kernels"])
+@pytest.fixture(params=[True, False], ids=["one-launch", "three-kernels"])
 def grouping(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """align_by_expert's two ways: one program (decode's few pairs) or three kernels (prefill's many)."""
+    """align_by_expert's two ways: a program per expert in one launch (decode's few pairs) or three kernels
+    (prefill's many)."""
     from minisgl.layers import fused_moe
 
-    monkeypatch.setattr(fused_moe, "ONE_PROGRAM_PAIRS", fused_moe.ONE_PROGRAM_PAIRS if request.param else 0)
+    monkeypatch.setattr(fused_moe, "ONE_LAUNCH_PAIRS", fused_moe.ONE_LAUNCH_PAIRS if request.param else 0)
 
 
 @pytest.mark.parametrize(

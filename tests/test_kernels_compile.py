@@ -83,7 +83,7 @@ def _case(name: str, kernel: str, consts: dict, warps: int = 4, types: dict | No
 
 IDS_TYPES = {f"{name}_ptr": "*i32" for name in ("ids", "counts", "cursor", "block_expert", "total", "sorted_ids")}
 IDS_TYPES["scratch_ptr"] = "*i32"
-ONE_PROGRAM = dict(BLOCK_SIZE_M=16, BLOCK_P=2048, BLOCK_E=128, BLOCK_R=1024)  # align_by_expert's one-program path
+PER_EXPERT = dict(BLOCK_SIZE_M=32, BLOCK_P=2048, BLOCK_E=128, BLOCK_B=64)  # align_by_expert's one-launch path
 REDUCE_TYPES = {"bufs_ptr": "*i64", "flags_ptr": "*i64"}  # the ranks' buffers' and flags' addresses
 REDUCE_LL_TYPES = {"inbox_ptrs": "*i64"}
 MOE_GEMM_TYPES = {"weights_ptr": "*fp32", "b_scale_ptr": "*fp32"}
@@ -166,7 +166,7 @@ OTHER_CASES = [
     _case("moe-count", "moe_count_kernel", dict(BLOCK=1024), types=IDS_TYPES),
     _case("moe-layout", "moe_layout_kernel", dict(BLOCK_SIZE_M=16, BLOCK_E=128, BLOCK_B=64), types=IDS_TYPES),
     _case("moe-scatter", "moe_scatter_kernel", dict(BLOCK=1024), types=IDS_TYPES),
-    _case("moe-one-program", "moe_one_program_kernel", ONE_PROGRAM, 8, IDS_TYPES),
+    _case("moe-per-expert", "moe_per_expert_kernel", PER_EXPERT, 4, IDS_TYPES),
     _case("moe-combine", "moe_combine_kernel", dict(TOP_K=8, BLOCK_H=1024), types={"ids_ptr": "*i32"}),
     *_fp8_cases(),
     *(
@@ -185,7 +185,7 @@ BUILT = {
     "moe_count_kernel": ("minisgl.layers.fused_moe", "_grouping_kernels", 0),
     "moe_layout_kernel": ("minisgl.layers.fused_moe", "_grouping_kernels", 1),
     "moe_scatter_kernel": ("minisgl.layers.fused_moe", "_grouping_kernels", 2),
-    "moe_one_program_kernel": ("minisgl.layers.fused_moe", "_grouping_kernels", 3),
+    "moe_per_expert_kernel": ("minisgl.layers.fused_moe", "_grouping_kernels", 3),
     "moe_combine_kernel": ("minisgl.layers.fused_moe", "_combine_kernel", None),
     "gumbel_draw_kernel": ("minisgl.engine.gumbel", "_kernels", 0),
     "gumbel_reduce_kernel": ("minisgl.engine.gumbel", "_kernels", 1),

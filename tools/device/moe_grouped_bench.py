@@ -1,5 +1,5 @@
 """The grouped MoE path's pieces by token count: SiLU-and-mul in the gate-up GEMM against after it, and the grouping
-by expert in one program against three kernels.
+by expert in one launch (a program per expert) against three kernels.
 
     python3 tools/device/moe_grouped_bench.py [--tokens 16,64,236,1024,4096,16384] [--out moe_grouped.json]
 
@@ -10,10 +10,10 @@ router logits; microseconds per call from a CUDA graph (tools/device/graph_timin
                    writing [pairs, I], with gated_config's tiles at every token count;
   down             the down projection's grouped GEMM;
   top-k sum        each token's top_k rows of the down output summed: torch.sum / fused_moe.topk_sum (a Triton kernel);
-  grouping         align_by_expert in one program (up to fused_moe.ONE_PROGRAM_PAIRS pairs) and in three kernels;
+  grouping         align_by_expert in one launch (up to fused_moe.ONE_LAUNCH_PAIRS pairs) and in three kernels;
   layer            the whole fused_moe (routing, grouping, both GEMMs, the top-k sum).
-Before each row's timing the gated output is compared with GEMM + SiLU-and-mul, and fused_moe's output with the one
-program and with the three kernels (equal: the rows of an expert's run are independent, whatever their order).
+Before each row's timing the gated output is compared with GEMM + SiLU-and-mul, and fused_moe's output in one launch
+and in three kernels (equal: the rows of an expert's run are independent, whatever their order).
 """
 
 from __future__ import annotations
@@ -71,18 +71,18 @@ def row(tokens: int, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, flo
     sum_error = ((summed["kernel"] - summed["torch"]).abs().max() / summed["torch"].abs().max()).item()
     assert sum_error < 1e-2, f"{tokens} tokens: the top-k sums differ by {sum_error:.2e} of the largest"
     layer = {}
-    for name, limit in (("one_program", fm.ONE_PROGRAM_PAIRS), ("three_kernels", 0)):
-        if name == "one_program" and pairs > limit:
+    for name, limit in (("one_launch", fm.ONE_LAUNCH_PAIRS), ("three_kernels", 0)):
+        if name == "one_launch" and pairs > limit:
             continue
-        saved, fm.ONE_PROGRAM_PAIRS = fm.ONE_PROGRAM_PAIRS, limit
+        saved, fm.ONE_LAUNCH_PAIRS = fm.ONE_LAUNCH_PAIRS, limit
         try:
             r[f"grouping_{name}_us"] = graph_us(lambda: fm.align_by_expert(ids, EXPERTS, config["BLOCK_M"]), 20)
             r[f"layer_{name}_us"] = graph_us(lambda: fm.fused_moe(x, logits, gate_up, down, TOP_K, True), 10)
             layer[name] = fm.fused_moe(x, logits, gate_up, down, TOP_K, True)
         finally:
-            fm.ONE_PROGRAM_PAIRS = saved
+            fm.ONE_LAUNCH_PAIRS = saved
     if len(layer) == 2:
-        assert torch.equal(layer["one_program"], layer["three_kernels"]), f"{tokens} tokens: the groupings differ"
+        assert torch.equal(layer["one_launch"], layer["three_kernels"]), f"{tokens} tokens: the groupings differ"
     return r
 
 
@@ -100,9 +100,9 @@ def main() -> None:
     for tokens in [int(t) for t in args.tokens.split(",")]:
         r = row(tokens, gate_up, down)
         rows.append(r)
-        one = r.get("grouping_one_program_us")
+        one = r.get("grouping_one_launch_us")
         grouping = f"{one:7.1f} / " if one is not None else "      - / "
-        layer = f"{r['layer_one_program_us']:8.1f} / " if one is not None else "       - / "
+        layer = f"{r['layer_one_launch_us']:8.1f} / " if one is not None else "       - / "
         print(
             f"{tokens:6d} {r['gate_up_silu_us']:12.1f} {r['gated_us']:8.1f} {r['down_us']:8.1f}"
             f" {r['topk_sum_torch_us']:7.1f} / {r['topk_sum_kernel_us']:6.1f}"

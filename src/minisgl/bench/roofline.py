@@ -55,7 +55,7 @@ OTHER = "other (elementwise, reductions)"
 # The experts' Triton kernels by their function names: layers/fused_moe.py's (routing, grouping by expert, grouped
 # GEMMs, combine) and layers/moe_gemv.py's one-token pair (each routes the token itself).
 MOE_KERNELS = frozenset(
-    ("route_kernel", "count_kernel", "layout_kernel", "scatter_kernel", "one_program_kernel", "gemm_kernel")
+    ("route_kernel", "count_kernel", "layout_kernel", "scatter_kernel", "per_expert_kernel", "gemm_kernel")
     + ("combine_kernel", "moe_up_kernel", "moe_down_kernel")
 )
 
