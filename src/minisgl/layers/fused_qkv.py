@@ -47,10 +47,11 @@ def usable(qkv: torch.Tensor, head_dim: int) -> bool:
 
 
 def stores_into(pool_dtype: torch.dtype, capability: tuple[int, int]) -> bool:
-    """Whether the kernel can write a KV pool of pool_dtype on a GPU of this compute capability: Triton converts to
-    float8_e4m3fn only from 8.9 (Ada, Hopper; an A100 has e5m2 alone), so there the unfused path stores (torch
-    converts on any GPU)."""
-    return pool_dtype != torch.float8_e4m3fn or capability >= (8, 9)
+    """Whether the kernel can write a KV pool of pool_dtype on a GPU of this compute capability: an FP8 pool only
+    from 8.9 (Ada, Hopper), where the conversion is one instruction. Before, Triton has no float8_e4m3fn, and its
+    emulated e5m2 conversion builds with some versions only (3.9's does for sm_80, 3.6's fails in ptxas), so there
+    the unfused path stores (torch converts on any GPU)."""
+    return pool_dtype not in _FP8 or capability >= (8, 9)
 
 
 def fused_qkv(
