@@ -161,7 +161,7 @@ def _grouping_kernels() -> tuple[Any, Any, Any, Any]:
         padded = tl.where(bins < num_local, (counts + BLOCK_SIZE_M - 1) // BLOCK_SIZE_M * BLOCK_SIZE_M, 0)
         start = tl.sum(tl.where(bins < e, padded, 0), axis=0)
         count = tl.sum(tl.where(bins == e, counts, 0), axis=0)
-        run = tl.sum(tl.where(bins == e, padded, 0), axis=0)
+        run = (count + BLOCK_SIZE_M - 1) // BLOCK_SIZE_M * BLOCK_SIZE_M
         mine = local & (expert == e)
         rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
         tl.store(sorted_ids_ptr + start + rank, offs, mask=mine)
