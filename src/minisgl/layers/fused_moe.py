@@ -5,7 +5,10 @@ pairs are grouped by expert on the GPU, each expert's group padded to a multiple
 (`align_by_expert`: no host sync, static shapes, so a decode step replays from a CUDA graph); a grouped GEMM
 computes every pair's gate_up row, SiLU-and-mul halves it (in the GEMM's epilogue where that measures faster:
 `gated_config`), a second grouped GEMM computes the down projection scaled by the pair's routing weight, and the
-top_k rows of each token are summed (`topk_sum`).
+top_k rows of each token are summed (`topk_sum`). On Hopper and later the routing, the one-launch grouping, both GEMMs
+and the sum launch with programmatic dependent launch (layers/fused.py: pdl_args): each waits for the kernel before
+it at its first instruction, so its launch overlaps that kernel's tail (the offline workload on the Qwen3-30B-A3B
+shape 1.005-1.008x, docs/benchmarks.md).
 
 The grouped GEMM is the design of vLLM's / SGLang's fused_moe_kernel: a program owns BLOCK_M rows of one
 expert's group and BLOCK_N output features; blocks past the padded total exit at once. Its block sizes follow
@@ -29,6 +32,16 @@ import torch
 
 from minisgl.layers import moe_gemv
 from minisgl.layers.activation import SiluAndMul
+from minisgl.layers.fused import gdc, pdl_args
+
+# The kernels' PDL controls (layers/fused.py: gdc), which Triton finds among this module's globals; bound by the
+# kernel factories below on first use, so that importing this module does not import Triton.
+gdc_wait = gdc_launch_dependents = None
+
+
+def _bind_pdl_controls() -> None:
+    global gdc_wait, gdc_launch_dependents
+    gdc_wait, gdc_launch_dependents = gdc()
 
 
 @functools.cache
@@ -40,6 +53,7 @@ def _route_kernel() -> Any:
 
 @functools.cache
 def _gemm_kernel() -> Any:
+    _bind_pdl_controls()
     import triton  # lazy: triton is GPU-only
     import triton.language as tl  # lazy: triton is GPU-only
 
@@ -51,12 +65,15 @@ def _gemm_kernel() -> Any:
         N, K, num_pairs, num_rows_padded, stride_am, stride_be, stride_bn, stride_cm, stride_se,
         A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, B_SCALED: tl.constexpr, GATED: tl.constexpr,
         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
+        GROUP_M: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # c[pair] = a[pair // A_ROW_DIV] @ b[expert]^T (* weights[pair]) for the pairs of each row block; FP8 b
         # (B_SCALED) is widened to a's dtype tile by tile and its per-channel scales applied to the sums. GATED: b
         # holds 2N rows [gate | up] and c[pair] = silu(gate sum) * up sum, each sum rounded to c's dtype first (as
         # the unfused GEMM and SiLU-and-mul computed it).
+        if PDL:  # launched early (programmatic dependent launch): the previous kernel's writes are visible from here
+            gdc_wait()
+            gdc_launch_dependents()
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(num_rows_padded, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -106,6 +123,7 @@ def _gemm_kernel() -> Any:
 
 @functools.cache
 def _grouping_kernels() -> tuple[Any, Any, Any, Any]:
+    _bind_pdl_controls()
     import triton  # lazy: triton is GPU-only
     import triton.language as tl  # lazy: triton is GPU-only
 
@@ -146,12 +164,16 @@ def _grouping_kernels() -> tuple[Any, Any, Any, Any]:
     def per_expert_kernel(
         ids_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr, num_pairs, expert_offset, num_local, num_rows,
         BLOCK_SIZE_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         # Program e lays out local expert e's run of rows, none waiting for another: each counts every expert (a
         # histogram of the pairs; those of other ranks' experts and the lanes past num_pairs fall in bin BLOCK_E,
         # past the experts), so it knows where its padded run starts; its pairs keep their order (a cumsum), the
         # rest of the run is padding, and its row blocks name it. Program 0 writes the padded total; the rows past
         # it are padding too, each program filling every num_local-th block of BLOCK_B of them.
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         e = tl.program_id(0)
         offs = tl.arange(0, BLOCK_P)
         expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0) - expert_offset
@@ -184,15 +206,19 @@ def _grouping_kernels() -> tuple[Any, Any, Any, Any]:
 def _combine_kernel() -> Any:
     """The top-k sum (`topk_sum`): it reads only the rows of the pairs of local experts (all of them without expert
     parallelism)."""
+    _bind_pdl_controls()
     import triton  # lazy: triton is GPU-only
     import triton.language as tl  # lazy: triton is GPU-only
 
     @triton.jit
     def combine_kernel(
         down_ptr, ids_ptr, out_ptr, hidden, expert_offset, num_local, stride_out, TOP_K: tl.constexpr,
-        BLOCK_H: tl.constexpr,
+        BLOCK_H: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # out[t] = the sum of the down rows of token t's pairs whose expert is local; the others' rows are not read.
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         token = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -214,9 +240,8 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if tokens:
         block_e, block_top = moe_gemv.routing_blocks(num_experts, top_k)
-        _route_kernel()[(tokens,)](
-            router_logits, weights, ids, num_experts, router_logits.stride(0), top_k, renormalize, block_e, block_top
-        )
+        args = (router_logits, weights, ids, num_experts, router_logits.stride(0), top_k, renormalize, block_e)
+        _route_kernel()[(tokens,)](*args, block_top, **pdl_args(router_logits.device))
     return weights, ids
 
 
@@ -250,7 +275,7 @@ def align_by_expert(
         total = torch.empty(1, dtype=torch.int32, device=ids.device)
         _grouping_kernels()[3][(num_experts,)](
             flat, sorted_ids, block_expert, total, num_pairs, expert_offset, num_experts, rows, block_m,
-            _pow2_block(num_pairs), block_e, 64, num_warps=4,
+            _pow2_block(num_pairs), block_e, 64, num_warps=4, **pdl_args(ids.device),
         )  # fmt: skip
         return sorted_ids, block_expert, total
     count_kernel, layout_kernel, scatter_kernel, _ = _grouping_kernels()
@@ -320,6 +345,7 @@ def _grouped_gemm(
         a, b, out, weights, sorted_ids, block_expert, total, b_scale if scaled else weights, n, k, out.shape[0],
         sorted_ids.numel(), a.stride(0), b.stride(0), b.stride(1), out.stride(0), b_scale.stride(0) if scaled else 0,
         a_row_div, mul_weight, scaled, gated, "ieee" if a.dtype == torch.float32 else "tf32", **config,
+        **pdl_args(a.device),
     )  # fmt: skip
 
 
@@ -387,6 +413,6 @@ def topk_sum(
     out = torch.empty(tokens, hidden, dtype=down_out.dtype, device=down_out.device) if out is None else out
     block_h = _row_block(hidden)
     _combine_kernel()[(tokens, -(-hidden // block_h))](
-        down_out, ids, out, hidden, expert_offset, num_local, out.stride(0), top_k, block_h
+        down_out, ids, out, hidden, expert_offset, num_local, out.stride(0), top_k, block_h, **pdl_args(out.device)
     )
     return out

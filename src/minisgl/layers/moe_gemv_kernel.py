@@ -42,9 +42,12 @@ def top_k_softmax(
 @triton.jit
 def route_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Every token's top_k experts and weights (one program a token): ids and weights [tokens, TOP_K]."""
+    if PDL:  # launched early (programmatic dependent launch): the router's logits are complete from here on
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0)
     top_w, top_i = top_k_softmax(logits_ptr + token * stride_t, num_experts, TOP_K, RENORM, BLOCK_E, BLOCK_TOP)
     slots = tl.arange(0, BLOCK_TOP)
