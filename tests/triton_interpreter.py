@@ -15,6 +15,53 @@ from typing import Any, Iterator
 import pytest
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# The only pytest plugins the interpreter process loads (those pyproject.toml's options are for): loading every
+# installed one (LangSmith's, Hypothesis', ...) took ~6 s of each such process's start.
+PLUGINS = ["-p", "pytest_timeout", "-p", "pytest_asyncio.plugin"]
+
+
+def _patch_the_language_once_per_launch() -> None:
+    """Triton's interpreter patches triton.language for the interpreter at each launch (restoring it when the grid
+    has run) and again, never restoring, at every call of one @triton.jit function from another (tl.max, tl.zeros
+    and the kernels' own helpers: thousands per launch), though what it patches depends only on which of tl and
+    tl.core the function's module names, and the wrappers it sets behave alike. Those repeats took up to 40% of a
+    case's time. Here, inside a launch, a call whose modules that launch has already patched skips the repeat;
+    every other call (the launch's own, the first for another module, any outside a launch) patches as Triton
+    does, so the kernels run on the same patched language."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch, grid = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "GridExecutor", None)
+    if patch is None or grid is None or not hasattr(interpreter, "_LangPatchScope") or hasattr(patch, "skips"):
+        return  # another interpreter layout (leave it as it is), or done already
+    patched: list[set[int]] = []  # per launch under way: the modules patched since it began
+    run_grid = grid.__call__
+
+    def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        patched.append(set())
+        try:
+            return run_grid(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def patch_once(fn: Any) -> Any:
+        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if patched and langs <= patched[-1]:
+            return interpreter._LangPatchScope()  # an empty scope: nothing to set, nothing to restore
+        scope = patch(fn)
+        if patched:
+            patched[-1] |= langs
+        return scope
+
+    patch_once.skips = True  # type: ignore[attr-defined]
+    grid.__call__ = launch
+    interpreter._patch_lang = patch_once
+
+
+if INTERPRETED and importlib.util.find_spec("triton") is not None:
+    _patch_the_language_once_per_launch()
 
 
 def run_interpreter_cases(test_file: str, passed: int, timeout: float = 900) -> None:
@@ -24,8 +71,8 @@ def run_interpreter_cases(test_file: str, passed: int, timeout: float = 900) -> 
     if INTERPRETED:
         pytest.skip("this process is the interpreter run itself")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", "cpu-interpreter"],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PLUGINS, test_file, "-k", "cpu-interpreter"],
+        env={**os.environ, "TRITON_INTERPRET": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
         cwd=Path(test_file).parent.parent,
         capture_output=True,
         text=True,
