@@ -991,7 +991,9 @@ def daemon(daemon_runtime_dir: Any) -> Any:
     address, port = f"ipc://{daemon_runtime_dir}/http-test.sock", free_port()
     log_path = daemon_runtime_dir / "http-test.log"
     engine = [f"--{k.replace('_', '-')}={v}" for k, v in SMOLLM2_ENGINE.items()]
-    engine.append("--max-seq-len=2048")  # a 2k context: the embedding test computes a text of the context less one
+    # A 1k context: the embedding test embeds a text of the context less one, twice (the same truncation at 2k cost
+    # twice the time); every other request here fits in it.
+    engine.append("--max-seq-len=1024")
     proc = start_serve(
         ["--model", "smollm2", "--address", address, *engine, "--http-port", str(port), "--api-key", API_KEY], log_path
     )
