@@ -17,13 +17,15 @@ import pytest
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # offline: LiteLLM's bundled cost map
 
-litellm = pytest.importorskip("litellm")
 jsonschema = pytest.importorskip("jsonschema")
 
-import litellm_minisgl  # noqa: E402
 from daemon_fixtures import daemon_runtime_dir, free_port, smollm2_daemon  # noqa: E402,F401 - fixtures by name
-from litellm_minisgl.routing import CacheAwareRouting, PrefixIndex, block_hashes, prefix_text  # noqa: E402
 from minisgl import SamplingParams  # noqa: E402
+
+# LiteLLM and the provider (which imports it) are imported by `registered`, the module's first fixture, not at
+# collection: LiteLLM's import takes ~7 s, which every pytest worker would pay to collect this file.
+litellm: Any = None
+litellm_minisgl: Any = None
 
 MODEL = "minisgl/smollm2"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -44,6 +46,10 @@ DEAD_WITHIN_S = 10.0  # a daemon that is not there is reported within this (the 
 
 @pytest.fixture(scope="module", autouse=True)
 def registered() -> Any:
+    global litellm, litellm_minisgl
+    litellm = pytest.importorskip("litellm")
+    import litellm_minisgl
+
     litellm_minisgl.register()
     yield
     litellm.custom_provider_map = [p for p in litellm.custom_provider_map if p["provider"] != "minisgl"]
@@ -339,6 +345,8 @@ def conversation(system: str, turns: int) -> list[dict[str, str]]:
 
 
 def test_prefix_hashes_grow_with_the_conversation_and_diverge_with_it():
+    from litellm_minisgl.routing import PrefixIndex, block_hashes, prefix_text
+
     a, b = conversation("agent A " * 50, 3), conversation("agent B " * 50, 3)
     ha, ha_longer = block_hashes(prefix_text(a[:3])), block_hashes(prefix_text(a))
     assert ha_longer[: len(ha) - 1] == ha[:-1] and len(ha_longer) > len(ha)  # (the last block may be cut)
@@ -352,6 +360,8 @@ def test_prefix_hashes_grow_with_the_conversation_and_diverge_with_it():
 
 
 def test_cache_aware_routing_prefers_the_longest_prefix_then_the_least_loaded():
+    from litellm_minisgl.routing import CacheAwareRouting, block_hashes, prefix_text
+
     routing = CacheAwareRouting()
     d0, d1 = deployment(0), deployment(1)
     held = block_hashes(prefix_text(conversation("agent A " * 50, 2)))
@@ -367,6 +377,8 @@ def test_cache_aware_routing_prefers_the_longest_prefix_then_the_least_loaded():
 
 
 async def test_a_router_keeps_a_conversation_on_one_daemon_and_skips_a_dead_one(daemon):
+    from litellm_minisgl.routing import CacheAwareRouting
+
     dead = f"tcp://127.0.0.1:{free_port()}"
     router = litellm.Router(
         model_list=[deployment(0, daemon.address), deployment(1, daemon.address), deployment(2, dead)], num_retries=0
