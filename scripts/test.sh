@@ -2,8 +2,7 @@
 # Install everything (CPU), check lint and format, then run the test suite.
 # Three pytest workers, each taking whole test files (a module's shared daemons stay in one process): while one
 # waits on a daemon or a subprocess, the others compute (on 2 cores, 1,178 tests: 21.8 min, against 22.9 with four
-# workers; two were slower than three as well). The files go out longest first (tests/conftest.py: FILE_SECONDS;
-# --no-loadscope-reorder keeps that order instead of xdist's, by number of tests), so the run ends on short ones.
+# workers; two were slower than three as well).
 # `bash scripts/test.sh -n 0` runs in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,8 +12,4 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 bash scripts/install.sh
 python -m ruff check .
 python -m ruff format --check .
-# Bytecode is written once and reused by the suite's ~250 Python processes (pytest's rewritten test modules among
-# them: collecting every file took a worker 28-30 s without, 23-24 s with). LangSmith's pytest plugin is not used
-# here and took ~2 s of each pytest process's start.
-unset PYTHONDONTWRITEBYTECODE
-python -m pytest -q -p no:cacheprovider -p no:langsmith_plugin -n 3 --dist loadfile --no-loadscope-reorder tests "$@"
+python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile tests "$@"

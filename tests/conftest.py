@@ -10,8 +10,6 @@
 - tiny_sharded_model_dir: the "llama" checkpoint saved in several safetensors shards with an index.
 - paged_runner: factory, paged_runner(model, model_config, page_size) -> PagedRunner that runs a
   minisgl model over a real KVPool + page table with the torch-native backend.
-
-Test files are collected longest first (FILE_SECONDS), the order scripts/test.sh's workers take them in.
 """
 
 from __future__ import annotations
@@ -25,68 +23,6 @@ import pytest
 import torch
 
 TINY_FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
-
-# Seconds a test file takes under scripts/test.sh (three workers on two cores), rounded; a file not named here
-# takes less than ~10 s. Only the order matters: a long file that starts last stretches the run's tail.
-FILE_SECONDS = {
-    "test_server": 300,
-    "test_daemon": 240,
-    "test_llm": 235,
-    "test_tp": 205,
-    "test_speculative": 190,
-    "test_langchain_standard": 150,
-    "test_examples": 140,
-    "test_responses_tools": 115,
-    "test_gumbel": 110,
-    "test_norm_gemv": 70,
-    "test_faults_edge": 70,
-    "test_litellm": 70,
-    "test_fused_moe": 65,
-    "test_loader": 65,
-    "test_faults_hostile": 65,
-    "test_hf_records": 60,
-    "test_bench": 60,
-    "test_fused_qkv": 60,
-    "test_transformers_patch": 60,
-    "test_tp_channel": 60,
-    "test_overlap": 55,
-    "test_langchain": 55,
-    "test_faults_prompt_size": 55,
-    "test_faults_process": 55,
-    "test_litellm_proxy": 55,
-    "test_serve_http": 50,
-    "test_fp8": 50,
-    "test_client": 45,
-    "test_lifetime": 45,
-    "test_cpu_quantization": 40,
-    "test_structured_engine": 35,
-    "test_autostart": 30,
-    "test_faults_daemon": 30,
-    "test_prefill_budget": 25,
-    "test_fp8_gemm": 25,
-    "test_tool_parsers": 25,
-    "test_kv_pressure": 25,
-    "test_moe": 20,
-    "test_structured": 20,
-    "test_moe_gemv": 20,
-    "test_gemv": 20,
-    "test_kv_fp8": 15,
-    "test_shell": 15,
-    "test_radix_cache": 15,
-    "test_model_names": 15,
-    "test_faults": 15,
-    "test_reduce_norm": 12,
-    "test_imports": 10,
-    "test_collector": 10,
-    "test_daemon_tcp": 10,
-}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Called after collection with every test in collection order; reorders them in place. Whole files move,
-    longest first (a stable sort: a file's tests keep their order). scripts/test.sh's workers take whole files
-    in this order (--dist loadfile --no-loadscope-reorder), so the run ends on short files."""
-    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.stem, 0))
 
 
 @pytest.fixture(scope="session")
