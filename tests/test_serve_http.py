@@ -1,7 +1,7 @@
 """`minisgl serve` serves the HTTP API by default (127.0.0.1:30000; ZeroMQ only with --no-http or --http-port 0);
 a taken port, default or given, stops it before the model loads, naming the process that holds the port; and
 --served-model-name gives the names /v1/models lists and requests may use (checked with the real openai package).
-Auto-started daemons never open HTTP."""
+Auto-started daemons never open HTTP. Its front end (the main process and the HTTP process) loads without torch."""
 
 from __future__ import annotations
 
@@ -24,6 +24,18 @@ from minisgl.server import DEFAULT_HTTP_PORT, HttpOptions
 
 def _http(argv: list[str]) -> Any:
     return cli._http_options(cli.build_parser().parse_args(["serve", *argv]))
+
+
+def test_the_front_end_loads_without_torch_xgrammar_or_transformers():
+    """`minisgl serve`'s main process (the daemon's supervisor, which checks the bind before the model loads) and its
+    HTTP process (the routes) never import what the scheduler needs: torch, xgrammar and transformers took ~4 s of CPU
+    in each, before the scheduler started."""
+    code = (
+        "import sys, minisgl.cli, minisgl.runtime.daemon, minisgl.server.app\n"
+        "print(sorted({'torch', 'xgrammar', 'transformers'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
 
 
 def test_serve_listens_on_the_default_port_on_loopback():

@@ -20,6 +20,7 @@ from minisgl.llm import LLM
 from minisgl.runtime.addresses import default_address
 from minisgl.runtime.supervisor import port_taken
 from minisgl.server import DEFAULT_HTTP_PORT, HttpOptions
+from minisgl.server.binding import check_bind
 from minisgl.server.params import sampling_params_for
 from minisgl.server.shell import run_shell
 
@@ -192,8 +193,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_node(config)
     http = _http_options(args)
     if http is not None:
-        from minisgl.server.app import check_bind  # lazy: FastAPI (the server extra)
-
         check_bind(args.host, http.api_key)  # refused before the model loads, not by the HTTP process after it
         _check_http_port(http)
     if args.http_port and (running := _running_daemon(config, args.address)) is not None:

@@ -21,8 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.errors import MiniSGLError
 from minisgl.server import admin, native, ollama, openai, responses
+from minisgl.server.binding import check_bind
 from minisgl.server.guard import GuardOptions, RequestGuard
-from minisgl.server.state import APIError, ServerState, api_error, check_bind
+from minisgl.server.state import APIError, ServerState, api_error
 
 logger = logging.getLogger("minisgl.server")
 

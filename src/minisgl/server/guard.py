@@ -27,9 +27,9 @@ from urllib.parse import urlsplit
 
 import anyio.to_thread
 
+from minisgl.server.binding import is_loopback
 from minisgl.server.bodyscan import is_utf8_json, scan
 from minisgl.server.edge import BODY_SHAPE
-from minisgl.server.state import is_loopback
 
 MAX_REQUEST_BYTES = 32 * 2**20
 MAX_JSON_DEPTH = (

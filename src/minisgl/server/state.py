@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import logging
 from typing import Any, AsyncIterator, Callable, NamedTuple, Sequence
@@ -19,7 +18,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minisgl.client import AsyncClient
 from minisgl.errors import (
-    ConfigError,
     DaemonError,
     InvalidRequestError,
     MiniSGLError,
@@ -32,8 +30,6 @@ from minisgl.server.metrics import RequestTimer, ServerMetrics
 from minisgl.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("minisgl.server")
-
-_LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 
 
 class ClientDisconnected(Exception):
@@ -98,21 +94,6 @@ def error_event(e: BaseException) -> str:
     err = api_error(e)
     info = ErrorInfo(message=err.message, type=err.type, param=err.param, code=err.code or err.status)
     return sse(ErrorResponse(error=info).model_dump())
-
-
-def check_bind(host: str, api_key: str | None) -> None:
-    """Binding anything but a loopback address needs an api_key (ConfigError otherwise)."""
-    if not is_loopback(host) and not api_key:
-        raise ConfigError(f"refusing to serve HTTP on {host!r} without an API key: pass --api-key (or bind 127.0.0.1)")
-
-
-def is_loopback(host: str) -> bool:
-    if host in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class ModelFacts(NamedTuple):

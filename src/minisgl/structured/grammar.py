@@ -19,11 +19,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-import jsonschema
 import torch
 import xgrammar as xgr
 
 from minisgl.errors import GrammarError
+from minisgl.structured.schema import check_json_schema
 
 if TYPE_CHECKING:
     from minisgl.core import SamplingParams
@@ -107,17 +107,6 @@ def compile_timeout_error(timeout: float) -> GrammarError:
         f"the grammar did not compile within {timeout:g}s (grammar_compile_timeout): simplify it; long bounded "
         "repetitions such as [^c]{1,3000} are what make a regex or schema expensive"
     )
-
-
-def check_json_schema(schema: Any) -> None:
-    """Raise GrammarError unless schema is valid under its JSON Schema meta-schema (default 2020-12)."""
-    if not isinstance(schema, (dict, bool)):
-        raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.exceptions.SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
-        raise GrammarError(f"invalid JSON schema at {where}: {e.message}") from e
 
 
 class GrammarBackend:

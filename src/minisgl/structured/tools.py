@@ -14,7 +14,7 @@ import re
 from typing import Any, Literal, NamedTuple, Sequence
 
 from minisgl.errors import GrammarError, InvalidRequestError
-from minisgl.structured.grammar import check_json_schema
+from minisgl.structured.schema import check_json_schema
 
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
