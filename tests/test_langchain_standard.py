@@ -1,9 +1,9 @@
 """LangChain's standard chat-model suites (langchain-tests) run against ChatMiniSGL.
 
-The unit suite needs no daemon. The integration suite runs against one real SmolLM2 daemon on the
-CPU (shared with test_langchain.py, see `langchain_daemon`), greedy, with tool calling, tool choice,
-structured output and JSON mode enabled; the per-call model override starts (through ChatMiniSGL's
-auto-start) a daemon for a tiny random checkpoint, a second model served next to SmolLM2.
+The unit suite needs no daemon. The integration suites run against one real SmolLM2 daemon on the
+CPU with int8 weights (`standard_daemon`), greedy, with tool calling, tool choice, structured output
+and JSON mode enabled; the per-call model override starts (through ChatMiniSGL's auto-start) a daemon
+for a tiny random checkpoint, a second model served next to SmolLM2.
 
 Skipped by the suite itself, for capabilities a text-only model cannot have: image, audio and PDF
 inputs, and images or PDFs inside tool messages.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 from unittest import mock
 
 import pytest
@@ -30,7 +30,21 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests, Embeddi
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from langchain_minisgl import ChatMiniSGL, MiniSGLEmbeddings
-from test_langchain import langchain_daemon  # noqa: F401 - fixture used by name
+from test_langchain import _daemon_env, _shared_smollm2
+
+
+@pytest.fixture(scope="module")
+def standard_daemon(pytestconfig: pytest.Config) -> Iterator[str]:
+    """The address of the SmolLM2 daemon these suites share, with int8 weights (minisgl's CPU weight-only
+    quantization). They check ChatMiniSGL against LangChain's contract, which the weights' format does not change:
+    the same daemon, scheduler, grammars and tool parsing serve them, and SmolLM2 fails the two expected tests
+    the same way (JSON mode's nested "setup", prose for an optional tool call). int8 decodes ~3x faster than
+    float32 on a 2-core runner (this module took ~280 CPU-s with float32 weights, ~150 with int8); the float32
+    path is what test_langchain.py and every comparison with HF transformers run."""
+    runtime, address = _shared_smollm2(pytestconfig, quantization="int8")
+    with pytest.MonkeyPatch.context() as mp:
+        _daemon_env(mp, runtime)
+        yield address
 
 
 class TestChatMiniSGLUnit(ChatModelUnitTests):
@@ -100,8 +114,8 @@ class TestChatMiniSGLIntegration(ChatModelIntegrationTests):
 
     @pytest.fixture(autouse=True, scope="class")
     @classmethod
-    def _daemons(cls, langchain_daemon: str, tiny_model_dir: Callable[[str], Path]) -> None:  # noqa: F811
-        cls.address = langchain_daemon
+    def _daemons(cls, standard_daemon: str, tiny_model_dir: Callable[[str], Path]) -> None:
+        cls.address = standard_daemon
         cls.override_model = str(tiny_model_dir("llama"))
 
     @property
@@ -188,8 +202,8 @@ class TestMiniSGLEmbeddingsIntegration(EmbeddingsIntegrationTests):
 
     @pytest.fixture(autouse=True, scope="class")
     @classmethod
-    def _daemon(cls, langchain_daemon: str) -> None:  # noqa: F811
-        cls.address = langchain_daemon
+    def _daemon(cls, standard_daemon: str) -> None:
+        cls.address = standard_daemon
 
     @property
     def embeddings_class(self) -> type[MiniSGLEmbeddings]:
