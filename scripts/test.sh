@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install everything (CPU), check lint and format, then run the test suite.
 # Three pytest workers, each taking whole test files (a module's shared daemons stay in one process): while one
-# waits on a daemon or a subprocess, the others compute (on 2 cores, 1,178 tests: 21.8 min, against 22.9 with four
-# workers; two were slower than three as well).
+# waits on a daemon or a subprocess, the others compute (on 2 cores three were faster than two or four; the 1,179
+# tests take ~16 min there).
 # `bash scripts/test.sh -n 0` runs in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
